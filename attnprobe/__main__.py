@@ -1,0 +1,3 @@
+from attnprobe.cli import main
+
+main()

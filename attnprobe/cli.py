@@ -1,0 +1,201 @@
+"""The `attnprobe` command line: a thin layer over the library. Heavy imports stay inside commands."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from attnprobe import __version__
+from attnprobe.errors import AttnprobeError
+
+app = typer.Typer(
+    help="Measure what the attention heads of a transformer do: entropy, locality, head types, plots.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+out_console = Console()
+err_console = Console(stderr=True)
+
+OutOption = Annotated[Path, typer.Option("--out", help="Results folder (created if missing).")]
+DEFAULT_OUT = Path("outputs")
+
+
+class DeviceChoice(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+def friendly_errors(command):
+    """Turn the library's errors into one line on stderr and exit code 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except AttnprobeError as err:
+            err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        print(f"attnprobe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """attnprobe: per-head attention entropy, diagonal score and head types, layer by layer."""
+
+
+@app.command()
+@friendly_errors
+def analyze(
+    model: Annotated[str, typer.Option("--model", "-m", help="Hub id (gpt2) or a folder saved with save_pretrained.")],
+    corpus: Annotated[
+        Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
+    ],
+    out: OutOption = DEFAULT_OUT,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
+    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+) -> None:
+    """Run the model over the corpus; write heads.csv, layers.csv, run.json and example maps."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from attnprobe import io
+    from attnprobe.analysis import analyze_loaded, check_batch_size
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+
+    check_batch_size(batch_size)
+    io.check_out_dir(out)
+    sentences = read_corpus(corpus)
+    with err_console.status(f"Loading {model}"):
+        loaded = load_model(model, device.value)
+    columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task("analyze", total=None)
+        result = analyze_loaded(
+            loaded, sentences, batch_size=batch_size,
+            on_start=lambda total: bar.update(task, total=total),
+            progress=lambda done: bar.advance(task, done),
+        )
+    written = io.write_files(out, {
+        io.HEADS_FILE: io.csv_writer(result.heads),
+        io.LAYERS_FILE: io.csv_writer(result.layers),
+        io.RUN_FILE: io.json_writer(result.run),
+        io.EXAMPLE_FILE: io.npz_writer(
+            maps=result.example["maps"], tokens=result.example["tokens"], sentence=result.example["sentence"]
+        ),
+    })
+    run = result.run
+    if run["truncated_sentences"]:
+        err_console.print(
+            f"Warning: {run['truncated_sentences']} sentence(s) were longer than the model's "
+            f"{run['model']['max_length']} tokens and were truncated.", markup=False,
+        )
+    out_console.print(summary_table(run))
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def summary_table(run: dict) -> Table:
+    s = run["summary"]
+    table = Table(
+        title=f"{run['model']['spec']}: {run['model']['layers']} layers x {run['model']['heads']} heads, "
+        f"{run['sentences']} sentences, {run['tokens']} tokens"
+    )
+    table.add_column("layers")
+    table.add_column("mean entropy (nats)", justify="right")
+    table.add_row(f"early {s['early_layers'][0]}-{s['early_layers'][1]}", f"{s['early_entropy']:.3f}")
+    table.add_row(f"late {s['late_layers'][0]}-{s['late_layers'][1]}", f"{s['late_entropy']:.3f}")
+    table.add_row("early - late", f"{s['difference']:+.3f}")
+    return table
+
+
+@app.command()
+@friendly_errors
+def classify(
+    out: OutOption = DEFAULT_OUT,
+    local_min_diagonal: Annotated[
+        float, typer.Option(help="Local if at least this share of attention is within +-2 tokens.")
+    ] = 0.8,
+    copy_max_entropy: Annotated[
+        float, typer.Option(help="Copy if mean entropy is at most this (nats); ln 2 = an even split over 2 tokens.")
+    ] = 0.6931471805599453,
+    broad_min_entropy_norm: Annotated[
+        float, typer.Option(help="Broad if normalized entropy H/ln(k) is at least this.")
+    ] = 0.7,
+) -> None:
+    """Label each head local, copy, broad or mixed from heads.csv; write head_types.csv."""
+    from attnprobe import io
+    from attnprobe.classify import RULE_COLUMNS, Thresholds, counts_per_layer
+    from attnprobe.classify import classify as run_classify
+
+    thresholds = Thresholds(local_min_diagonal, copy_max_entropy, broad_min_entropy_norm)
+    heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", *RULE_COLUMNS], "attnprobe analyze")
+    types = run_classify(heads, thresholds)
+    written = io.write_files(out, {io.TYPES_FILE: io.csv_writer(types)})
+    counts = counts_per_layer(types)
+    table = Table(title="Head types per layer")
+    table.add_column("layer", justify="right")
+    for kind in counts.columns:
+        table.add_column(kind, justify="right")
+    for layer, row in counts.iterrows():
+        table.add_row(str(layer), *(str(int(v)) for v in row))
+    table.add_row("all", *(str(int(v)) for v in counts.sum()), style="bold")
+    out_console.print(table)
+    out_console.print(f"Wrote {written[0]}", markup=False, highlight=False)
+
+
+@app.command()
+@friendly_errors
+def plot(out: OutOption = DEFAULT_OUT) -> None:
+    """Draw entropy_heatmap.png, layer_gradient.png and head_patterns.png from the results."""
+    from attnprobe import io, plotting
+    from attnprobe.classify import RULE_COLUMNS
+    from attnprobe.classify import classify as run_classify
+
+    heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", *RULE_COLUMNS], "attnprobe analyze")
+    layers = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy", "entropy_head_std"], "attnprobe analyze")
+    if (Path(out) / io.TYPES_FILE).exists():
+        types = io.read_table(out, io.TYPES_FILE, ["layer", "head", "head_type", *RULE_COLUMNS], "attnprobe classify")
+        io.check_same_heads(heads, types, io.TYPES_FILE, f"attnprobe classify --out {out}")
+    else:
+        types = run_classify(heads)
+        err_console.print("No head_types.csv: using the default classification thresholds.", markup=False)
+    example = io.read_example(out)
+    if example is None:
+        raise AttnprobeError(f"no {io.EXAMPLE_FILE} in {out}: run `attnprobe analyze --out {out}` first")
+    if example["maps"].shape[:2] != (heads["layer"].nunique(), heads["head"].nunique()):
+        raise AttnprobeError(f"{io.EXAMPLE_FILE} does not match heads.csv: run `attnprobe analyze --out {out}` again")
+    written = io.write_files(out, {
+        "entropy_heatmap.png": io.figure_writer(plotting.entropy_heatmap_figure(heads)),
+        "layer_gradient.png": io.figure_writer(plotting.layer_gradient_figure(heads, layers, types)),
+        "head_patterns.png": io.figure_writer(plotting.head_patterns_figure(example, types)),
+    })
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def main() -> None:
+    app(prog_name="attnprobe")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The only module that touches the results folder: checks, atomic writes, validated reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from attnprobe.errors import AttnprobeError
+
+HEADS_FILE = "heads.csv"
+LAYERS_FILE = "layers.csv"
+RUN_FILE = "run.json"
+EXAMPLE_FILE = "example_attention.npz"
+TYPES_FILE = "head_types.csv"
+
+Writer = Callable[[Path], None]  # writes one file at the given (temporary) path
+
+
+def check_out_dir(out: str | Path) -> Path:
+    """Fail early if results could not be written to `out`; creates nothing."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise AttnprobeError(f"--out {out} is a file: pass a folder (it is created if missing)")
+    if out.is_dir():
+        _check_writable(out)
+        return out
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise AttnprobeError(f"--out {out} cannot be created: {parent} is a file; pass another folder")
+    _check_writable(parent)
+    return out
+
+
+def write_files(out: str | Path, writers: dict[str, Writer]) -> list[Path]:
+    """Write every file to a temporary name, then rename them all into place."""
+    out = check_out_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, write in writers.items():
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
+            os.close(fd)
+            staged.append((Path(tmp), out / name))
+            write(Path(tmp))
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    mode = 0o666 & ~_umask()
+    for tmp, final in staged:
+        os.chmod(tmp, mode)  # mkstemp makes 0600 files; results should read like any other file
+        os.replace(tmp, final)
+    return [final for _, final in staged]
+
+
+def csv_writer(frame: pd.DataFrame) -> Writer:
+    return lambda path: frame.to_csv(path, index=False, float_format="%.8g")
+
+
+def json_writer(data: dict[str, Any]) -> Writer:
+    return lambda path: path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def npz_writer(**arrays: np.ndarray) -> Writer:
+    def write(path: Path) -> None:
+        with open(path, "wb") as handle:
+            np.savez_compressed(handle, **arrays)
+
+    return write
+
+
+def figure_writer(figure: Any) -> Writer:
+    return lambda path: figure.savefig(path, format="png", dpi=120, bbox_inches="tight")
+
+
+def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str) -> pd.DataFrame:
+    """Read a results CSV, requiring `columns`; say which command makes it if it is missing."""
+    path = Path(out) / name
+    if not path.is_file():
+        raise AttnprobeError(f"no {name} in {out}: run `{made_by} --out {out}` first")
+    try:
+        frame = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        raise AttnprobeError(f"{path} is not a readable CSV ({err}); run `{made_by}` again") from err
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise AttnprobeError(
+            f"{path} lacks column(s) {', '.join(missing)}: it was not made by `{made_by}`; run it again"
+        )
+    if frame.empty:
+        raise AttnprobeError(f"{path} has no rows: run `{made_by}` again")
+    return frame
+
+
+def check_same_heads(heads: pd.DataFrame, other: pd.DataFrame, name: str, made_by: str) -> None:
+    """Refuse a derived table that was made from another heads.csv (another model or run)."""
+    key = ["layer", "head"]
+    shared = [c for c in ("entropy", "entropy_norm", "diagonal") if c in other.columns]
+    left = heads[key + shared].sort_values(key).reset_index(drop=True)
+    right = other[key + shared].sort_values(key).reset_index(drop=True)
+    same_heads = left[key].equals(right[key])
+    close = same_heads and np.allclose(left[shared], right[shared], rtol=0, atol=1e-4, equal_nan=True)
+    if not close:
+        raise AttnprobeError(f"{name} does not match heads.csv (made from another run): run `{made_by}` again")
+
+
+def read_example(out: str | Path) -> dict[str, Any] | None:
+    """The example attention maps saved by `analyze`, or None when there are none."""
+    path = Path(out) / EXAMPLE_FILE
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {"maps": data["maps"], "tokens": [str(t) for t in data["tokens"]], "sentence": str(data["sentence"])}
+    except (OSError, KeyError, ValueError) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise AttnprobeError(f"--out {folder} is not writable ({err.strerror}): pass another folder") from err

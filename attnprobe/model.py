@@ -1,0 +1,216 @@
+"""Load a model with eager attention and stream its attention maps, one layer at a time."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from attnprobe.errors import AttnprobeError
+
+Device = Literal["auto", "cpu", "cuda", "mps"]
+
+LayerCallback = Callable[[int, Tensor], None]  # (layer index, attention [batch, head, query, key])
+
+
+@dataclass
+class LoadedModel:
+    spec: str  # what the user passed to --model
+    source: str  # resolved local folder, or the hub id
+    revision: str | None  # hub commit hash when known
+    model: nn.Module  # the base model (no LM head), eager attention, eval mode
+    tokenizer: Any
+    device: torch.device
+    causal: bool
+    max_length: int  # longest input the model accepts, in tokens
+
+    @property
+    def num_layers(self) -> int:
+        return len(attention_modules(self.model))
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.model.config.num_attention_heads)
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks CUDA, then MPS, then CPU; an explicit device must exist."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda")
+    if device == "mps" and torch.backends.mps.is_available():
+        return torch.device("mps")
+    if device in ("cuda", "mps"):
+        raise AttnprobeError(f"--device {device} is not available on this machine: use --device cpu or auto")
+    raise AttnprobeError(f"unknown --device {device!r}: use auto, cpu, cuda or mps")
+
+
+def load_model(spec: str, device: str = "auto") -> LoadedModel:
+    """Load the base model and tokenizer from a local folder or a hub id, with eager attention."""
+    torch_device = resolve_device(device)
+    source = _resolve_source(spec)
+    from transformers import AutoModel, AutoTokenizer
+
+    with _quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModel.from_pretrained(source, attn_implementation="eager")
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+            raise _load_error(spec, source, err) from err
+    model.eval().to(torch_device)
+    modules = attention_modules(model)
+    if not modules:
+        raise AttnprobeError(
+            f"model {spec} ({type(model).__name__}) exposes no attention weights that attnprobe can read"
+        )
+    return LoadedModel(
+        spec=spec,
+        source=source,
+        revision=getattr(model.config, "_commit_hash", None),
+        model=model,
+        tokenizer=tokenizer,
+        device=torch_device,
+        causal=bool(getattr(modules[0][0], "is_causal", not _is_encoder(model.config))),
+        max_length=_max_length(model.config, tokenizer),
+    )
+
+
+def attention_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The self-attention modules in layer order, each with the index of its weights in its output.
+
+    Follows the model's own `_can_record_outputs["attentions"]` declaration, the one
+    transformers uses for `output_attentions`.
+    """
+    spec = getattr(type(model), "_can_record_outputs", None) or {}
+    target = spec.get("attentions")
+    if target is None:
+        return []
+    target_class = getattr(target, "target_class", target)
+    class_name = getattr(target, "class_name", None)
+    layer_name = getattr(target, "layer_name", None)
+    index = getattr(target, "index", 1) if hasattr(target, "target_class") else 1
+    found = []
+    for name, module in model.named_modules():
+        by_class = isinstance(target_class, type) and isinstance(module, target_class)
+        by_name = class_name is not None and name.endswith(class_name)
+        in_layer = layer_name is None or f".{layer_name.strip('.')}." in f".{name}."
+        if (by_class or by_name) and in_layer:
+            found.append((module, index))
+    return found
+
+
+@torch.inference_mode()
+def stream_attention(
+    loaded: LoadedModel, input_ids: Tensor, attention_mask: Tensor, on_layer: LayerCallback
+) -> None:
+    """Run one batch; hand each layer's attention to `on_layer` as it is computed, keep none."""
+    modules = attention_modules(loaded.model)
+    seen: list[int] = []
+
+    def hook_for(layer: int, index: int):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            weights = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
+            if isinstance(weights, Tensor) and weights.dim() == 4:
+                seen.append(layer)
+                on_layer(layer, weights)  # [batch, head, query, key]
+
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(layer, index)) for layer, (m, index) in enumerate(modules)]
+    try:
+        loaded.model(**_forward_kwargs(loaded.model, input_ids, attention_mask))
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = sorted(set(range(len(modules))) - set(seen))
+    if missing:
+        raise AttnprobeError(
+            f"model {loaded.spec} returned no attention map for layer(s) {missing}: "
+            "it must run with eager attention (attn_implementation='eager')"
+        )
+
+
+def _forward_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _resolve_source(spec: str) -> str:
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise AttnprobeError(f"model path {spec} is a file: pass a folder saved with save_pretrained")
+        _check_config(path)
+        return str(path.resolve())
+    if spec.startswith((".", "/", "~")) or "\\" in spec or spec.count("/") > 1:
+        raise AttnprobeError(f"model path does not exist: {spec}: pass a folder saved with save_pretrained")
+    return spec
+
+
+def _check_config(folder: Path) -> None:
+    config = folder / "config.json"
+    if not config.is_file():
+        raise AttnprobeError(
+            f"no config.json in model folder {folder}: pass a folder saved with save_pretrained"
+        )
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AttnprobeError(f"corrupt model config {config}: {err}; re-save the model") from err
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise AttnprobeError(f"corrupt model config {config}: no 'model_type'; re-save the model")
+
+
+def _load_error(spec: str, source: str, err: Exception) -> AttnprobeError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if Path(source).is_dir():
+        return AttnprobeError(f"cannot load model from {source}: {first_line}")
+    return AttnprobeError(
+        f"cannot load model {spec!r} from the model hub (offline or unknown id): "
+        "pass a local folder saved with save_pretrained, e.g. --model ./my-model"
+    )
+
+
+def _is_encoder(config: Any) -> bool:
+    return not getattr(config, "is_decoder", False) and config.model_type in {
+        "bert", "roberta", "distilbert", "albert", "electra", "xlm-roberta", "mpnet", "deberta", "deberta-v2",
+    }
+
+
+def _max_length(config: Any, tokenizer: Any) -> int:
+    limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    usable = [int(n) for n in limits if isinstance(n, int) and 0 < n < 1_000_000]
+    return min(usable) if usable else 1024
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers logs load reports and warnings of its own; keep the CLI's output ours."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()

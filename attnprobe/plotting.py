@@ -1,0 +1,125 @@
+"""Figures from result tables. Each `draw_*` fills the Axes it is given; nothing here writes files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from attnprobe.classify import HEAD_TYPES
+
+TYPE_COLORS = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#a6a6a6"}
+MAX_ANNOTATED_CELLS = 400  # beyond this many heads the heatmap drops its per-cell numbers
+
+
+def grid(heads: pd.DataFrame, column: str) -> np.ndarray:
+    """A [layer, head] array of one column of heads.csv."""
+    table = heads.pivot(index="layer", columns="head", values=column).sort_index().sort_index(axis=1)
+    return table.to_numpy(dtype=float)  # [layer, head]
+
+
+def draw_entropy_heatmap(ax: Axes, heads: pd.DataFrame) -> Any:
+    values = grid(heads, "entropy")  # [layer, head]
+    n_layers, n_heads = values.shape
+    image = ax.imshow(values, cmap="Blues", aspect="auto", interpolation="nearest")
+    ax.set_title("Mean attention entropy per head (light = sharp)")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(n_heads))
+    ax.set_yticks(range(n_layers))
+    if values.size <= MAX_ANNOTATED_CELLS:
+        middle = np.nanmin(values) + 0.6 * (np.nanmax(values) - np.nanmin(values))
+        size = 8 if values.size <= 160 else 6
+        for (layer, head), value in np.ndenumerate(values):
+            color = "white" if value > middle else "black"
+            ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=size, color=color)
+    return image
+
+
+def draw_layer_entropy(ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame) -> None:
+    ax.scatter(heads["layer"], heads["entropy"], s=10, color="#9ecae1", label="one head")
+    spread = layers["entropy_head_std"].fillna(0.0)
+    ax.fill_between(
+        layers["layer"], layers["entropy"] - spread, layers["entropy"] + spread,
+        color="#3182bd", alpha=0.2, label="mean +- 1 sd over heads",
+    )
+    ax.plot(layers["layer"], layers["entropy"], marker="o", color="#08519c", label="mean over heads")
+    ax.set_title("Entropy by depth")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean attention entropy (nats)")
+    ax.legend(loc="best", fontsize=8)
+
+
+def draw_type_distribution(ax: Axes, types: pd.DataFrame) -> None:
+    counts = pd.crosstab(types["layer"], types["head_type"]).reindex(columns=list(HEAD_TYPES), fill_value=0)
+    bottom = np.zeros(len(counts))
+    for kind in HEAD_TYPES:
+        ax.bar(counts.index, counts[kind], bottom=bottom, color=TYPE_COLORS[kind], label=kind)
+        bottom += counts[kind].to_numpy()
+    ax.set_title("Head types by layer")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("number of heads")
+    ax.set_ylim(0, bottom.max() * 1.02)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="head type")
+
+
+def draw_pattern(ax: Axes, attention: np.ndarray, tokens: list[str], title: str) -> Any:
+    """One head's attention on the example sentence: rows are queries, columns keys."""
+    image = ax.imshow(attention, cmap="Greys", vmin=0.0, vmax=1.0, interpolation="nearest")
+    labels = [t.strip() or repr(t) for t in tokens]
+    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xlabel("key (attended to)")
+    ax.set_ylabel("query")
+    ax.set_title(title, fontsize=10)
+    return image
+
+
+def representatives(types: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """The clearest head of each type present: (layer, head)."""
+    picks: dict[str, tuple[int, int]] = {}
+    for kind, group in types.groupby("head_type"):
+        if kind == "local":
+            row = group.loc[group["diagonal"].idxmax()]
+        elif kind == "copy":
+            row = group.loc[group["entropy"].idxmin()]
+        elif kind == "broad":
+            row = group.loc[group["entropy_norm"].idxmax()]
+        else:
+            row = group.loc[(group["entropy"] - group["entropy"].median()).abs().idxmin()]
+        picks[str(kind)] = (int(row["layer"]), int(row["head"]))
+    return {kind: picks[kind] for kind in HEAD_TYPES if kind in picks}
+
+
+def entropy_heatmap_figure(heads: pd.DataFrame) -> Figure:
+    n_layers, n_heads = grid(heads, "entropy").shape
+    figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)))
+    ax = figure.add_subplot()
+    figure.colorbar(draw_entropy_heatmap(ax, heads), ax=ax, label="entropy (nats)")
+    return figure
+
+
+def layer_gradient_figure(heads: pd.DataFrame, layers: pd.DataFrame, types: pd.DataFrame) -> Figure:
+    figure = Figure(figsize=(13.0, 4.8), layout="constrained")
+    left, right = figure.subplots(1, 2)
+    draw_layer_entropy(left, heads, layers)
+    draw_type_distribution(right, types)
+    return figure
+
+
+def head_patterns_figure(example: dict[str, Any], types: pd.DataFrame) -> Figure:
+    picks = representatives(types)
+    n = len(example["tokens"])
+    side = max(3.5, 0.28 * n + 1.5)
+    figure = Figure(figsize=(side * len(picks), side + 0.8), layout="constrained")
+    axes = np.atleast_1d(figure.subplots(1, len(picks)))
+    image = None
+    for ax, (kind, (layer, head)) in zip(axes, picks.items()):
+        title = f"{kind}: layer {layer}, head {head}"
+        image = draw_pattern(ax, example["maps"][layer, head], example["tokens"], title)
+    figure.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8)
+    figure.suptitle(f"One head of each type on: {example['sentence']}", fontsize=11)
+    return figure

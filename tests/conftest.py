@@ -1,0 +1,84 @@
+"""Tiny models built in the tests and saved to disk, so every test loads them by path like a user."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # an uncached hub id fails at once instead of after ~26 s
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CORPUS_PATH = Path(__file__).resolve().parent.parent / "corpora" / "sentences.txt"
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "A dog that barked all night was finally taken home by its owner.",
+    "Rain fell.",
+    "When the engineer opened the panel, she found a loose wire near the old fan.",
+    "Who wrote the letter that was left on the kitchen table?",
+    "The bridge was painted by two workers in the early spring of last year.",
+    "Birds sing.",
+    "The library closed early because the heating had failed again this week.",
+]
+
+
+def words_of(texts: list[str]) -> list[str]:
+    return sorted({w for t in texts for w in re.findall(r"\w+|[^\w\s]+", t)})
+
+
+def save_tokenizer(folder: Path, texts: list[str], *, bos: bool = False) -> int:
+    """A word-level tokenizer with GPT-2's habits: no pad token, `<|endoftext|>` as eos."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<unk>", *words_of(texts)])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()  # \w+ and [^\w\s]+ pieces
+    if bos:
+        core.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+        )
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+    return len(vocab)
+
+
+def make_gpt2(folder: Path, texts: list[str] = SENTENCES, *, layers: int = 3, heads: int = 4,
+              n_positions: int = 64, uniform_heads: bool = False, seed: int = 0) -> Path:
+    """Save a random tiny GPT-2 (and tokenizer) to `folder`; `uniform_heads` zeroes Q and K."""
+    import torch
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(seed)
+    vocab_size = save_tokenizer(folder, texts)
+    config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=layers, n_head=heads,
+                        bos_token_id=0, eos_token_id=0, initializer_range=0.4)  # sharp, varied heads
+    model = GPT2Model(config)
+    if uniform_heads:
+        with torch.no_grad():
+            for block in model.h:
+                block.attn.c_attn.weight[:, : 2 * config.n_embd] = 0.0  # [embd, 3*embd]: Q and K columns
+                block.attn.c_attn.bias[: 2 * config.n_embd] = 0.0
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory) -> Path:
+    return make_gpt2(tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="session")
+def uniform_gpt2_dir(tmp_path_factory) -> Path:
+    return make_gpt2(tmp_path_factory.mktemp("gpt2_uniform"), uniform_heads=True)
+
+
+@pytest.fixture()
+def corpus_file(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("# a test corpus\n\n" + "\n".join(SENTENCES) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,66 @@
+"""The classification rule and its order, on hand-built heads.csv tables."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from attnprobe.classify import Thresholds, classify, counts_per_layer, head_types
+from attnprobe.errors import AttnprobeError
+
+
+def heads(rows):
+    return pd.DataFrame(rows, columns=["layer", "head", "entropy", "entropy_norm", "diagonal"])
+
+
+def test_previous_token_head_is_local_although_its_entropy_is_low():
+    table = heads([(0, 0, 0.0, 0.0, 1.0)])
+    assert head_types(table).tolist() == ["local"]
+
+
+def test_even_split_over_two_tokens_is_copy():
+    table = heads([(0, 0, math.log(2), 0.3, 0.2)])
+    assert head_types(table).tolist() == ["copy"]
+
+
+def test_rule_order_local_copy_broad_mixed():
+    table = heads([
+        (0, 0, 0.1, 0.05, 0.95),  # sharp and local -> local
+        (0, 1, 0.2, 0.10, 0.30),  # sharp, far -> copy
+        (1, 0, 2.0, 0.90, 0.40),  # spread -> broad
+        (1, 1, 1.2, 0.50, 0.40),  # neither -> mixed
+        (1, 2, 2.5, 0.95, 0.85),  # spread but local -> local first
+    ])
+    assert head_types(table).tolist() == ["local", "copy", "broad", "mixed", "local"]
+
+
+def test_thresholds_move_the_boundaries():
+    table = heads([(0, 0, 1.0, 0.6, 0.75)])
+    assert head_types(table).tolist() == ["mixed"]
+    assert head_types(table, Thresholds(local_min_diagonal=0.7)).tolist() == ["local"]
+    assert head_types(table, Thresholds(copy_max_entropy=1.0)).tolist() == ["copy"]
+    assert head_types(table, Thresholds(broad_min_entropy_norm=0.6)).tolist() == ["broad"]
+
+
+def test_missing_normalized_entropy_is_not_broad():
+    table = heads([(0, 0, 1.5, float("nan"), 0.5)])
+    assert head_types(table).tolist() == ["mixed"]
+
+
+def test_classify_keeps_the_values_the_rule_used_and_counts_every_type():
+    table = heads([(0, 0, 0.0, 0.0, 1.0), (0, 1, 2.0, 0.9, 0.1), (1, 0, 2.0, 0.9, 0.1)])
+    result = classify(table)
+    assert list(result.columns) == ["layer", "head", "head_type", "diagonal", "entropy", "entropy_norm"]
+    assert result["diagonal"].tolist() == [1.0, 0.1, 0.1]
+    counts = counts_per_layer(result)
+    assert list(counts.columns) == ["local", "copy", "broad", "mixed"]
+    assert counts.loc[0].tolist() == [1, 0, 1, 0]
+    assert counts.loc[1].tolist() == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"local_min_diagonal": 1.5}, {"copy_max_entropy": -0.1}, {"broad_min_entropy_norm": -0.2},
+])
+def test_out_of_range_thresholds_are_refused(kwargs):
+    with pytest.raises(AttnprobeError, match="must be"):
+        Thresholds(**kwargs)

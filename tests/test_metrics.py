@@ -1,0 +1,96 @@
+"""The metric definitions, checked on hand-built attention tensors with closed-form answers."""
+
+import math
+
+import pytest
+import torch
+
+from attnprobe.metrics import (
+    masked_row_mean,
+    row_diagonal,
+    row_entropy,
+    sentence_stats,
+    valid_keys,
+)
+
+
+def uniform_causal(n: int, batch: int = 1, heads: int = 1) -> torch.Tensor:
+    p = torch.tril(torch.ones(n, n))  # [query, key]
+    p = p / p.sum(dim=-1, keepdim=True)
+    return p.expand(batch, heads, n, n).clone()  # [batch, head, query, key]
+
+
+def previous_token(n: int) -> torch.Tensor:
+    p = torch.zeros(1, 1, n, n)  # [batch, head, query, key]
+    p[0, 0, 0, 0] = 1.0
+    for i in range(1, n):
+        p[0, 0, i, i - 1] = 1.0
+    return p
+
+
+def test_uniform_causal_rows_match_closed_form():
+    n = 7
+    p = uniform_causal(n)
+    expected_h = torch.tensor([math.log(i + 1) for i in range(n)])
+    expected_d = torch.tensor([min(3, i + 1) / (i + 1) for i in range(n)])
+    assert torch.allclose(row_entropy(p)[0, 0], expected_h, atol=1e-6)
+    assert torch.allclose(row_diagonal(p)[0, 0], expected_d, atol=1e-6)
+
+
+def test_sentence_stats_of_uniform_causal_head():
+    n = 9
+    stats = sentence_stats(uniform_causal(n), torch.ones(1, n, dtype=torch.long), causal=True)
+    assert stats["entropy"].item() == pytest.approx(sum(math.log(i + 1) for i in range(n)) / n, abs=1e-6)
+    assert stats["diagonal"].item() == pytest.approx(sum(min(3, i + 1) / (i + 1) for i in range(n)) / n, abs=1e-6)
+    assert stats["first_token"].item() == pytest.approx(sum(1 / (i + 1) for i in range(n)) / n, abs=1e-6)
+    # row 0 has a single key, so it is left out of the normalized mean; every other row is exactly uniform
+    assert stats["entropy_norm"].item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_previous_token_head_is_sharp_and_diagonal():
+    n = 6
+    stats = sentence_stats(previous_token(n), torch.ones(1, n, dtype=torch.long), causal=True)
+    assert stats["entropy"].item() == pytest.approx(0.0, abs=1e-7)
+    assert stats["diagonal"].item() == pytest.approx(1.0)
+    assert stats["first_token"].item() == pytest.approx(2 / n)  # rows 0 and 1 look at token 0
+
+
+def test_padded_rows_and_keys_never_count():
+    n, pad = 5, 3
+    p = uniform_causal(n + pad)  # the padded part holds garbage-but-finite values
+    p[..., :n, :n] = uniform_causal(n)[0, 0]
+    p[..., :n, n:] = 0.0
+    p[..., n:, :] = torch.nan  # a padded query row can hold anything, even NaN
+    mask = torch.tensor([[1] * n + [0] * pad])
+    stats = sentence_stats(p, mask, causal=True)
+    alone = sentence_stats(uniform_causal(n), torch.ones(1, n, dtype=torch.long), causal=True)
+    for name in stats:
+        assert stats[name].item() == pytest.approx(alone[name].item(), abs=1e-6)
+
+
+def test_encoder_rows_see_every_valid_token():
+    n = 4
+    p = torch.full((1, 1, n, n), 1.0 / n)  # [batch, head, query, key]
+    stats = sentence_stats(p, torch.ones(1, n, dtype=torch.long), causal=False)
+    assert stats["entropy"].item() == pytest.approx(math.log(n), abs=1e-6)
+    assert stats["entropy_norm"].item() == pytest.approx(1.0, abs=1e-6)  # ln(k) with k = n for every row
+    # window +-2 covers both sides: rows 0..3 see 3, 4, 4, 3 of the 4 keys
+    assert stats["diagonal"].item() == pytest.approx((3 + 4 + 4 + 3) / (4 * n), abs=1e-6)
+    keys = valid_keys(torch.tensor([[1, 1, 1, 0]]), causal=False)
+    assert keys.sum(dim=-1).tolist() == [[3, 3, 3, 0]]
+
+
+def test_masked_row_mean_skips_nan_and_unselected_rows():
+    values = torch.tensor([[[1.0, torch.nan, 3.0, 100.0]]])  # [batch, head, query]
+    rows = torch.tensor([[True, True, True, False]])
+    assert masked_row_mean(values, rows).item() == pytest.approx(2.0)
+    assert masked_row_mean(values, torch.zeros(1, 4, dtype=torch.bool)).isnan().all()
+
+
+def test_inputs_are_not_modified():
+    p = uniform_causal(5)
+    p[..., 3, :] = torch.nan  # would be overwritten by an in-place mask
+    before = p.clone()
+    sentence_stats(p, torch.tensor([[1, 1, 1, 0, 0]]), causal=True)
+    assert torch.equal(p.isnan(), before.isnan())
+    assert torch.equal(p.nan_to_num(), before.nan_to_num())
