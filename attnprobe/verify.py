@@ -1,0 +1,194 @@
+"""Are the maps attnprobe reads the model's true attention? Checks with their max abs differences."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnprobe.analysis import pad_batch
+from attnprobe.metrics import valid_keys
+from attnprobe.model import LoadedModel, attention_modules, stream_attention
+
+DEFAULT_SENTENCES = (
+    "The cat sat on the mat.",
+    "When the engineer opened the panel, she found a loose wire behind the fan.",
+    "Rain fell.",
+    "The letters that were delivered by the tired courier had been written years before.",
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    max_abs_diff: float | None  # None when the check was skipped
+    tolerance: float
+    note: str = ""
+
+    @property
+    def skipped(self) -> bool:
+        return self.max_abs_diff is None
+
+    @property
+    def passed(self) -> bool:
+        return self.skipped or self.max_abs_diff <= self.tolerance
+
+
+@dataclass
+class Capture:
+    maps: list[Tensor]  # per layer [batch, head, query, key]
+    inputs: list[tuple[tuple, dict]]  # per layer, the attention module's (args, kwargs)
+
+
+def verify(loaded: LoadedModel, sentences: list[str]) -> list[Check]:
+    """Run every check on `sentences` (a few are enough) and return them in order."""
+    ids = [t[: loaded.max_length] for t in loaded.tokenizer(list(sentences))["input_ids"]]
+    input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
+    batched = capture(loaded, input_ids, mask)
+    keys = valid_keys(mask, loaded.causal)[:, None]  # [batch, 1, query, key]
+    rows = mask.bool()[:, None, :, None]  # [batch, 1, query, 1]
+    return [
+        rows_sum_to_one(batched, mask),
+        masked_keys_are_zero(batched, keys, rows),
+        batched_equals_unbatched(loaded, batched, ids),
+        recomputed_from_projections(loaded, batched, keys, rows),
+        eager_equals_sdpa(loaded, input_ids, mask),
+    ]
+
+
+def capture(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> Capture:
+    """Every layer's attention map, and the inputs its attention module was called with."""
+    inputs: list[tuple[tuple, dict]] = []
+    handles = [
+        module.register_forward_pre_hook(lambda _m, args, kwargs: inputs.append((args, kwargs)), with_kwargs=True)
+        for module, _ in attention_modules(loaded.model)
+    ]
+    maps: list[Tensor] = []
+    try:
+        stream_attention(loaded, input_ids, mask, lambda _layer, p: maps.append(p.float().clone()))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return Capture(maps=maps, inputs=inputs)
+
+
+def rows_sum_to_one(batched: Capture, mask: Tensor) -> Check:
+    rows = mask.bool()[:, None, :]  # [batch, 1, query]
+    worst = max(float(torch.where(rows, p.sum(dim=-1) - 1.0, 0.0).abs().max()) for p in batched.maps)
+    return Check("rows sum to 1", worst, 1e-5)
+
+
+def masked_keys_are_zero(batched: Capture, keys: Tensor, rows: Tensor) -> Check:
+    hidden = rows & ~keys  # [batch, 1, query, key]: future or padded keys of real queries
+    worst = max(float(torch.where(hidden, p, 0.0).abs().max()) for p in batched.maps)
+    return Check("future/padded keys get 0", worst, 1e-7)
+
+
+def batched_equals_unbatched(loaded: LoadedModel, batched: Capture, ids: list[list[int]]) -> Check:
+    worst = 0.0
+    for b, tokens in enumerate(ids):
+        alone = capture(loaded, *pad_batch([tokens], loaded.device))
+        n = len(tokens)
+        for p_batch, p_alone in zip(batched.maps, alone.maps):
+            worst = max(worst, float((p_batch[b, :, :n, :n] - p_alone[0]).abs().max()))
+    return Check("batched = one at a time", worst, 1e-5)
+
+
+def recomputed_from_projections(loaded: LoadedModel, batched: Capture, keys: Tensor, rows: Tensor) -> Check:
+    """softmax(Q K^T * scale + mask) from each layer's own projections, against the maps read."""
+    model_type = loaded.model.config.model_type
+    scores_of = RECOMPUTE.get(model_type)
+    name = "softmax(QK^T/sqrt(d)) = maps"
+    if scores_of is None:
+        return Check(name, None, 1e-5, f"no from-scratch recomputation for {model_type} models")
+    worst = 0.0
+    for layer, (p, (args, kwargs)) in enumerate(zip(batched.maps, batched.inputs)):
+        module = attention_modules(loaded.model)[layer][0]
+        hidden = (args[0] if args else kwargs["hidden_states"]).float()  # [batch, seq, embed]
+        with torch.inference_mode():
+            scores = scores_of(module, hidden, loaded.model.config, layer)  # [batch, head, query, key]
+        scores = scores.masked_fill(~keys, -math.inf)  # [batch, head, query, key]
+        expected = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [batch, head, query, key]
+        worst = max(worst, float(torch.where(rows, expected - p, 0.0).abs().max()))
+    return Check(name, worst, 1e-5)
+
+
+def eager_equals_sdpa(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> Check:
+    """The model's output under eager attention (what attnprobe reads) and under SDPA agree."""
+    model = loaded.model
+    name = "eager output = SDPA output"
+    with torch.inference_mode():
+        eager = model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [batch, seq, embed]
+        try:
+            model.set_attn_implementation("sdpa")
+        except (ValueError, ImportError) as err:
+            return Check(name, None, 0.0, f"SDPA not available for this model ({err})")
+        try:
+            sdpa = model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [batch, seq, embed]
+        finally:
+            model.set_attn_implementation("eager")
+    real = mask.bool()[..., None]  # [batch, seq, 1]
+    scale = float(torch.where(real, eager, 0.0).abs().max())
+    tolerance = 1e-5 * max(1.0, scale)  # float32 sums in another order: relative to the output's size
+    worst = float(torch.where(real, eager - sdpa, 0.0).abs().max())
+    return Check(name, worst, tolerance, f"|output| <= {scale:.3g}")
+
+
+# ---- scores from scratch, per architecture: [batch, head, query, key] before the mask ----------
+
+def split_heads(x: Tensor, head_dim: int) -> Tensor:
+    batch, seq, _ = x.shape
+    return x.view(batch, seq, -1, head_dim).transpose(1, 2)  # [batch, head, seq, head_dim]
+
+
+def gpt2_scores(module: nn.Module, hidden: Tensor, config: Any, layer: int) -> Tensor:
+    head_dim = config.n_embd // config.n_head
+    q, k, _ = module.c_attn(hidden).split(config.n_embd, dim=2)  # each [batch, seq, embed]
+    scale = head_dim**-0.5 if config.scale_attn_weights else 1.0
+    if config.scale_attn_by_inverse_layer_idx:
+        scale /= layer + 1
+    return split_heads(q, head_dim) @ split_heads(k, head_dim).transpose(-1, -2) * scale
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)  # [..., head_dim / 2] each
+    return torch.cat((-second, first), dim=-1)  # [..., head_dim]
+
+
+def rotary(x: Tensor, theta: float) -> Tensor:
+    """Rotary position embedding for positions 0..seq-1 (right padding keeps real tokens there)."""
+    seq, head_dim = x.shape[-2:]
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim)
+    angles = torch.arange(seq, dtype=torch.float32, device=x.device)[:, None] * inv_freq  # [seq, head_dim / 2]
+    angles = torch.cat((angles, angles), dim=-1)  # [seq, head_dim]
+    return x * angles.cos() + rotate_half(x) * angles.sin()  # [batch, head, seq, head_dim]
+
+
+def llama_scores(module: nn.Module, hidden: Tensor, config: Any, layer: int) -> Tensor:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"rope type {rope.get('rope_type')}")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    q = rotary(split_heads(module.q_proj(hidden), head_dim), theta)  # [batch, q_head, seq, head_dim]
+    k = rotary(split_heads(module.k_proj(hidden), head_dim), theta)  # [batch, kv_head, seq, head_dim]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [batch, q_head, seq, head_dim]: grouped-query
+    return q @ k.transpose(-1, -2) * head_dim**-0.5
+
+
+def bert_scores(module: nn.Module, hidden: Tensor, config: Any, layer: int) -> Tensor:
+    head_dim = config.hidden_size // config.num_attention_heads
+    q = split_heads(module.query(hidden), head_dim)  # [batch, head, seq, head_dim]
+    k = split_heads(module.key(hidden), head_dim)  # [batch, head, seq, head_dim]
+    return q @ k.transpose(-1, -2) * head_dim**-0.5
+
+
+RECOMPUTE: dict[str, Callable[[nn.Module, Tensor, Any, int], Tensor]] = {
+    "gpt2": gpt2_scores,
+    "llama": llama_scores,
+    "bert": bert_scores,
+}

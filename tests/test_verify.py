@@ -1,0 +1,66 @@
+"""verify: passes on true maps, and fails when the maps are not the model's."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attnprobe import verify as verify_module
+from attnprobe.cli import app
+from attnprobe.model import load_model
+from attnprobe.verify import DEFAULT_SENTENCES, verify
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_dir):
+    return load_model(str(gpt2_dir), "cpu")
+
+
+def test_all_checks_pass_on_gpt2(gpt2):
+    checks = verify(gpt2, list(DEFAULT_SENTENCES[:3]))
+    assert len(checks) == 5
+    for check in checks:
+        assert check.passed and not check.skipped, check
+        assert 0.0 <= check.max_abs_diff <= check.tolerance
+
+
+def test_a_wrong_recomputation_is_caught(gpt2, monkeypatch):
+    def unscaled(module, hidden, config, layer):
+        return verify_module.gpt2_scores(module, hidden, config, layer) * 1.5
+
+    monkeypatch.setitem(verify_module.RECOMPUTE, "gpt2", unscaled)
+    check = verify(gpt2, list(DEFAULT_SENTENCES[:2]))[3]
+    assert not check.passed and check.max_abs_diff > 1e-3
+
+
+def test_leaking_attention_is_caught():
+    p = torch.full((1, 1, 3, 3), 1 / 3)  # [batch, head, query, key]: uniform, future included
+    capture = verify_module.Capture(maps=[p], inputs=[])
+    mask = torch.ones(1, 3, dtype=torch.long)
+    keys = verify_module.valid_keys(mask, causal=True)[:, None]
+    check = verify_module.masked_keys_are_zero(capture, keys, mask.bool()[:, None, :, None])
+    assert not check.passed and check.max_abs_diff == pytest.approx(1 / 3)
+    assert verify_module.rows_sum_to_one(capture, mask).passed
+
+
+def test_verify_command_prints_every_check(gpt2_dir):
+    result = runner.invoke(app, ["verify", "--model", str(gpt2_dir), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    for name in ("rows sum to 1", "future/padded keys get 0", "batched = one at a time", "eager output"):
+        assert name in result.stdout
+    assert result.stdout.count("pass") == 5
+
+
+def test_verify_command_fails_with_exit_1(gpt2_dir, monkeypatch):
+    monkeypatch.setitem(verify_module.RECOMPUTE, "gpt2", lambda m, h, c, layer: torch.zeros(1))
+    result = runner.invoke(app, ["verify", "--model", str(gpt2_dir), "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "FAIL" in result.stdout and result.stderr.startswith("Error: 1 check(s) failed")
+
+
+def test_verify_reads_sentences_from_a_corpus(gpt2_dir, corpus_file):
+    result = runner.invoke(app, ["verify", "--model", str(gpt2_dir), "--corpus", str(corpus_file), "-n", "2"])
+    assert result.exit_code == 0 and "2 sentences" in result.stdout
+    bad = runner.invoke(app, ["verify", "--model", str(gpt2_dir), "-n", "0"])
+    assert bad.exit_code == 1 and "--sentences 0" in bad.stderr
