@@ -39,13 +39,14 @@ def analyze(
     *,
     batch_size: int = 8,
     device: str = "auto",
+    dtype: str = "float32",
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> Analysis:
     """Measure every head of `model` over every sentence of `corpus`."""
     check_batch_size(batch_size)
     text = read_corpus(corpus)
-    loaded = load_model(model, device)
+    loaded = load_model(model, device, dtype)
     return analyze_loaded(loaded, text, batch_size=batch_size, progress=progress, on_start=on_start)
 
 
@@ -66,17 +67,18 @@ def analyze_loaded(
     special_ids = torch.tensor(sorted(set(loaded.tokenizer.all_special_ids)), dtype=torch.long)  # [n_special]
     has_special = any(t in set(special_ids.tolist()) for tokens in ids for t in tokens)
     names = (*METRICS, SPECIAL) if has_special else METRICS
-    stats = {name: torch.full((len(ids), n_layers, n_heads), torch.nan) for name in names}  # [sentence, layer, head]
+    shape = (len(ids), n_layers, n_heads)  # stays on the device until the end: no sync per layer
+    stats = {name: torch.full(shape, torch.nan, device=loaded.device) for name in names}  # [sentence, layer, head]
     example_index = pick_example(ids)
     example_maps = torch.zeros(n_layers, n_heads, len(ids[example_index]), len(ids[example_index]))
     for batch in length_batches(ids, batch_size):
         input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
-        rows = torch.tensor(batch)  # [batch]
+        rows = torch.tensor(batch, device=loaded.device)  # [batch]
         special = torch.isin(input_ids, special_ids.to(input_ids.device)) & mask.bool() if has_special else None
 
         def on_layer(layer: int, p: torch.Tensor, rows=rows, mask=mask, batch=batch, special=special) -> None:
             for name, value in sentence_stats(p, mask, loaded.causal, special).items():  # [batch, head]
-                stats[name][rows, layer] = value.cpu()
+                stats[name][rows, layer] = value
             if example_index in batch:
                 k = batch.index(example_index)
                 n = example_maps.shape[-1]
@@ -85,7 +87,7 @@ def analyze_loaded(
         stream_attention(loaded, input_ids, mask, on_layer)
         if progress:
             progress(len(batch))
-    per_sentence = tidy(stats, corpus)
+    per_sentence = tidy({name: values.cpu() for name, values in stats.items()}, corpus)
     heads = summarize_heads(per_sentence)
     layers = summarize_layers(heads)
     run = run_info(loaded, corpus, ids, truncated, batch_size, time.perf_counter() - started)
@@ -213,6 +215,7 @@ def run_info(
         "tokens": sum(len(t) for t in ids),
         "truncated_sentences": truncated,
         "device": str(loaded.device),
+        "dtype": loaded.dtype,
         "batch_size": batch_size,
         "wall_seconds": round(seconds, 3),
         "versions": {

@@ -29,6 +29,12 @@ OutOption = Annotated[Path, typer.Option("--out", help="Results folder (created 
 DEFAULT_OUT = Path("outputs")
 
 
+class DTypeChoice(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class DeviceChoice(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -75,6 +81,9 @@ def analyze(
     out: OutOption = DEFAULT_OUT,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    dtype: Annotated[
+        DTypeChoice, typer.Option("--dtype", help="Model precision; statistics are kept in float32.")
+    ] = DTypeChoice.float32,
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -88,7 +97,7 @@ def analyze(
     io.check_out_dir(out)
     sentences = read_corpus(corpus)
     with err_console.status(f"Loading {model}"):
-        loaded = load_model(model, device.value)
+        loaded = load_model(model, device.value, dtype.value)
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, console=err_console, transient=True) as bar:
         task = bar.add_task("analyze", total=None)

@@ -1,9 +1,11 @@
 """Attention statistics as pure functions on tensors.
 
-Conventions: `p` is one layer's attention, [batch, head, query, key], rows summing to 1
-over the valid keys. `keys` is a bool mask [batch, query, key] of the keys each query may
-see (padding removed; future keys removed for causal models); `rows` is a bool mask
-[batch, query] of the real (non-padding) query positions. Nothing here edits its inputs.
+Conventions: `p` is one layer's attention, [batch, head, query, key], right-padded, with
+real query rows summing to 1 over their valid keys and putting exactly 0 elsewhere (the
+model's own mask does this; `attnprobe verify` checks it). `rows` is a bool mask
+[batch, query] of the real (non-padding) query positions; padded rows may hold anything and
+never count. Nothing here edits its inputs, and nothing but `row_entropy` makes a temporary
+as large as `p`, so a layer's statistics cost one extra map at most.
 """
 
 from __future__ import annotations
@@ -33,13 +35,26 @@ def row_entropy(p: Tensor) -> Tensor:
     return torch.special.entr(p).sum(dim=-1)  # [batch, head, query]
 
 
+def valid_key_counts(attention_mask: Tensor, causal: bool) -> Tensor:
+    """How many keys each query may see: i + 1 (causal) or the sentence length (encoder)."""
+    length = attention_mask.sum(dim=-1, keepdim=True)  # [batch, 1]
+    if not causal:
+        return length.expand(attention_mask.shape)  # [batch, query]
+    i = torch.arange(1, attention_mask.shape[-1] + 1, device=attention_mask.device)  # [query]
+    return torch.minimum(i[None, :], length)  # [batch, query]
+
+
 def row_diagonal(p: Tensor, window: int = DIAGONAL_WINDOW) -> Tensor:
-    """Attention mass on keys within `window` positions of the query."""
-    n_q, n_k = p.shape[-2:]
-    i = torch.arange(n_q, device=p.device)[:, None]  # [query, 1]
-    j = torch.arange(n_k, device=p.device)[None, :]  # [1, key]
-    band = (i - j).abs() <= window  # [query, key]
-    return torch.where(band, p, 0.0).sum(dim=-1)  # [batch, head, query]
+    """Attention mass on keys within `window` positions of the query, read off the diagonals."""
+    n = p.shape[-1]
+    total = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)  # [batch, head, query]
+    for offset in range(-min(window, n - 1), min(window, n - 1) + 1):
+        band = p.diagonal(offset=offset, dim1=-2, dim2=-1)  # [batch, head, n - |offset|]: p[i, i + offset]
+        if offset >= 0:
+            total[..., : n - offset] += band
+        else:
+            total[..., -offset:] += band
+    return total  # [batch, head, query]
 
 
 def row_entropy_norm(entropy: Tensor, n_keys: Tensor) -> Tensor:
@@ -74,14 +89,12 @@ def sentence_stats(
 
     `special`, a bool mask [batch, key] of special-token positions, adds `special_tokens`.
     """
-    p = p.float()  # [batch, head, query, key]
-    keys = valid_keys(attention_mask, causal)  # [batch, query, key]
-    p = torch.where(keys[:, None], p, 0.0)  # [batch, head, query, key]
+    p = p.float()  # [batch, head, query, key]; no copy when the model runs in float32
     rows = attention_mask.bool()  # [batch, query]
     entropy = row_entropy(p)  # [batch, head, query]
     per_row = {
         "entropy": entropy,
-        "entropy_norm": row_entropy_norm(entropy, keys.sum(dim=-1)),
+        "entropy_norm": row_entropy_norm(entropy, valid_key_counts(attention_mask, causal)),
         "diagonal": row_diagonal(p),
         "first_token": row_first_token(p),
     }

@@ -16,6 +16,8 @@ from attnprobe.errors import AttnprobeError
 from attnprobe.sources import resolve
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 LayerCallback = Callable[[int, Tensor], None]  # (layer index, attention [batch, head, query, key])
 
@@ -31,6 +33,7 @@ class LoadedModel:
     device: torch.device
     causal: bool
     max_length: int  # longest input the model accepts, in tokens
+    dtype: str = "float32"  # the model's weights and activations; statistics are always float32
 
     @property
     def num_layers(self) -> int:
@@ -60,9 +63,18 @@ def resolve_device(device: str) -> torch.device:
     raise AttnprobeError(f"unknown --device {device!r}: use auto, cpu, cuda or mps")
 
 
-def load_model(spec: str, device: str = "auto") -> LoadedModel:
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise AttnprobeError(f"unknown --dtype {dtype!r}: use float32, bfloat16 or float16")
+    if dtype == "float16" and device.type == "cpu":
+        raise AttnprobeError("--dtype float16 needs a GPU: on CPU use float32 (default) or bfloat16")
+    return DTYPES[dtype]
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "float32") -> LoadedModel:
     """Load the base model and tokenizer from a local folder or a hub id, with eager attention."""
     torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     resolved = resolve(spec)
     source = resolved.location
     from transformers import AutoModel, AutoTokenizer
@@ -70,7 +82,7 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
     with _quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
-            model = AutoModel.from_pretrained(source, attn_implementation="eager")
+            model = AutoModel.from_pretrained(source, attn_implementation="eager", dtype=torch_dtype)
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
             raise _load_error(spec, source, resolved.local, err) from err
     model.eval().to(torch_device)
@@ -89,6 +101,7 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
         device=torch_device,
         causal=bool(getattr(modules[0][0], "is_causal", not _is_encoder(model.config))),
         max_length=_max_length(model.config, tokenizer),
+        dtype=dtype,
     )
 
 
@@ -116,11 +129,19 @@ def attention_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return found
 
 
+class _LastLayerDone(Exception):
+    """Raised from the last attention hook: the rest of the network (MLP, final norm) is not needed."""
+
+
 @torch.inference_mode()
 def stream_attention(
     loaded: LoadedModel, input_ids: Tensor, attention_mask: Tensor, on_layer: LayerCallback
 ) -> None:
-    """Run one batch; hand each layer's attention to `on_layer` as it is computed, keep none."""
+    """Run one batch; hand each layer's attention to `on_layer` as it is computed, keep none.
+
+    The forward pass stops right after the last layer's attention: what follows it cannot
+    change any map.
+    """
     modules = attention_modules(loaded.model)
     seen: list[int] = []
 
@@ -130,12 +151,16 @@ def stream_attention(
             if isinstance(weights, Tensor) and weights.dim() == 4:
                 seen.append(layer)
                 on_layer(layer, weights)  # [batch, head, query, key]
+            if layer == len(modules) - 1:
+                raise _LastLayerDone
 
         return hook
 
     handles = [m.register_forward_hook(hook_for(layer, index)) for layer, (m, index) in enumerate(modules)]
     try:
         loaded.model(**_forward_kwargs(loaded.model, input_ids, attention_mask))
+    except _LastLayerDone:
+        pass
     finally:
         for handle in handles:
             handle.remove()

@@ -91,3 +91,19 @@ def test_bundled_corpus_is_100_tagged_sentences():
     for category in ("svo", "relative_clause", "passive", "coreference"):
         assert counts[category] >= 20
     assert counts["question"] >= 5 and counts["long"] >= 5
+
+
+def test_bfloat16_runs_with_float32_statistics(gpt2_dir, corpus_file):
+    full = analyze(str(gpt2_dir), str(corpus_file), device="cpu")
+    half = analyze(str(gpt2_dir), str(corpus_file), device="cpu", dtype="bfloat16")
+    assert half.run["dtype"] == "bfloat16" and full.run["dtype"] == "float32"
+    assert half.heads["entropy"].dtype == "float64"
+    np.testing.assert_allclose(half.heads["entropy"], full.heads["entropy"], atol=0.05)
+    assert not np.allclose(half.heads["entropy"], full.heads["entropy"], atol=1e-7, rtol=0)
+
+
+def test_float16_on_cpu_is_refused(gpt2_dir, corpus_file):
+    from attnprobe.errors import AttnprobeError
+
+    with pytest.raises(AttnprobeError, match="float16 needs a GPU"):
+        analyze(str(gpt2_dir), str(corpus_file), device="cpu", dtype="float16")

@@ -10,6 +10,7 @@ from attnprobe.metrics import (
     row_diagonal,
     row_entropy,
     sentence_stats,
+    valid_key_counts,
     valid_keys,
 )
 
@@ -94,3 +95,17 @@ def test_inputs_are_not_modified():
     sentence_stats(p, torch.tensor([[1, 1, 1, 0, 0]]), causal=True)
     assert torch.equal(p.isnan(), before.isnan())
     assert torch.equal(p.nan_to_num(), before.nan_to_num())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_diagonal_read_off_the_diagonals_equals_the_band_sum(n):
+    p = torch.rand(2, 3, n, n)  # [batch, head, query, key]
+    i = torch.arange(n)[:, None]
+    band = (i - i.T).abs() <= 2  # [query, key]
+    assert torch.allclose(row_diagonal(p), (p * band).sum(-1), atol=1e-6)
+
+
+def test_valid_key_counts():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert valid_key_counts(mask, causal=True).tolist() == [[1, 2, 3, 3], [1, 2, 3, 4]]
+    assert valid_key_counts(mask, causal=False).tolist() == [[3, 3, 3, 3], [4, 4, 4, 4]]

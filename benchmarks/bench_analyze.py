@@ -1,0 +1,212 @@
+"""How close is `attnprobe analyze` to the bare forward pass, and how much faster than the naive way?
+
+Run:  .venv/bin/python benchmarks/bench_analyze.py            (speed, then memory; ~5 min here)
+      .venv/bin/python benchmarks/bench_analyze.py --no-memory --sentences 100
+
+On a GPT-2-small-shaped model (12 x 12, 768 wide, vocab 50257) with random weights and a
+generated corpus (sentences of 8-40 tokens), each way runs as its own process, from start-up to
+its last statistic:
+  1. floor  - the base model, SDPA, no attention output, length-sorted batches of 8;
+  2. naive  - the LM-head model, eager, output_attentions, one sentence at a time, and the
+              statistics in a Python loop over heads (as the reference study's script does);
+  3. attnprobe - `attnprobe analyze`, exactly as a user runs it.
+It prints wall time, tokens/s and peak memory for each, the ratios 3/1 (target <= 1.25) and
+2/3 (target >= 1.75), and then the peak memory of one long sequence, attnprobe's per-layer
+streaming against holding every layer's maps (and the bare SDPA forward pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VOCAB = 50257
+BATCH = 8
+TARGET_FLOOR_RATIO = 1.25  # attnprobe / floor, at most
+TARGET_NAIVE_RATIO = 1.75  # naive / attnprobe, at least
+
+
+# ---- set-up: model, tokenizer, corpus ---------------------------------------------------------
+
+def build(work: Path, sentences: int, seed: int = 0) -> None:
+    """A random GPT-2-small-shaped model with a word-level tokenizer (one word = one token)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
+
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        words = ["<|endoftext|>", "<unk>", *(f"w{i}" for i in range(VOCAB - 2))]
+        core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<unk>")
+        tokenizer.save_pretrained(model_dir)
+        torch.manual_seed(seed)
+        GPT2Model(GPT2Config(vocab_size=VOCAB)).save_pretrained(model_dir)
+    rng = random.Random(seed)
+    lines = [" ".join(f"w{rng.randrange(VOCAB - 2)}" for _ in range(rng.randint(8, 40))) for _ in range(sentences)]
+    (work / "corpus.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# ---- the three ways, each run in a child process ------------------------------------------------
+
+def child_floor(work: Path) -> dict:
+    import torch
+    from transformers import AutoTokenizer, GPT2Model
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    model = GPT2Model.from_pretrained(work / "model", attn_implementation="sdpa").eval()
+    ids = tokenizer((work / "corpus.txt").read_text(encoding="utf-8").splitlines())["input_ids"]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    with torch.inference_mode():
+        for k in range(0, len(order), BATCH):
+            batch = [ids[i] for i in order[k : k + BATCH]]
+            n = max(map(len, batch))
+            x = torch.tensor([t + [0] * (n - len(t)) for t in batch])  # [batch, seq]
+            mask = torch.tensor([[1] * len(t) + [0] * (n - len(t)) for t in batch])  # [batch, seq]
+            model(input_ids=x, attention_mask=mask, use_cache=False)
+    return {"tokens": sum(map(len, ids))}
+
+
+def child_naive(work: Path) -> dict:
+    import math
+
+    import torch
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    model = GPT2LMHeadModel.from_pretrained(work / "model", attn_implementation="eager").eval()
+    ids = tokenizer((work / "corpus.txt").read_text(encoding="utf-8").splitlines())["input_ids"]
+    results = []
+    with torch.no_grad():
+        for tokens in ids:
+            out = model(torch.tensor([tokens]), output_attentions=True)
+            n = len(tokens)
+            band = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs() <= 2  # [query, key]
+            for layer, attn in enumerate(out.attentions):  # [1, head, query, key]
+                for head in range(attn.shape[1]):
+                    p = attn[0, head]  # [query, key]
+                    entropy = -(p * torch.log(p + 1e-12)).sum(-1).mean().item()
+                    near = (p * band).sum(-1).mean().item()
+                    results.append((layer, head, entropy, near, p[:, 0].mean().item()))
+    assert not math.isnan(results[0][2])
+    return {"tokens": sum(map(len, ids))}
+
+
+def child_attnprobe(work: Path) -> dict:
+    out = Path(tempfile.mkdtemp(dir=work))
+    command = [sys.executable, "-m", "attnprobe", "analyze", "--model", str(work / "model"),
+               "--corpus", str(work / "corpus.txt"), "--out", str(out), "--device", "cpu"]
+    os.execv(sys.executable, command)  # become the user's process: its start-up and imports count
+
+
+def run_child(way: str, work: Path) -> dict:
+    """Run one way in a fresh process; wall time and peak RSS of that process."""
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, __file__, "--child", way, "--work", str(work)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{way} failed: {process.stderr.read().decode()[-2000:]}")
+    return {"seconds": seconds, "peak_mib": usage.ru_maxrss / 1024}
+
+
+# ---- memory: one long sequence ----------------------------------------------------------------
+
+def child_memory(work: Path, n: int, how: str) -> dict:
+    import torch
+
+    from attnprobe.metrics import sentence_stats
+    from attnprobe.model import load_model, stream_attention
+
+    loaded = load_model(str(work / "model"), "cpu")
+    x = torch.randint(2, VOCAB, (1, n))  # [batch, seq]
+    mask = torch.ones(1, n, dtype=torch.long)  # [batch, seq]
+    with torch.inference_mode():  # warm-up: weights are memory-mapped until first used
+        loaded.model(input_ids=x[:, :8], attention_mask=mask[:, :8], use_cache=False)
+    base = resident_mib()
+    reset_peak()
+    with torch.inference_mode():
+        if how == "attnprobe":
+            stream_attention(loaded, x, mask, lambda _layer, p: sentence_stats(p, mask, True))
+        elif how == "sdpa":
+            loaded.model.set_attn_implementation("sdpa")
+            loaded.model(input_ids=x, attention_mask=mask, use_cache=False)
+        else:
+            maps = loaded.model(input_ids=x, attention_mask=mask, output_attentions=True).attentions
+            [sentence_stats(p, mask, True) for p in maps]
+    return {"above_model_mib": peak_mib() - base}
+
+
+def resident_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak resident size (VmHWM)
+
+
+def peak_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sentences", type=int, default=300)
+    parser.add_argument("--work", type=Path, help="folder for the model and corpus (default: a temp folder)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the long-sequence memory table")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--how", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        if args.child == "memory":
+            print(json.dumps(child_memory(args.work, args.n, args.how)))
+        else:
+            globals()[f"child_{args.child}"](args.work)
+        return
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="attnprobe-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    build(work, args.sentences)
+    tokens = sum(len(line.split()) for line in (work / "corpus.txt").read_text().splitlines())
+    print(f"GPT-2-small shape, random weights; {args.sentences} sentences, {tokens} tokens; "
+          f"{os.cpu_count()} cores; work folder {work}\n")
+    runs = {way: run_child(way, work) for way in ("floor", "naive", "attnprobe")}
+    print(f"{'way':<10} {'wall s':>8} {'tok/s':>8} {'peak MiB':>9}")
+    for way, r in runs.items():
+        print(f"{way:<10} {r['seconds']:>8.2f} {tokens / r['seconds']:>8.0f} {r['peak_mib']:>9.0f}")
+    over_floor = runs["attnprobe"]["seconds"] / runs["floor"]["seconds"]
+    naive_over = runs["naive"]["seconds"] / runs["attnprobe"]["seconds"]
+    print(f"\nattnprobe / floor = {over_floor:.2f}  (target <= {TARGET_FLOOR_RATIO}: "
+          f"{'met' if over_floor <= TARGET_FLOOR_RATIO else 'MISSED'})")
+    print(f"naive / attnprobe = {naive_over:.2f}  (target >= {TARGET_NAIVE_RATIO}: "
+          f"{'met' if naive_over >= TARGET_NAIVE_RATIO else 'MISSED'})")
+    if args.no_memory:
+        return
+    print("\nPeak memory above the loaded model, one sequence (MiB)")
+    print(f"{'tokens':>7} {'SDPA, no maps':>14} {'attnprobe':>10} {'all maps':>9}")
+    for n in (128, 256, 512, 1024):
+        row = []
+        for how in ("sdpa", "attnprobe", "all-maps"):
+            done = subprocess.run([sys.executable, __file__, "--child", "memory", "--work", str(work),
+                                   "--n", str(n), "--how", how], capture_output=True, text=True, check=True)
+            row.append(json.loads(done.stdout.strip().splitlines()[-1])["above_model_mib"])
+        print(f"{n:>7} {row[0]:>14.0f} {row[1]:>10.0f} {row[2]:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
