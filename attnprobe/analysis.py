@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -14,11 +15,13 @@ import pandas as pd
 import torch
 
 from attnprobe import __version__
+from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, resample_counts, resampled_means
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import METRICS, SPECIAL, sentence_stats
 from attnprobe.model import LoadedModel, load_model, stream_attention
 
+UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
 EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
 
 Progress = Callable[[int], None]  # called with the number of sentences just finished
@@ -31,6 +34,7 @@ class Analysis:
     per_sentence: pd.DataFrame  # one row per (sentence, layer, head)
     run: dict[str, Any]  # provenance and the early/late summary
     example: dict[str, Any] = field(default_factory=dict)  # tokens and maps [layer, head, query, key]
+    categories: pd.DataFrame | None = None  # category x layer, when the corpus is tagged
 
 
 def analyze(
@@ -40,14 +44,18 @@ def analyze(
     batch_size: int = 8,
     device: str = "auto",
     dtype: str = "float32",
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> Analysis:
     """Measure every head of `model` over every sentence of `corpus`."""
-    check_batch_size(batch_size)
+    check_options(batch_size, resamples)
     text = read_corpus(corpus)
     loaded = load_model(model, device, dtype)
-    return analyze_loaded(loaded, text, batch_size=batch_size, progress=progress, on_start=on_start)
+    return analyze_loaded(
+        loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start
+    )
 
 
 def analyze_loaded(
@@ -55,22 +63,48 @@ def analyze_loaded(
     corpus: Corpus,
     *,
     batch_size: int = 8,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> Analysis:
-    check_batch_size(batch_size)
+    check_options(batch_size, resamples)
     started = time.perf_counter()
     ids, truncated = tokenize(loaded, corpus)
     if on_start:
         on_start(len(ids))
+    example_index = pick_example(ids)
+    arrays, example_maps = measure(loaded, ids, batch_size, example_index, progress)
+    per_sentence = tidy(arrays, corpus)
+    heads = summarize_heads(per_sentence)
+    layers = summarize_layers(heads)
+    counts = resample_counts(len(ids), resamples, seed)
+    heads, layers, summary = add_intervals(heads, layers, arrays, counts)
+    run = run_info(loaded, corpus, ids, truncated, batch_size, time.perf_counter() - started)
+    run["summary"] = summary
+    run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences"}
+    run["example_sentence"] = {"index": example_index, "line": corpus.sentences[example_index].line}
+    example = {
+        "sentence": corpus.sentences[example_index].text,
+        "tokens": token_labels(loaded.tokenizer, ids[example_index]),
+        "maps": example_maps,
+    }
+    categories = summarize_categories(arrays["entropy"], corpus, resamples, seed)
+    return Analysis(heads, layers, per_sentence, run, example, categories)
+
+
+def measure(
+    loaded: LoadedModel, ids: list[list[int]], batch_size: int, example_index: int, progress: Progress | None
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Every statistic of every sentence, [sentence, layer, head]; and the example's maps."""
     n_layers, n_heads = loaded.num_layers, loaded.num_heads
     special_ids = torch.tensor(sorted(set(loaded.tokenizer.all_special_ids)), dtype=torch.long)  # [n_special]
     has_special = any(t in set(special_ids.tolist()) for tokens in ids for t in tokens)
     names = (*METRICS, SPECIAL) if has_special else METRICS
     shape = (len(ids), n_layers, n_heads)  # stays on the device until the end: no sync per layer
     stats = {name: torch.full(shape, torch.nan, device=loaded.device) for name in names}  # [sentence, layer, head]
-    example_index = pick_example(ids)
-    example_maps = torch.zeros(n_layers, n_heads, len(ids[example_index]), len(ids[example_index]))
+    n = len(ids[example_index])
+    example_maps = torch.zeros(n_layers, n_heads, n, n)  # [layer, head, query, key]
     for batch in length_batches(ids, batch_size):
         input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
         rows = torch.tensor(batch, device=loaded.device)  # [batch]
@@ -80,30 +114,20 @@ def analyze_loaded(
             for name, value in sentence_stats(p, mask, loaded.causal, special).items():  # [batch, head]
                 stats[name][rows, layer] = value
             if example_index in batch:
-                k = batch.index(example_index)
-                n = example_maps.shape[-1]
-                example_maps[layer] = p[k, :, :n, :n].float().cpu()  # [head, query, key]
+                example_maps[layer] = p[batch.index(example_index), :, :n, :n].float().cpu()  # [head, query, key]
 
         stream_attention(loaded, input_ids, mask, on_layer)
         if progress:
             progress(len(batch))
-    per_sentence = tidy({name: values.cpu() for name, values in stats.items()}, corpus)
-    heads = summarize_heads(per_sentence)
-    layers = summarize_layers(heads)
-    run = run_info(loaded, corpus, ids, truncated, batch_size, time.perf_counter() - started)
-    run["summary"] = early_late(layers)
-    run["example_sentence"] = {"index": example_index, "line": corpus.sentences[example_index].line}
-    example = {
-        "sentence": corpus.sentences[example_index].text,
-        "tokens": token_labels(loaded.tokenizer, ids[example_index]),
-        "maps": example_maps.numpy(),
-    }
-    return Analysis(heads=heads, layers=layers, per_sentence=per_sentence, run=run, example=example)
+    arrays = {name: values.cpu().numpy().astype(np.float64) for name, values in stats.items()}
+    return arrays, example_maps.numpy()
 
 
-def check_batch_size(batch_size: int) -> None:
+def check_options(batch_size: int, resamples: int = DEFAULT_RESAMPLES) -> None:
     if batch_size < 1:
         raise AttnprobeError(f"--batch-size {batch_size} is below 1: use 1 or more (default 8)")
+    if resamples < 1:
+        raise AttnprobeError(f"--resamples {resamples} is below 1: use 1 or more (default {DEFAULT_RESAMPLES})")
 
 
 def tokenize(loaded: LoadedModel, corpus: Corpus) -> tuple[list[list[int]], int]:
@@ -144,12 +168,12 @@ def token_labels(tokenizer: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t]) for t in ids]
 
 
-def tidy(stats: dict[str, torch.Tensor], corpus: Corpus) -> pd.DataFrame:
+def tidy(stats: dict[str, np.ndarray], corpus: Corpus) -> pd.DataFrame:
     n_sentences, n_layers, n_heads = stats["entropy"].shape
     grids = np.meshgrid(np.arange(n_sentences), np.arange(n_layers), np.arange(n_heads), indexing="ij")
     frame = pd.DataFrame({key: g.ravel() for key, g in zip(("sentence", "layer", "head"), grids)})
     for name, values in stats.items():
-        frame[name] = values.numpy().ravel().astype(np.float64)
+        frame[name] = values.ravel()
     frame["category"] = [corpus.sentences[i].category for i in frame["sentence"]]
     return frame
 
@@ -176,19 +200,72 @@ def summarize_layers(heads: pd.DataFrame) -> pd.DataFrame:
     return layers.reset_index()
 
 
+def third(n_layers: int) -> int:
+    """How many layers are "early" and how many "late": a third of them, at least one."""
+    return max(1, n_layers // 3)
+
+
 def early_late(layers: pd.DataFrame) -> dict[str, Any]:
     """Mean entropy of the first and last third of the layers, and early minus late."""
     n = len(layers)
-    third = max(1, n // 3)
-    early = layers["entropy"].iloc[:third].mean()
-    late = layers["entropy"].iloc[n - third :].mean()
+    k = third(n)
+    early = layers["entropy"].iloc[:k].mean()
+    late = layers["entropy"].iloc[n - k :].mean()
     return {
-        "early_layers": [0, third - 1],
-        "late_layers": [n - third, n - 1],
+        "early_layers": [0, k - 1],
+        "late_layers": [n - k, n - 1],
         "early_entropy": float(early),
         "late_entropy": float(late),
         "difference": float(early - late),
     }
+
+
+def add_intervals(
+    heads: pd.DataFrame, layers: pd.DataFrame, arrays: dict[str, np.ndarray], counts: np.ndarray
+) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """`<name>_ci_low`/`_ci_high` for every score of heads and layers, and the gradient's interval."""
+    heads, layers = heads.copy(), layers.copy()
+    for name, values in arrays.items():  # values: [sentence, layer, head]
+        per_head = resampled_means(values, counts)  # [resample, layer, head]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN heads stay NaN
+            per_layer = np.nanmean(per_head, axis=2)  # [resample, layer]
+        low, high = interval(per_head)
+        heads[f"{name}_ci_low"], heads[f"{name}_ci_high"] = low.ravel(), high.ravel()
+        low, high = interval(per_layer)
+        layers[f"{name}_ci_low"], layers[f"{name}_ci_high"] = low, high
+        if name == "entropy":
+            entropy_by_layer = per_layer
+    summary = early_late(layers)
+    k = third(entropy_by_layer.shape[1])
+    early = entropy_by_layer[:, :k].mean(axis=1)  # [resample]
+    late = entropy_by_layer[:, -k:].mean(axis=1)  # [resample]
+    for key, resampled in (("early_entropy", early), ("late_entropy", late), ("difference", early - late)):
+        low, high = interval(resampled)
+        summary[f"{key}_ci"] = [float(low), float(high)]
+    return heads, layers, summary
+
+
+def summarize_categories(
+    entropy: np.ndarray, corpus: Corpus, resamples: int, seed: int
+) -> pd.DataFrame | None:
+    """Category x layer mean entropy with an interval over that category's sentences."""
+    labels = [s.category for s in corpus.sentences]
+    if all(label is None for label in labels):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        by_sentence = np.nanmean(entropy, axis=2)  # [sentence, layer]: mean over heads
+    frames = []
+    for category in dict.fromkeys(label or UNTAGGED for label in labels):
+        chosen = [i for i, label in enumerate(labels) if (label or UNTAGGED) == category]
+        values = by_sentence[chosen]  # [sentence, layer]
+        low, high = interval(resampled_means(values, resample_counts(len(chosen), resamples, seed)))
+        frames.append(pd.DataFrame({
+            "category": category, "layer": np.arange(values.shape[1]), "entropy": values.mean(axis=0),
+            "entropy_ci_low": low, "entropy_ci_high": high, "sentences": len(chosen),
+        }))
+    return pd.concat(frames, ignore_index=True)
 
 
 def run_info(

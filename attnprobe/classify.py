@@ -12,14 +12,23 @@ from attnprobe.errors import AttnprobeError
 
 
 class HeadType(str, Enum):
+    PREVIOUS = "previous"  # extended scheme: a local head dominated by the previous token
     LOCAL = "local"
+    SINK = "sink"  # extended scheme: a copy head whose mass sits mostly on the first token
     COPY = "copy"
     BROAD = "broad"
     MIXED = "mixed"
 
 
-HEAD_TYPES = tuple(t.value for t in HeadType)
+class Scheme(str, Enum):
+    DEFAULT = "default"  # local / copy / broad / mixed
+    EXTENDED = "extended"  # adds previous (within local) and sink (within copy)
+
+
+ALL_TYPES = tuple(t.value for t in HeadType)  # display order
+HEAD_TYPES = ("local", "copy", "broad", "mixed")  # the default scheme
 RULE_COLUMNS = ("diagonal", "entropy", "entropy_norm")
+EXTENDED_COLUMNS = ("first_token", "previous_token")
 _TOLERANCE = 1e-9  # so that a value equal to a threshold, up to rounding, counts as reaching it
 
 
@@ -30,16 +39,21 @@ class Thresholds:
     local_min_diagonal: float = 0.8  # 80% of the mass within +-2 tokens of the query
     copy_max_entropy: float = math.log(2)  # no more spread than an even split over two tokens
     broad_min_entropy_norm: float = 0.7  # at least 70% of the maximum ln(k) for the row
+    sink_min_first_token: float = 0.5  # extended: most of a copy head's mass on the first token
+    previous_min_previous_token: float = 0.5  # extended: most of a local head's mass on token i - 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.local_min_diagonal <= 1.0:
             raise AttnprobeError(f"--local-min-diagonal {self.local_min_diagonal} must be between 0 and 1")
         if self.copy_max_entropy < 0.0:
             raise AttnprobeError(f"--copy-max-entropy {self.copy_max_entropy} must be 0 or more (nats)")
-        if not 0.0 <= self.broad_min_entropy_norm <= 1.0:
-            raise AttnprobeError(
-                f"--broad-min-entropy-norm {self.broad_min_entropy_norm} must be between 0 and 1"
-            )
+        for option, value in (
+            ("--broad-min-entropy-norm", self.broad_min_entropy_norm),
+            ("--sink-min-first-token", self.sink_min_first_token),
+            ("--previous-min-previous-token", self.previous_min_previous_token),
+        ):
+            if not 0.0 <= value <= 1.0:
+                raise AttnprobeError(f"{option} {value} must be between 0 and 1")
 
 
 def is_local(diagonal: pd.Series, t: Thresholds) -> pd.Series:
@@ -54,8 +68,27 @@ def is_broad(entropy_norm: pd.Series, t: Thresholds) -> pd.Series:
     return entropy_norm >= t.broad_min_entropy_norm - _TOLERANCE
 
 
-def head_types(heads: pd.DataFrame, thresholds: Thresholds | None = None) -> pd.Series:
-    """The rule, in order: local first (a previous-token head is also sharp), then copy, broad, mixed."""
+def is_sink(first_token: pd.Series, t: Thresholds) -> pd.Series:
+    return first_token >= t.sink_min_first_token - _TOLERANCE
+
+
+def is_previous(previous_token: pd.Series, t: Thresholds) -> pd.Series:
+    return previous_token >= t.previous_min_previous_token - _TOLERANCE
+
+
+def required_columns(scheme: Scheme | str = Scheme.DEFAULT) -> list[str]:
+    extra = EXTENDED_COLUMNS if Scheme(scheme) is Scheme.EXTENDED else ()
+    return ["layer", "head", *RULE_COLUMNS, *extra]
+
+
+def head_types(
+    heads: pd.DataFrame, thresholds: Thresholds | None = None, scheme: Scheme | str = Scheme.DEFAULT
+) -> pd.Series:
+    """The rule, in order: local first (a previous-token head is also sharp), then copy, broad, mixed.
+
+    The extended scheme then splits local heads dominated by the previous token off as
+    `previous`, and copy heads whose mass sits mostly on the first token off as `sink`.
+    """
     t = thresholds or Thresholds()
     types = pd.Series(HeadType.MIXED.value, index=heads.index, name="head_type")
     undecided = pd.Series(True, index=heads.index)
@@ -67,17 +100,23 @@ def head_types(heads: pd.DataFrame, thresholds: Thresholds | None = None) -> pd.
         chosen = undecided & hit.fillna(False).astype(bool)
         types[chosen] = kind.value
         undecided &= ~chosen
+    if Scheme(scheme) is Scheme.EXTENDED:
+        types[(types == HeadType.LOCAL.value) & is_previous(heads["previous_token"], t)] = HeadType.PREVIOUS.value
+        types[(types == HeadType.COPY.value) & is_sink(heads["first_token"], t)] = HeadType.SINK.value
     return types
 
 
-def classify(heads: pd.DataFrame, thresholds: Thresholds | None = None) -> pd.DataFrame:
+def classify(
+    heads: pd.DataFrame, thresholds: Thresholds | None = None, scheme: Scheme | str = Scheme.DEFAULT
+) -> pd.DataFrame:
     """`layer`, `head`, `head_type` and the values the rule used."""
-    result = heads[["layer", "head", *RULE_COLUMNS]].copy()
-    result.insert(2, "head_type", head_types(heads, thresholds))
+    result = heads[required_columns(scheme)].copy()
+    result.insert(2, "head_type", head_types(heads, thresholds, scheme))
     return result
 
 
 def counts_per_layer(types: pd.DataFrame) -> pd.DataFrame:
-    """Heads of each type in each layer, every type a column (zeros included)."""
+    """Heads of each type in each layer, every type of the scheme a column (zeros included)."""
     table = pd.crosstab(types["layer"], types["head_type"])
-    return table.reindex(columns=list(HEAD_TYPES), fill_value=0)
+    extended = bool(set(table.columns) & {HeadType.SINK.value, HeadType.PREVIOUS.value})
+    return table.reindex(columns=list(ALL_TYPES if extended else HEAD_TYPES), fill_value=0)

@@ -84,16 +84,20 @@ def analyze(
     dtype: Annotated[
         DTypeChoice, typer.Option("--dtype", help="Model precision; statistics are kept in float32.")
     ] = DTypeChoice.float32,
+    resamples: Annotated[
+        int, typer.Option("--resamples", help="Bootstrap resamples of the sentences for the 95% intervals.")
+    ] = 1000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap (same seed, same intervals).")] = 0,
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from attnprobe import io
-    from attnprobe.analysis import analyze_loaded, check_batch_size
+    from attnprobe.analysis import analyze_loaded, check_options
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
 
-    check_batch_size(batch_size)
+    check_options(batch_size, resamples)
     io.check_out_dir(out)
     sentences = read_corpus(corpus)
     with err_console.status(f"Loading {model}"):
@@ -102,18 +106,22 @@ def analyze(
     with Progress(*columns, console=err_console, transient=True) as bar:
         task = bar.add_task("analyze", total=None)
         result = analyze_loaded(
-            loaded, sentences, batch_size=batch_size,
+            loaded, sentences, batch_size=batch_size, resamples=resamples, seed=seed,
             on_start=lambda total: bar.update(task, total=total),
             progress=lambda done: bar.advance(task, done),
         )
-    written = io.write_files(out, {
+    files = {
         io.HEADS_FILE: io.csv_writer(result.heads),
         io.LAYERS_FILE: io.csv_writer(result.layers),
         io.RUN_FILE: io.json_writer(result.run),
         io.EXAMPLE_FILE: io.npz_writer(
             maps=result.example["maps"], tokens=result.example["tokens"], sentence=result.example["sentence"]
         ),
-    })
+    }
+    if result.categories is not None:
+        files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
+    stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
+    written = io.write_files(out, files, remove=stale)
     run = result.run
     if run["truncated_sentences"]:
         err_console.print(
@@ -132,16 +140,32 @@ def summary_table(run: dict) -> Table:
     )
     table.add_column("layers")
     table.add_column("mean entropy (nats)", justify="right")
-    table.add_row(f"early {s['early_layers'][0]}-{s['early_layers'][1]}", f"{s['early_entropy']:.3f}")
-    table.add_row(f"late {s['late_layers'][0]}-{s['late_layers'][1]}", f"{s['late_entropy']:.3f}")
-    table.add_row("early - late", f"{s['difference']:+.3f}")
+    table.add_column("95% interval", justify="right")
+
+    def ci(key: str, sign: str = "") -> str:
+        low, high = s.get(f"{key}_ci", (float("nan"), float("nan")))
+        return f"[{low:{sign}.3f}, {high:{sign}.3f}]"
+
+    early, late = s["early_layers"], s["late_layers"]
+    table.add_row(f"early {early[0]}-{early[1]}", f"{s['early_entropy']:.3f}", ci("early_entropy"))
+    table.add_row(f"late {late[0]}-{late[1]}", f"{s['late_entropy']:.3f}", ci("late_entropy"))
+    table.add_row("early - late", f"{s['difference']:+.3f}", ci("difference", "+"))
+    table.caption = f"intervals: bootstrap over sentences, {run['bootstrap']['resamples']} resamples"
     return table
+
+
+class SchemeChoice(str, Enum):
+    default = "default"
+    extended = "extended"
 
 
 @app.command()
 @friendly_errors
 def classify(
     out: OutOption = DEFAULT_OUT,
+    scheme: Annotated[
+        SchemeChoice, typer.Option(help="default: local/copy/broad/mixed; extended adds previous and sink.")
+    ] = SchemeChoice.default,
     local_min_diagonal: Annotated[
         float, typer.Option(help="Local if at least this share of attention is within +-2 tokens.")
     ] = 0.8,
@@ -151,18 +175,26 @@ def classify(
     broad_min_entropy_norm: Annotated[
         float, typer.Option(help="Broad if normalized entropy H/ln(k) is at least this.")
     ] = 0.7,
+    sink_min_first_token: Annotated[
+        float, typer.Option(help="Extended: a copy head is a sink if at least this share goes to the first token.")
+    ] = 0.5,
+    previous_min_previous_token: Annotated[
+        float, typer.Option(help="Extended: a local head is previous if at least this share goes to token i-1.")
+    ] = 0.5,
 ) -> None:
-    """Label each head local, copy, broad or mixed from heads.csv; write head_types.csv."""
+    """Label each head (local, copy, broad, mixed; or extended) from heads.csv; write head_types.csv."""
     from attnprobe import io
-    from attnprobe.classify import RULE_COLUMNS, Thresholds, counts_per_layer
+    from attnprobe.classify import Thresholds, counts_per_layer, required_columns
     from attnprobe.classify import classify as run_classify
 
-    thresholds = Thresholds(local_min_diagonal, copy_max_entropy, broad_min_entropy_norm)
-    heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", *RULE_COLUMNS], "attnprobe analyze")
-    types = run_classify(heads, thresholds)
+    thresholds = Thresholds(
+        local_min_diagonal, copy_max_entropy, broad_min_entropy_norm, sink_min_first_token, previous_min_previous_token
+    )
+    heads = io.read_table(out, io.HEADS_FILE, required_columns(scheme.value), "attnprobe analyze")
+    types = run_classify(heads, thresholds, scheme.value)
     written = io.write_files(out, {io.TYPES_FILE: io.csv_writer(types)})
     counts = counts_per_layer(types)
-    table = Table(title="Head types per layer")
+    table = Table(title=f"Head types per layer ({scheme.value} scheme)")
     table.add_column("layer", justify="right")
     for kind in counts.columns:
         table.add_column(kind, justify="right")
@@ -189,6 +221,9 @@ def plot(out: OutOption = DEFAULT_OUT) -> None:
     else:
         types = run_classify(heads)
         err_console.print("No head_types.csv: using the default classification thresholds.", markup=False)
+    categories = None
+    if (Path(out) / io.CATEGORIES_FILE).exists():
+        categories = io.read_table(out, io.CATEGORIES_FILE, ["category", "layer", "entropy"], "attnprobe analyze")
     example = io.read_example(out)
     if example is None:
         raise AttnprobeError(f"no {io.EXAMPLE_FILE} in {out}: run `attnprobe analyze --out {out}` first")
@@ -196,7 +231,7 @@ def plot(out: OutOption = DEFAULT_OUT) -> None:
         raise AttnprobeError(f"{io.EXAMPLE_FILE} does not match heads.csv: run `attnprobe analyze --out {out}` again")
     written = io.write_files(out, {
         "entropy_heatmap.png": io.figure_writer(plotting.entropy_heatmap_figure(heads)),
-        "layer_gradient.png": io.figure_writer(plotting.layer_gradient_figure(heads, layers, types)),
+        "layer_gradient.png": io.figure_writer(plotting.layer_gradient_figure(heads, layers, types, categories)),
         "head_patterns.png": io.figure_writer(plotting.head_patterns_figure(example, types)),
     })
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)

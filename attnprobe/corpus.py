@@ -36,7 +36,7 @@ def read_corpus(path: str | Path) -> Corpus:
     raw = _read_bytes(path)
     if not raw.strip():
         raise AttnprobeError(f"corpus {path} is empty: add one sentence per line")
-    sentences = tuple(parse_lines(_decode_lines(path, raw)))
+    sentences = tuple(parse_lines(_decode_lines(path, raw), source=str(path)))
     if not sentences:
         raise AttnprobeError(
             f"corpus {path} has no sentences, only blank or '#' comment lines: "
@@ -45,8 +45,8 @@ def read_corpus(path: str | Path) -> Corpus:
     return Corpus(path=path, sha256=hashlib.sha256(raw).hexdigest(), sentences=sentences)
 
 
-def parse_lines(lines: list[str]) -> list[Sentence]:
-    """Sentences from text lines; `# category: <name>` tags the sentences below it."""
+def parse_lines(lines: list[str], source: str = "corpus") -> list[Sentence]:
+    """Sentences from text lines; `# category: <name>` tags the sentences below it, up to the next tag."""
     category: str | None = None
     sentences = []
     for number, line in enumerate(lines, start=1):
@@ -54,7 +54,11 @@ def parse_lines(lines: list[str]) -> list[Sentence]:
         if text.startswith("#"):
             tag = _CATEGORY_TAG.match(text)
             if tag:
-                category = tag.group("name") or None
+                category = tag.group("name")
+                if not category:
+                    raise AttnprobeError(
+                        f"{source} line {number}: '# category:' has no name; write e.g. '# category: passive'"
+                    )
             continue
         if text:
             sentences.append(Sentence(text=text, line=number, category=category))

@@ -19,6 +19,7 @@ LAYERS_FILE = "layers.csv"
 RUN_FILE = "run.json"
 EXAMPLE_FILE = "example_attention.npz"
 TYPES_FILE = "head_types.csv"
+CATEGORIES_FILE = "categories.csv"
 
 Writer = Callable[[Path], None]  # writes one file at the given (temporary) path
 
@@ -40,8 +41,11 @@ def check_out_dir(out: str | Path) -> Path:
     return out
 
 
-def write_files(out: str | Path, writers: dict[str, Writer]) -> list[Path]:
-    """Write every file to a temporary name, then rename them all into place."""
+def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[str] = ()) -> list[Path]:
+    """Write every file to a temporary name, then rename them all into place.
+
+    `remove` names files left by an earlier run that would now be wrong; they go once the rest is in place.
+    """
     out = check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     staged: list[tuple[Path, Path]] = []
@@ -59,6 +63,8 @@ def write_files(out: str | Path, writers: dict[str, Writer]) -> list[Path]:
     for tmp, final in staged:
         os.chmod(tmp, mode)  # mkstemp makes 0600 files; results should read like any other file
         os.replace(tmp, final)
+    for name in remove:
+        (out / name).unlink(missing_ok=True)
     return [final for _, final in staged]
 
 

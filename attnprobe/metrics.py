@@ -15,7 +15,9 @@ from torch import Tensor
 
 DIAGONAL_WINDOW = 2  # keys j with |i - j| <= 2 count as "near the diagonal"
 
-METRICS = ("entropy", "entropy_norm", "diagonal", "first_token")
+METRICS = (
+    "entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance", "diagonal_excess",
+)
 SPECIAL = "special_tokens"  # reported only when the inputs contain special tokens
 
 
@@ -44,17 +46,39 @@ def valid_key_counts(attention_mask: Tensor, causal: bool) -> Tensor:
     return torch.minimum(i[None, :], length)  # [batch, query]
 
 
+def row_offset(p: Tensor, offset: int) -> Tensor:
+    """p[i, i + offset] for every query i, and 0 where that key does not exist."""
+    n = p.shape[-1]
+    out = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)  # [batch, head, query]
+    if abs(offset) >= n:
+        return out
+    band = p.diagonal(offset=offset, dim1=-2, dim2=-1)  # [batch, head, n - |offset|]
+    if offset >= 0:
+        out[..., : n - offset] = band
+    else:
+        out[..., -offset:] = band
+    return out
+
+
 def row_diagonal(p: Tensor, window: int = DIAGONAL_WINDOW) -> Tensor:
     """Attention mass on keys within `window` positions of the query, read off the diagonals."""
+    return sum(row_offset(p, offset) for offset in range(-window, window + 1))  # [batch, head, query]
+
+
+def row_distance(p: Tensor) -> Tensor:
+    """Mean attention distance sum_j p_ij |i - j|, in tokens."""
     n = p.shape[-1]
-    total = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)  # [batch, head, query]
-    for offset in range(-min(window, n - 1), min(window, n - 1) + 1):
-        band = p.diagonal(offset=offset, dim1=-2, dim2=-1)  # [batch, head, n - |offset|]: p[i, i + offset]
-        if offset >= 0:
-            total[..., : n - offset] += band
-        else:
-            total[..., -offset:] += band
-    return total  # [batch, head, query]
+    i = torch.arange(n, device=p.device, dtype=p.dtype)
+    return (p * (i[:, None] - i[None, :]).abs()).sum(dim=-1)  # [batch, head, query]
+
+
+def window_key_counts(attention_mask: Tensor, causal: bool, window: int = DIAGONAL_WINDOW) -> Tensor:
+    """How many valid keys lie within `window` of each query."""
+    length = attention_mask.sum(dim=-1, keepdim=True)  # [batch, 1]
+    i = torch.arange(attention_mask.shape[-1], device=attention_mask.device)[None, :]  # [1, query]
+    before = i.clamp(max=window)  # [1, query]
+    after = (length - 1 - i).clamp(min=0, max=window)  # [batch, query]
+    return before + 1 + (0 if causal else after)  # [batch, query]
 
 
 def row_entropy_norm(entropy: Tensor, n_keys: Tensor) -> Tensor:
@@ -91,12 +115,20 @@ def sentence_stats(
     """
     p = p.float()  # [batch, head, query, key]; no copy when the model runs in float32
     rows = attention_mask.bool()  # [batch, query]
+    n_keys = valid_key_counts(attention_mask, causal)[:, None, :]  # [batch, 1, query]
+    first = torch.arange(p.shape[-1], device=p.device) == 0  # [query]
     entropy = row_entropy(p)  # [batch, head, query]
+    diagonal = row_diagonal(p)  # [batch, head, query]
+    chance = window_key_counts(attention_mask, causal)[:, None, :] / n_keys.clamp(min=1)  # [batch, 1, query]
     per_row = {
         "entropy": entropy,
-        "entropy_norm": row_entropy_norm(entropy, valid_key_counts(attention_mask, causal)),
-        "diagonal": row_diagonal(p),
+        "entropy_norm": row_entropy_norm(entropy, n_keys[:, 0]),
+        "diagonal": diagonal,
         "first_token": row_first_token(p),
+        "previous_token": torch.where((n_keys >= 2) & ~first, row_offset(p, -1), torch.nan),
+        "self": torch.where(n_keys >= 2, row_offset(p, 0), torch.nan),
+        "distance": row_distance(p),
+        "diagonal_excess": diagonal - chance,
     }
     if special is not None:
         per_row[SPECIAL] = row_special(p, special)

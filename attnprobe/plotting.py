@@ -9,9 +9,16 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from attnprobe.classify import HEAD_TYPES
+from attnprobe.classify import ALL_TYPES, HEAD_TYPES
 
-TYPE_COLORS = {"local": "#1b9e77", "copy": "#d95f02", "broad": "#7570b3", "mixed": "#a6a6a6"}
+TYPE_COLORS = {
+    "previous": "#66a61e", "local": "#1b9e77", "sink": "#e7298a", "copy": "#d95f02",
+    "broad": "#7570b3", "mixed": "#a6a6a6",
+}
+PICK_BY = {  # the clearest head of each type: (column, largest?)
+    "previous": ("previous_token", True), "local": ("diagonal", True), "sink": ("first_token", True),
+    "copy": ("entropy", False), "broad": ("entropy_norm", True),
+}
 MAX_ANNOTATED_CELLS = 400  # beyond this many heads the heatmap drops its per-cell numbers
 
 
@@ -39,7 +46,15 @@ def draw_entropy_heatmap(ax: Axes, heads: pd.DataFrame) -> Any:
     return image
 
 
-def draw_layer_entropy(ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame) -> None:
+def type_order(types: pd.DataFrame) -> list[str]:
+    """The default four types, plus previous and sink when the extended scheme made them."""
+    present = set(types["head_type"])
+    return [t for t in ALL_TYPES if t in HEAD_TYPES or t in present]
+
+
+def draw_layer_entropy(
+    ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame, categories: pd.DataFrame | None = None
+) -> None:
     ax.scatter(heads["layer"], heads["entropy"], s=10, color="#9ecae1", label="one head")
     spread = layers["entropy_head_std"].fillna(0.0)
     ax.fill_between(
@@ -47,6 +62,9 @@ def draw_layer_entropy(ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame) -> N
         color="#3182bd", alpha=0.2, label="mean +- 1 sd over heads",
     )
     ax.plot(layers["layer"], layers["entropy"], marker="o", color="#08519c", label="mean over heads")
+    if categories is not None:
+        for category, group in categories.groupby("category", sort=False):
+            ax.plot(group["layer"], group["entropy"], linewidth=1.2, alpha=0.9, label=str(category))
     ax.set_title("Entropy by depth")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean attention entropy (nats)")
@@ -54,9 +72,10 @@ def draw_layer_entropy(ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame) -> N
 
 
 def draw_type_distribution(ax: Axes, types: pd.DataFrame) -> None:
-    counts = pd.crosstab(types["layer"], types["head_type"]).reindex(columns=list(HEAD_TYPES), fill_value=0)
+    order = type_order(types)
+    counts = pd.crosstab(types["layer"], types["head_type"]).reindex(columns=order, fill_value=0)
     bottom = np.zeros(len(counts))
-    for kind in HEAD_TYPES:
+    for kind in order:
         ax.bar(counts.index, counts[kind], bottom=bottom, color=TYPE_COLORS[kind], label=kind)
         bottom += counts[kind].to_numpy()
     ax.set_title("Head types by layer")
@@ -82,16 +101,13 @@ def representatives(types: pd.DataFrame) -> dict[str, tuple[int, int]]:
     """The clearest head of each type present: (layer, head)."""
     picks: dict[str, tuple[int, int]] = {}
     for kind, group in types.groupby("head_type"):
-        if kind == "local":
-            row = group.loc[group["diagonal"].idxmax()]
-        elif kind == "copy":
-            row = group.loc[group["entropy"].idxmin()]
-        elif kind == "broad":
-            row = group.loc[group["entropy_norm"].idxmax()]
+        column, largest = PICK_BY.get(str(kind), ("entropy", None))
+        if largest is None:  # mixed: the most typical, nearest the median entropy
+            index = (group["entropy"] - group["entropy"].median()).abs().idxmin()
         else:
-            row = group.loc[(group["entropy"] - group["entropy"].median()).abs().idxmin()]
-        picks[str(kind)] = (int(row["layer"]), int(row["head"]))
-    return {kind: picks[kind] for kind in HEAD_TYPES if kind in picks}
+            index = group[column].idxmax() if largest else group[column].idxmin()
+        picks[str(kind)] = (int(group.loc[index, "layer"]), int(group.loc[index, "head"]))
+    return {kind: picks[kind] for kind in ALL_TYPES if kind in picks}
 
 
 def entropy_heatmap_figure(heads: pd.DataFrame) -> Figure:
@@ -102,10 +118,12 @@ def entropy_heatmap_figure(heads: pd.DataFrame) -> Figure:
     return figure
 
 
-def layer_gradient_figure(heads: pd.DataFrame, layers: pd.DataFrame, types: pd.DataFrame) -> Figure:
+def layer_gradient_figure(
+    heads: pd.DataFrame, layers: pd.DataFrame, types: pd.DataFrame, categories: pd.DataFrame | None = None
+) -> Figure:
     figure = Figure(figsize=(13.0, 4.8), layout="constrained")
     left, right = figure.subplots(1, 2)
-    draw_layer_entropy(left, heads, layers)
+    draw_layer_entropy(left, heads, layers, categories)
     draw_type_distribution(right, types)
     return figure
 

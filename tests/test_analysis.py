@@ -107,3 +107,34 @@ def test_float16_on_cpu_is_refused(gpt2_dir, corpus_file):
 
     with pytest.raises(AttnprobeError, match="float16 needs a GPU"):
         analyze(str(gpt2_dir), str(corpus_file), device="cpu", dtype="float16")
+
+
+def test_tagged_corpus_gives_categories_with_intervals(gpt2_dir, tmp_path):
+    corpus = tmp_path / "tagged.txt"
+    corpus.write_text("Rain fell.\n# category: short\nBirds sing.\nThe cat sat on the mat.\n"
+                      "# category: long\n" + "\n".join(SENTENCES[3:6]) + "\n", encoding="utf-8")
+    result = analyze(str(gpt2_dir), str(corpus), device="cpu", resamples=200)
+    cats = result.categories
+    assert list(cats.columns) == ["category", "layer", "entropy", "entropy_ci_low", "entropy_ci_high", "sentences"]
+    assert list(dict.fromkeys(cats["category"])) == ["untagged", "short", "long"]
+    assert cats.groupby("category")["sentences"].first().to_dict() == {"untagged": 1, "short": 2, "long": 3}
+    frame = result.per_sentence
+    short = frame[frame["sentence"].isin([1, 2]) & (frame["layer"] == 1)]
+    expected = short.groupby("sentence")["entropy"].mean().mean()  # mean over heads, then over sentences
+    assert cats.query("category == 'short' and layer == 1")["entropy"].iloc[0] == pytest.approx(expected)
+    single = cats.query("category == 'untagged'")
+    np.testing.assert_allclose(single["entropy_ci_low"], single["entropy"])  # one sentence: no spread
+    assert (cats["entropy_ci_low"] <= cats["entropy"] + 1e-9).all()
+
+
+def test_intervals_follow_the_seed(gpt2_dir, corpus_file):
+    a = analyze(str(gpt2_dir), str(corpus_file), device="cpu", resamples=300, seed=1)
+    b = analyze(str(gpt2_dir), str(corpus_file), device="cpu", resamples=300, seed=1)
+    c = analyze(str(gpt2_dir), str(corpus_file), device="cpu", resamples=300, seed=2)
+    pd.testing.assert_frame_equal(a.heads, b.heads)
+    assert not np.allclose(a.heads["entropy_ci_low"], c.heads["entropy_ci_low"])
+    pd.testing.assert_series_equal(a.heads["entropy"], c.heads["entropy"])  # point values never move
+    low, high = a.run["summary"]["difference_ci"]
+    assert low < a.run["summary"]["difference"] < high
+    layer = a.layers.iloc[1]
+    assert layer["entropy_ci_low"] < layer["entropy"] < layer["entropy_ci_high"]

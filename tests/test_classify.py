@@ -64,3 +64,33 @@ def test_classify_keeps_the_values_the_rule_used_and_counts_every_type():
 def test_out_of_range_thresholds_are_refused(kwargs):
     with pytest.raises(AttnprobeError, match="must be"):
         Thresholds(**kwargs)
+
+
+def extended_heads(rows):
+    return pd.DataFrame(rows, columns=["layer", "head", "entropy", "entropy_norm", "diagonal", "first_token",
+                                       "previous_token"])
+
+
+def test_extended_scheme_splits_previous_and_sink():
+    table = extended_heads([
+        (0, 0, 0.05, 0.02, 0.98, 0.10, 0.95),  # local, dominated by i - 1 -> previous
+        (0, 1, 0.90, 0.40, 0.90, 0.10, 0.30),  # local, spread over the window -> local
+        (1, 0, 0.10, 0.05, 0.20, 0.92, 0.05),  # copy onto the first token -> sink
+        (1, 1, 0.40, 0.20, 0.20, 0.10, 0.05),  # copy onto content -> copy
+        (2, 0, 2.00, 0.90, 0.30, 0.60, 0.10),  # broad stays broad even with a heavy first token
+        (2, 1, 1.20, 0.50, 0.40, 0.70, 0.60),  # mixed stays mixed
+    ])
+    assert head_types(table, scheme="extended").tolist() == ["previous", "local", "sink", "copy", "broad", "mixed"]
+    assert head_types(table).tolist() == ["local", "local", "copy", "copy", "broad", "mixed"]  # default unchanged
+    result = classify(table, scheme="extended")
+    assert list(result.columns) == ["layer", "head", "head_type", "diagonal", "entropy", "entropy_norm",
+                                    "first_token", "previous_token"]
+    assert list(counts_per_layer(result).columns) == ["previous", "local", "sink", "copy", "broad", "mixed"]
+
+
+def test_extended_thresholds():
+    table = extended_heads([(0, 0, 0.1, 0.05, 0.2, 0.45, 0.0)])
+    assert head_types(table, scheme="extended").tolist() == ["copy"]
+    assert head_types(table, Thresholds(sink_min_first_token=0.4), scheme="extended").tolist() == ["sink"]
+    with pytest.raises(AttnprobeError, match="--previous-min-previous-token 2"):
+        Thresholds(previous_min_previous_token=2)

@@ -42,9 +42,13 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     out, analyzed, _, _ = results
     assert analyzed.exit_code == 0, analyzed.output
     heads = pd.read_csv(out / "heads.csv")
-    assert list(heads.columns) == [
-        "layer", "head", "entropy", "entropy_norm", "diagonal", "first_token", "entropy_std", "sentences"
-    ]
+    scores = ["entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance",
+              "diagonal_excess"]
+    intervals = [f"{name}_ci_{side}" for name in scores for side in ("low", "high")]
+    assert list(heads.columns) == ["layer", "head", *scores, "entropy_std", "sentences", *intervals]
+    assert (heads["entropy_ci_low"] <= heads["entropy"] + 1e-9).all()
+    assert (heads["entropy"] <= heads["entropy_ci_high"] + 1e-9).all()
+    assert not (out / "categories.csv").exists()  # the corpus is not tagged
     assert len(heads) == 3 * 4 and heads["layer"].max() == 2 and heads["head"].max() == 3
     assert heads["entropy"].between(0, math.log(7) + 1e-6).all()
     layers = pd.read_csv(out / "layers.csv")
@@ -54,7 +58,10 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     assert run_info["model"]["source"] == str(gpt2_dir.resolve())
     assert len(run_info["corpus"]["sha256"]) == 64
     assert run_info["batch_size"] == 8 and run_info["device"] == "cpu"
-    assert "early - late" in analyzed.stdout
+    assert "early - late" in analyzed.stdout and "95% interval" in analyzed.stdout
+    assert run_info["bootstrap"] == {"resamples": 1000, "seed": 0, "confidence": 0.95, "over": "sentences"}
+    low, high = run_info["summary"]["difference_ci"]
+    assert low <= run_info["summary"]["difference"] <= high
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
 
 
@@ -221,3 +228,40 @@ def test_plot_without_head_types_uses_default_rule(results, tmp_path):
     assert "default classification" in result.stderr
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["entropy_heatmap.png", "head_patterns.png", "layer_gradient.png"]
+
+
+def test_resamples_below_one(gpt2_dir, corpus_file, out):
+    assert_one_line_error(analyze_with(gpt2_dir, corpus_file, out, "--resamples", "0"), "--resamples 0")
+    assert not out.exists()
+
+
+def test_categories_file_comes_and_goes_with_the_tags(gpt2_dir, tmp_path):
+    out = tmp_path / "out"
+    tagged = tmp_path / "tagged.txt"
+    tagged.write_text("# category: a\nRain fell.\nBirds sing.\n# category: b\nThe cat sat on the mat.\n")
+    assert analyze_with(gpt2_dir, tagged, out, "--resamples", "50").exit_code == 0
+    cats = pd.read_csv(out / "categories.csv")
+    assert sorted(set(cats["category"])) == ["a", "b"] and len(cats) == 2 * 3
+    plain = tmp_path / "plain.txt"
+    plain.write_text("Rain fell.\nBirds sing.\n")
+    assert analyze_with(gpt2_dir, plain, out, "--resamples", "50").exit_code == 0
+    assert not (out / "categories.csv").exists()
+
+
+def test_classify_extended_scheme_from_the_command_line(results, tmp_path):
+    out = tmp_path / "ext"
+    out.mkdir()
+    for name in ("heads.csv", "layers.csv", "example_attention.npz"):
+        (out / name).write_bytes((results[0] / name).read_bytes())
+    result = run("classify", "--out", out, "--scheme", "extended", "--local-min-diagonal", "0",
+                 "--previous-min-previous-token", "0")
+    assert result.exit_code == 0, result.output
+    assert set(pd.read_csv(out / "head_types.csv")["head_type"]) == {"previous"}
+    assert "extended scheme" in result.stdout
+    assert run("plot", "--out", out).exit_code == 0
+
+
+def test_classify_extended_needs_the_new_columns(tmp_path):
+    pd.DataFrame({"layer": [0], "head": [0], "entropy": [1.0], "entropy_norm": [0.5], "diagonal": [0.3]}).to_csv(
+        tmp_path / "heads.csv", index=False)
+    assert_one_line_error(run("classify", "--out", tmp_path, "--scheme", "extended"), "first_token", "previous_token")

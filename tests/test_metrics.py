@@ -109,3 +109,42 @@ def test_valid_key_counts():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     assert valid_key_counts(mask, causal=True).tolist() == [[1, 2, 3, 3], [1, 2, 3, 4]]
     assert valid_key_counts(mask, causal=False).tolist() == [[3, 3, 3, 3], [4, 4, 4, 4]]
+
+
+def test_previous_token_pattern_scores():
+    n = 6
+    stats = sentence_stats(previous_token(n), torch.ones(1, n, dtype=torch.long), causal=True)
+    assert stats["previous_token"].item() == pytest.approx(1.0)  # rows 1..5: all on i - 1
+    assert stats["self"].item() == pytest.approx(0.0)  # row 0 (one key) is left out
+    assert stats["distance"].item() == pytest.approx((n - 1) / n)  # row 0 at distance 0, the rest at 1
+
+
+def test_identity_pattern_scores():
+    n = 5
+    p = torch.eye(n).expand(1, 2, n, n)  # [batch, head, query, key]
+    for causal in (True, False):
+        stats = sentence_stats(p, torch.ones(1, n, dtype=torch.long), causal=causal)
+        assert torch.allclose(stats["self"], torch.ones(1, 2))
+        assert torch.allclose(stats["previous_token"], torch.zeros(1, 2))
+        assert torch.allclose(stats["distance"], torch.zeros(1, 2))
+
+
+def test_uniform_causal_distance_and_diagonal_excess_from_the_formulas():
+    n = 8
+    stats = sentence_stats(uniform_causal(n), torch.ones(1, n, dtype=torch.long), causal=True)
+    distance = sum(sum(i - j for j in range(i + 1)) / (i + 1) for i in range(n)) / n  # = mean of i / 2
+    assert stats["distance"].item() == pytest.approx(distance, abs=1e-6)
+    assert stats["diagonal_excess"].item() == pytest.approx(0.0, abs=1e-6)  # uniform is exactly chance
+    assert stats["previous_token"].item() == pytest.approx(sum(1 / (i + 1) for i in range(1, n)) / (n - 1))
+
+
+def test_diagonal_excess_of_an_encoder_previous_token_head():
+    n = 6
+    p = torch.zeros(1, 1, n, n)  # [batch, head, query, key]
+    p[0, 0, 0, 1] = 1.0
+    for i in range(1, n):
+        p[0, 0, i, i - 1] = 1.0
+    stats = sentence_stats(p, torch.ones(1, n, dtype=torch.long), causal=False)
+    window = [min(i, 2) + min(n - 1 - i, 2) + 1 for i in range(n)]  # 3, 4, 5, 5, 4, 3
+    assert stats["diagonal_excess"].item() == pytest.approx(sum(1 - w / n for w in window) / n, abs=1e-6)
+    assert stats["previous_token"].item() == pytest.approx(1.0)  # row 0 has no previous token

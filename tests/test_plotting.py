@@ -77,3 +77,25 @@ def test_head_patterns_label_tokens():
     ax = figure.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c"]
     assert ax.get_title().split(":")[0] in {"local", "copy", "broad", "mixed"}
+
+
+def test_category_lines_join_the_layer_gradient():
+    heads = fake_heads(4, 3)
+    categories = pd.DataFrame({"category": ["svo"] * 4 + ["passive"] * 4, "layer": list(range(4)) * 2,
+                               "entropy": [1.0, 0.9, 0.8, 0.7, 1.5, 1.2, 1.0, 0.9]})
+    figure = plotting.layer_gradient_figure(heads, fake_layers(heads), classify(heads), categories)
+    left = figure.axes[0]
+    labels = [line.get_label() for line in left.lines]
+    assert labels == ["mean over heads", "svo", "passive"]
+    np.testing.assert_allclose(left.lines[2].get_ydata(), [1.5, 1.2, 1.0, 0.9])
+
+
+def test_extended_types_get_their_own_bars_and_picks():
+    heads = fake_heads(2, 3)
+    heads["previous_token"] = [0.9, 0.1, 0.1, 0.1, 0.1, 0.1]
+    heads["first_token"] = [0.1, 0.9, 0.1, 0.1, 0.1, 0.1]
+    types = classify(heads, scheme="extended")
+    types["head_type"] = ["previous", "sink", "local", "copy", "broad", "mixed"]
+    assert plotting.type_order(types) == ["previous", "local", "sink", "copy", "broad", "mixed"]
+    picks = plotting.representatives(types)
+    assert picks["previous"] == (0, 0) and picks["sink"] == (0, 1)
