@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
 
 import pandas as pd
 
+from attnprobe import defaults
 from attnprobe.errors import AttnprobeError
 
 
@@ -36,11 +36,11 @@ _TOLERANCE = 1e-9  # so that a value equal to a threshold, up to rounding, count
 class Thresholds:
     """Defaults follow from the metric definitions; the README explains each."""
 
-    local_min_diagonal: float = 0.8  # 80% of the mass within +-2 tokens of the query
-    copy_max_entropy: float = math.log(2)  # no more spread than an even split over two tokens
-    broad_min_entropy_norm: float = 0.7  # at least 70% of the maximum ln(k) for the row
-    sink_min_first_token: float = 0.5  # extended: most of a copy head's mass on the first token
-    previous_min_previous_token: float = 0.5  # extended: most of a local head's mass on token i - 1
+    local_min_diagonal: float = defaults.LOCAL_MIN_DIAGONAL
+    copy_max_entropy: float = defaults.COPY_MAX_ENTROPY
+    broad_min_entropy_norm: float = defaults.BROAD_MIN_ENTROPY_NORM
+    sink_min_first_token: float = defaults.SINK_MIN_FIRST_TOKEN
+    previous_min_previous_token: float = defaults.PREVIOUS_MIN_PREVIOUS_TOKEN
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.local_min_diagonal <= 1.0:

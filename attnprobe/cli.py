@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from attnprobe import __version__
+from attnprobe import __version__, defaults
 from attnprobe.errors import AttnprobeError
 
 app = typer.Typer(
@@ -168,19 +168,19 @@ def classify(
     ] = SchemeChoice.default,
     local_min_diagonal: Annotated[
         float, typer.Option(help="Local if at least this share of attention is within +-2 tokens.")
-    ] = 0.8,
+    ] = defaults.LOCAL_MIN_DIAGONAL,
     copy_max_entropy: Annotated[
         float, typer.Option(help="Copy if mean entropy is at most this (nats); ln 2 = an even split over 2 tokens.")
-    ] = 0.6931471805599453,
+    ] = defaults.COPY_MAX_ENTROPY,
     broad_min_entropy_norm: Annotated[
         float, typer.Option(help="Broad if normalized entropy H/ln(k) is at least this.")
-    ] = 0.7,
+    ] = defaults.BROAD_MIN_ENTROPY_NORM,
     sink_min_first_token: Annotated[
         float, typer.Option(help="Extended: a copy head is a sink if at least this share goes to the first token.")
-    ] = 0.5,
+    ] = defaults.SINK_MIN_FIRST_TOKEN,
     previous_min_previous_token: Annotated[
         float, typer.Option(help="Extended: a local head is previous if at least this share goes to token i-1.")
-    ] = 0.5,
+    ] = defaults.PREVIOUS_MIN_PREVIOUS_TOKEN,
 ) -> None:
     """Label each head (local, copy, broad, mixed; or extended) from heads.csv; write head_types.csv."""
     from attnprobe import io
@@ -275,6 +275,61 @@ def verify(
     if failed:
         err_console.print(f"Error: {len(failed)} check(s) failed: {'; '.join(failed)}", markup=False)
         raise typer.Exit(1)
+
+
+class KindChoice(str, Enum):
+    induction = "induction"
+    duplicate = "duplicate"
+    previous = "previous"
+
+
+@app.command()
+@friendly_errors
+def probe(
+    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
+    kind: Annotated[
+        list[KindChoice] | None, typer.Option("--kind", "-k", help="Probe to run; repeat for several (default: all).")
+    ] = None,
+    out: OutOption = DEFAULT_OUT,
+    lengths: Annotated[str, typer.Option(help="Lengths of the random half, comma-separated.")] = "10,20,40",
+    sequences: Annotated[int, typer.Option(help="Random sequences per length.")] = 16,
+    seed: Annotated[int, typer.Option(help="Seed of the random tokens and of the bootstrap.")] = 0,
+    resamples: Annotated[int, typer.Option(help="Bootstrap resamples of the sequences.")] = 1000,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sequences per forward pass.")] = 8,
+    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+) -> None:
+    """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
+    from attnprobe import io, plotting
+    from attnprobe.model import load_model
+    from attnprobe.probe import KINDS, top_heads
+    from attnprobe.probe import probe as run_probe
+
+    try:
+        length_list = tuple(int(x) for x in lengths.split(",") if x.strip())
+    except ValueError:
+        raise AttnprobeError(f"--lengths {lengths!r}: give whole numbers separated by commas, e.g. 10,20,40") from None
+    kinds = tuple(k.value for k in kind) if kind else KINDS
+    io.check_out_dir(out)
+    with err_console.status(f"Loading {model}"):
+        loaded = load_model(model, device.value)
+    with err_console.status("Probing"):
+        result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
+                           resamples=resamples, batch_size=batch_size)
+    info = {"model": {"spec": loaded.spec, "source": loaded.source, **loaded.origin}, **result.info}
+    written = io.write_files(out, {
+        io.PROBE_FILE: io.csv_writer(result.scores),
+        io.PROBE_RUN_FILE: io.json_writer(info),
+        "probe_heatmap.png": io.figure_writer(plotting.probe_heatmap_figure(result.scores, list(kinds), model)),
+    })
+    for k in kinds:
+        table = Table(title=f"Top {k} heads (uniform attention would score {result.info['chance'][k]:.3f})")
+        for column in ("layer.head", "score", "95% interval"):
+            table.add_column(column, justify="right")
+        for _, row in top_heads(result.scores, k).iterrows():
+            table.add_row(f"{int(row['layer'])}.{int(row['head'])}", f"{row[k]:.3f}",
+                          f"[{row[f'{k}_ci_low']:.3f}, {row[f'{k}_ci_high']:.3f}]")
+        out_console.print(table)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
 def main() -> None:

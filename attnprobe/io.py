@@ -20,6 +20,8 @@ RUN_FILE = "run.json"
 EXAMPLE_FILE = "example_attention.npz"
 TYPES_FILE = "head_types.csv"
 CATEGORIES_FILE = "categories.csv"
+PROBE_FILE = "probe.csv"
+PROBE_RUN_FILE = "probe.json"
 
 Writer = Callable[[Path], None]  # writes one file at the given (temporary) path
 

@@ -28,22 +28,32 @@ def grid(heads: pd.DataFrame, column: str) -> np.ndarray:
     return table.to_numpy(dtype=float)  # [layer, head]
 
 
-def draw_entropy_heatmap(ax: Axes, heads: pd.DataFrame) -> Any:
-    values = grid(heads, "entropy")  # [layer, head]
+def draw_head_grid(
+    ax: Axes, heads: pd.DataFrame, column: str, title: str, cmap: str, vmin: float | None = None,
+    vmax: float | None = None,
+) -> Any:
+    """A layers x heads grid of one column, each cell annotated while there are few enough."""
+    values = grid(heads, column)  # [layer, head]
     n_layers, n_heads = values.shape
-    image = ax.imshow(values, cmap="Blues", aspect="auto", interpolation="nearest")
-    ax.set_title("Mean attention entropy per head (light = sharp)")
+    image = ax.imshow(values, cmap=cmap, aspect="auto", interpolation="nearest", vmin=vmin, vmax=vmax)
+    ax.set_title(title)
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(n_heads))
     ax.set_yticks(range(n_layers))
     if values.size <= MAX_ANNOTATED_CELLS:
-        middle = np.nanmin(values) + 0.6 * (np.nanmax(values) - np.nanmin(values))
+        low = np.nanmin(values) if vmin is None else vmin
+        high = np.nanmax(values) if vmax is None else vmax
+        middle = low + 0.6 * (high - low)
         size = 8 if values.size <= 160 else 6
         for (layer, head), value in np.ndenumerate(values):
             color = "white" if value > middle else "black"
             ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=size, color=color)
     return image
+
+
+def draw_entropy_heatmap(ax: Axes, heads: pd.DataFrame) -> Any:
+    return draw_head_grid(ax, heads, "entropy", "Mean attention entropy per head (light = sharp)", "Blues")
 
 
 def type_order(types: pd.DataFrame) -> list[str]:
@@ -62,13 +72,16 @@ def draw_layer_entropy(
         color="#3182bd", alpha=0.2, label="mean +- 1 sd over heads",
     )
     ax.plot(layers["layer"], layers["entropy"], marker="o", color="#08519c", label="mean over heads")
-    if categories is not None:
+    if categories is not None:  # one thin line per sentence category
         for category, group in categories.groupby("category", sort=False):
             ax.plot(group["layer"], group["entropy"], linewidth=1.2, alpha=0.9, label=str(category))
     ax.set_title("Entropy by depth")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean attention entropy (nats)")
-    ax.legend(loc="best", fontsize=8)
+    if categories is None:
+        ax.legend(loc="best", fontsize=8)
+    else:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="mean over heads of")
 
 
 def draw_type_distribution(ax: Axes, types: pd.DataFrame) -> None:
@@ -140,4 +153,18 @@ def head_patterns_figure(example: dict[str, Any], types: pd.DataFrame) -> Figure
         image = draw_pattern(ax, example["maps"][layer, head], example["tokens"], title)
     figure.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8)
     figure.suptitle(f"One head of each type on: {example['sentence']}", fontsize=11)
+    return figure
+
+
+def probe_heatmap_figure(scores: pd.DataFrame, kinds: list[str], model: str) -> Figure:
+    """One layers x heads panel per probe kind, on a shared 0-1 scale (dark = strong)."""
+    n_layers, n_heads = grid(scores, kinds[0]).shape
+    width = max(5.0, 0.6 * n_heads + 2.0)
+    figure = Figure(figsize=(width * len(kinds) + 1.0, max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
+    axes = np.atleast_1d(figure.subplots(1, len(kinds)))
+    image = None
+    for ax, kind in zip(axes, kinds):
+        image = draw_head_grid(ax, scores, kind, f"{kind} score", "Purples", vmin=0.0, vmax=1.0)
+    figure.colorbar(image, ax=list(axes), label="mean attention to the target token", shrink=0.8)
+    figure.suptitle(f"Synthetic probes on {model}: random tokens repeated twice")
     return figure

@@ -111,3 +111,38 @@ def smollm2():
     from attnprobe.model import load_model
 
     return load_model("smollm2-135m", "cpu")
+
+
+def make_planted_gpt2(folder: Path, scale: float = 1.5) -> Path:
+    """A 2-layer GPT-2 whose head 0.0 attends to the previous token; every other head is uniform.
+
+    Token embeddings are zero and position i is the one-hot vector e_i, so after ln_1 the
+    hidden state is about 8 e_i - 0.13. Head 0.0 reads q_i = e_i and k_j = e_(j+1): the score
+    is high exactly when j = i - 1.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2Model
+
+    save_tokenizer(folder, SENTENCES)
+    config = GPT2Config(vocab_size=len(words_of(SENTENCES)) + 2, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2Model(config)
+    embd, head_dim = config.n_embd, config.n_embd // config.n_head
+    with torch.no_grad():
+        model.wte.weight.zero_()
+        model.wpe.weight.copy_(torch.eye(config.n_positions, embd))  # [position, embd]: one-hot
+        for block in model.h:
+            block.attn.c_attn.weight[:, : 2 * embd] = 0.0  # [embd, 3*embd]: every Q and K zero -> uniform
+            block.attn.c_attn.bias[: 2 * embd] = 0.0
+        weight = model.h[0].attn.c_attn.weight
+        for d in range(head_dim):
+            weight[d, d] = scale  # q_i[d] = h_i[d]
+            if d >= 1:
+                weight[d - 1, embd + d] = scale  # k_j[d] = h_j[d - 1]
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def planted_dir(tmp_path_factory) -> Path:
+    return make_planted_gpt2(tmp_path_factory.mktemp("planted"))

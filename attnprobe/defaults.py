@@ -1,0 +1,9 @@
+"""Classification defaults, in a module light enough for the CLI to import at start-up."""
+
+import math
+
+LOCAL_MIN_DIAGONAL = 0.8  # 80% of the mass within +-2 tokens of the query
+COPY_MAX_ENTROPY = math.log(2)  # no more spread than an even split over two tokens
+BROAD_MIN_ENTROPY_NORM = 0.7  # at least 70% of the maximum ln(k) for the row
+SINK_MIN_FIRST_TOKEN = 0.5  # extended: most of a copy head's mass on the first token
+PREVIOUS_MIN_PREVIOUS_TOKEN = 0.5  # extended: most of a local head's mass on token i - 1
