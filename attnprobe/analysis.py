@@ -19,10 +19,11 @@ from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, resampl
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import METRICS, SPECIAL, sentence_stats
-from attnprobe.model import LoadedModel, load_model, stream_attention
+from attnprobe.model import LoadedModel, load_model, quiet_transformers, stream_attention
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
 EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
+EXAMPLE_MAX_TOKENS = 40  # and only its first 40 tokens are kept, so plots stay readable
 
 Progress = Callable[[int], None]  # called with the number of sentences just finished
 
@@ -50,7 +51,7 @@ def analyze(
     on_start: Callable[[int], None] | None = None,
 ) -> Analysis:
     """Measure every head of `model` over every sentence of `corpus`."""
-    check_options(batch_size, resamples)
+    check_options(batch_size, resamples, seed)
     text = read_corpus(corpus)
     loaded = load_model(model, device, dtype)
     return analyze_loaded(
@@ -68,47 +69,49 @@ def analyze_loaded(
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> Analysis:
-    check_options(batch_size, resamples)
+    check_options(batch_size, resamples, seed)
     started = time.perf_counter()
-    ids, truncated = tokenize(loaded, corpus)
+    tokens = tokenize(loaded, corpus)
+    ids = tokens.ids
     if on_start:
         on_start(len(ids))
     example_index = pick_example(ids)
-    arrays, example_maps = measure(loaded, ids, batch_size, example_index, progress)
+    arrays, example_maps = measure(loaded, tokens, batch_size, example_index, progress)
     per_sentence = tidy(arrays, corpus)
     heads = summarize_heads(per_sentence)
     layers = summarize_layers(heads)
     counts = resample_counts(len(ids), resamples, seed)
     heads, layers, summary = add_intervals(heads, layers, arrays, counts)
-    run = run_info(loaded, corpus, ids, truncated, batch_size, time.perf_counter() - started)
+    run = run_info(loaded, corpus, ids, tokens.truncated, batch_size, time.perf_counter() - started)
     run["summary"] = summary
     run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences"}
     run["example_sentence"] = {"index": example_index, "line": corpus.sentences[example_index].line}
     example = {
         "sentence": corpus.sentences[example_index].text,
-        "tokens": token_labels(loaded.tokenizer, ids[example_index]),
+        "tokens": token_labels(loaded.tokenizer, ids[example_index][:EXAMPLE_MAX_TOKENS]),
         "maps": example_maps,
+        "total_tokens": len(ids[example_index]),
     }
     categories = summarize_categories(arrays["entropy"], corpus, resamples, seed)
     return Analysis(heads, layers, per_sentence, run, example, categories)
 
 
 def measure(
-    loaded: LoadedModel, ids: list[list[int]], batch_size: int, example_index: int, progress: Progress | None
+    loaded: LoadedModel, tokens: Tokens, batch_size: int, example_index: int, progress: Progress | None
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Every statistic of every sentence, [sentence, layer, head]; and the example's maps."""
+    """Every statistic of every sentence, [sentence, layer, head]; and the example's maps (first tokens)."""
+    ids = tokens.ids
     n_layers, n_heads = loaded.num_layers, loaded.num_heads
-    special_ids = torch.tensor(sorted(set(loaded.tokenizer.all_special_ids)), dtype=torch.long)  # [n_special]
-    has_special = any(t in set(special_ids.tolist()) for tokens in ids for t in tokens)
+    has_special = any(any(flags) for flags in tokens.special)
     names = (*METRICS, SPECIAL) if has_special else METRICS
     shape = (len(ids), n_layers, n_heads)  # stays on the device until the end: no sync per layer
     stats = {name: torch.full(shape, torch.nan, device=loaded.device) for name in names}  # [sentence, layer, head]
-    n = len(ids[example_index])
+    n = min(len(ids[example_index]), EXAMPLE_MAX_TOKENS)
     example_maps = torch.zeros(n_layers, n_heads, n, n)  # [layer, head, query, key]
     for batch in length_batches(ids, batch_size):
         input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
         rows = torch.tensor(batch, device=loaded.device)  # [batch]
-        special = torch.isin(input_ids, special_ids.to(input_ids.device)) & mask.bool() if has_special else None
+        special = pad_batch([tokens.special[i] for i in batch], loaded.device)[0].bool() if has_special else None
 
         def on_layer(layer: int, p: torch.Tensor, rows=rows, mask=mask, batch=batch, special=special) -> None:
             for name, value in sentence_stats(p, mask, loaded.causal, special).items():  # [batch, head]
@@ -123,24 +126,35 @@ def measure(
     return arrays, example_maps.numpy()
 
 
-def check_options(batch_size: int, resamples: int = DEFAULT_RESAMPLES) -> None:
+def check_options(batch_size: int, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> None:
     if batch_size < 1:
         raise AttnprobeError(f"--batch-size {batch_size} is below 1: use 1 or more (default 8)")
     if resamples < 1:
         raise AttnprobeError(f"--resamples {resamples} is below 1: use 1 or more (default {DEFAULT_RESAMPLES})")
+    if seed < 0:
+        raise AttnprobeError(f"--seed {seed} is negative: use 0 or more")
 
 
-def tokenize(loaded: LoadedModel, corpus: Corpus) -> tuple[list[list[int]], int]:
+@dataclass
+class Tokens:
+    ids: list[list[int]]  # per sentence, truncated to the model's context
+    special: list[list[int]]  # 1 where the tokenizer added a special token ([CLS], [SEP], BOS)
+    truncated: int  # how many sentences were longer than the context
+
+
+def tokenize(loaded: LoadedModel, corpus: Corpus) -> Tokens:
     """Token ids per sentence, truncated to the model's context; also how many were truncated."""
-    full = loaded.tokenizer(corpus.texts, add_special_tokens=True, truncation=False)["input_ids"]
-    cut = loaded.tokenizer(
-        corpus.texts, add_special_tokens=True, truncation=True, max_length=loaded.max_length
-    )["input_ids"]
-    for sentence, tokens in zip(corpus.sentences, cut):
+    with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
+        full = loaded.tokenizer(corpus.texts, add_special_tokens=True, truncation=False)["input_ids"]
+        cut = loaded.tokenizer(
+            corpus.texts, add_special_tokens=True, truncation=True, max_length=loaded.max_length,
+            return_special_tokens_mask=True,
+        )
+    for sentence, tokens in zip(corpus.sentences, cut["input_ids"]):
         if not tokens:
             raise AttnprobeError(f"corpus line {sentence.line} gives no tokens: remove or fix it")
-    truncated = sum(len(a) > len(b) for a, b in zip(full, cut))
-    return [list(t) for t in cut], truncated
+    truncated = sum(len(a) > len(b) for a, b in zip(full, cut["input_ids"]))
+    return Tokens([list(t) for t in cut["input_ids"]], [list(m) for m in cut["special_tokens_mask"]], truncated)
 
 
 def length_batches(ids: list[list[int]], batch_size: int) -> list[list[int]]:

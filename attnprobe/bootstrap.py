@@ -6,6 +6,8 @@ layers and the early-vs-late gradient all describe the same "another sample of s
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 CONFIDENCE = 0.95
@@ -32,6 +34,7 @@ def resampled_means(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
 def interval(resampled: np.ndarray, confidence: float = CONFIDENCE) -> tuple[np.ndarray, np.ndarray]:
     """Percentile interval over the resample axis (axis 0)."""
     tail = (1.0 - confidence) / 2 * 100
-    with np.errstate(invalid="ignore"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a score undefined everywhere stays NaN
         low, high = np.nanpercentile(resampled, [tail, 100 - tail], axis=0)
     return low, high

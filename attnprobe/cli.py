@@ -26,6 +26,7 @@ out_console = Console()
 err_console = Console(stderr=True)
 
 OutOption = Annotated[Path, typer.Option("--out", help="Results folder (created if missing).")]
+ResultsOption = Annotated[Path, typer.Option("--out", help="Results folder written by `attnprobe analyze`.")]
 DEFAULT_OUT = Path("outputs")
 
 
@@ -74,7 +75,7 @@ def main_options(
 @app.command()
 @friendly_errors
 def analyze(
-    model: Annotated[str, typer.Option("--model", "-m", help="Hub id (gpt2) or a folder saved with save_pretrained.")],
+    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
     corpus: Annotated[
         Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
     ],
@@ -97,7 +98,7 @@ def analyze(
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
 
-    check_options(batch_size, resamples)
+    check_options(batch_size, resamples, seed)
     io.check_out_dir(out)
     sentences = read_corpus(corpus)
     with err_console.status(f"Loading {model}"):
@@ -115,7 +116,8 @@ def analyze(
         io.LAYERS_FILE: io.csv_writer(result.layers),
         io.RUN_FILE: io.json_writer(result.run),
         io.EXAMPLE_FILE: io.npz_writer(
-            maps=result.example["maps"], tokens=result.example["tokens"], sentence=result.example["sentence"]
+            maps=result.example["maps"], tokens=result.example["tokens"], sentence=result.example["sentence"],
+            total_tokens=result.example["total_tokens"],
         ),
     }
     if result.categories is not None:
@@ -162,7 +164,7 @@ class SchemeChoice(str, Enum):
 @app.command()
 @friendly_errors
 def classify(
-    out: OutOption = DEFAULT_OUT,
+    out: ResultsOption = DEFAULT_OUT,
     scheme: Annotated[
         SchemeChoice, typer.Option(help="default: local/copy/broad/mixed; extended adds previous and sink.")
     ] = SchemeChoice.default,
@@ -207,7 +209,7 @@ def classify(
 
 @app.command()
 @friendly_errors
-def plot(out: OutOption = DEFAULT_OUT) -> None:
+def plot(out: ResultsOption = DEFAULT_OUT) -> None:
     """Draw entropy_heatmap.png, layer_gradient.png and head_patterns.png from the results."""
     from attnprobe import io, plotting
     from attnprobe.classify import RULE_COLUMNS
@@ -244,7 +246,7 @@ def verify(
     corpus: Annotated[
         Path | None, typer.Option("--corpus", "-c", help="Take the sentences from this file (default: 4 built in).")
     ] = None,
-    sentences: Annotated[int, typer.Option("--sentences", "-n", help="How many corpus sentences to use.")] = 4,
+    sentences: Annotated[int, typer.Option("--sentences", "-n", help="How many sentences to use (first n).")] = 4,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
 ) -> None:
     """Check that the maps attnprobe reads are the model's true attention; exit 1 if any check fails."""
@@ -255,7 +257,7 @@ def verify(
 
     if sentences < 1:
         raise AttnprobeError(f"--sentences {sentences} is below 1: use 1 or more (default 4)")
-    texts = read_corpus(corpus).texts[:sentences] if corpus else list(DEFAULT_SENTENCES)
+    texts = (read_corpus(corpus).texts if corpus else list(DEFAULT_SENTENCES))[:sentences]
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value)
     checks = run_verify(loaded, texts)
@@ -332,9 +334,30 @@ def probe(
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
+def is_usage_error(err: BaseException) -> bool:
+    """Click's UsageError (bad option, value or command), whichever click typer bundles."""
+    return any(cls.__name__ == "UsageError" for cls in type(err).__mro__) and hasattr(err, "format_message")
+
+
 def main() -> None:
-    app(prog_name="attnprobe")
+    """Run the CLI; a misspelt option or value is one `Error:` line too (exit 2), not a usage block."""
+    try:
+        code = app(prog_name="attnprobe", standalone_mode=False)
+    except typer.Abort:
+        err_console.print("Aborted.", markup=False)
+        sys.exit(1)
+    except Exception as err:
+        if not is_usage_error(err):
+            raise
+        if type(err).__name__ == "NoArgsIsHelpError":  # bare `attnprobe`: the help is the answer
+            print(err.format_message())
+            sys.exit(0)
+        ctx = getattr(err, "ctx", None)
+        command = ctx.command_path if ctx is not None else "attnprobe"
+        err_console.print(f"Error: {err.format_message()} (see `{command} --help`)", markup=False, soft_wrap=True)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

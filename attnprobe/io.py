@@ -23,6 +23,8 @@ CATEGORIES_FILE = "categories.csv"
 PROBE_FILE = "probe.csv"
 PROBE_RUN_FILE = "probe.json"
 
+TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
+
 Writer = Callable[[Path], None]  # writes one file at the given (temporary) path
 
 
@@ -99,6 +101,7 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
         frame = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         raise AttnprobeError(f"{path} is not a readable CSV ({err}); run `{made_by}` again") from err
+    columns = list(columns)
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise AttnprobeError(
@@ -106,6 +109,14 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
         )
     if frame.empty:
         raise AttnprobeError(f"{path} has no rows: run `{made_by}` again")
+    not_numbers = [c for c in columns if c not in TEXT_COLUMNS and not pd.api.types.is_numeric_dtype(frame[c])]
+    if not_numbers:
+        raise AttnprobeError(
+            f"{path} has values that are not numbers in {', '.join(not_numbers)}: run `{made_by}` again"
+        )
+    key = [c for c in ("category", "layer", "head") if c in columns]
+    if frame.duplicated(key).any():
+        raise AttnprobeError(f"{path} repeats a ({', '.join(key)}) row: run `{made_by}` again")
     return frame
 
 
@@ -128,7 +139,9 @@ def read_example(out: str | Path) -> dict[str, Any] | None:
         return None
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {"maps": data["maps"], "tokens": [str(t) for t in data["tokens"]], "sentence": str(data["sentence"])}
+            tokens = [str(t) for t in data["tokens"]]
+            total = int(data["total_tokens"]) if "total_tokens" in data else len(tokens)
+            return {"maps": data["maps"], "tokens": tokens, "sentence": str(data["sentence"]), "total_tokens": total}
     except (OSError, KeyError, ValueError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
 

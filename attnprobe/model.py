@@ -79,7 +79,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "float32") -> Loade
     source = resolved.location
     from transformers import AutoModel, AutoTokenizer
 
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModel.from_pretrained(source, attn_implementation="eager", dtype=torch_dtype)
@@ -202,7 +202,7 @@ def _max_length(config: Any, tokenizer: Any) -> int:
 
 
 @contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """transformers logs load reports and warnings of its own; keep the CLI's output ours."""
     from transformers.utils import logging as hf_logging
 

@@ -102,8 +102,9 @@ def draw_pattern(ax: Axes, attention: np.ndarray, tokens: list[str], title: str)
     """One head's attention on the example sentence: rows are queries, columns keys."""
     image = ax.imshow(attention, cmap="Greys", vmin=0.0, vmax=1.0, interpolation="nearest")
     labels = [t.strip() or repr(t) for t in tokens]
-    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    size = 7 if len(labels) <= 25 else 5
+    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=size)
+    ax.set_yticks(range(len(labels)), labels, fontsize=size)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query")
     ax.set_title(title, fontsize=10)
@@ -144,7 +145,7 @@ def layer_gradient_figure(
 def head_patterns_figure(example: dict[str, Any], types: pd.DataFrame) -> Figure:
     picks = representatives(types)
     n = len(example["tokens"])
-    side = max(3.5, 0.28 * n + 1.5)
+    side = min(8.0, max(3.5, 0.2 * n + 1.5))  # inches per panel, whatever the sentence's length
     figure = Figure(figsize=(side * len(picks), side + 0.8), layout="constrained")
     axes = np.atleast_1d(figure.subplots(1, len(picks)))
     image = None
@@ -152,7 +153,9 @@ def head_patterns_figure(example: dict[str, Any], types: pd.DataFrame) -> Figure
         title = f"{kind}: layer {layer}, head {head}"
         image = draw_pattern(ax, example["maps"][layer, head], example["tokens"], title)
     figure.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8)
-    figure.suptitle(f"One head of each type on: {example['sentence']}", fontsize=11)
+    shown = f" (first {n} of {example['total_tokens']} tokens)" if example.get("total_tokens", n) > n else ""
+    sentence = example["sentence"] if len(example["sentence"]) <= 120 else example["sentence"][:117] + "..."
+    figure.suptitle(f"One head of each type on: {sentence}{shown}", fontsize=11)
     return figure
 
 

@@ -4,7 +4,8 @@ In a sequence r r (r of T random tokens), the query at the second occurrence of 
 (position T + s) scores:
   induction - its attention to the token that followed the first occurrence (position s + 1);
   duplicate - its attention to the first occurrence itself (position s);
-  previous  - on the same sequences, every query's attention to the token just before it.
+  previous  - on the same sequences, every query from the second random token to the last one,
+              its attention to the token just before it.
 A head's score is the mean over the scored queries of a sequence, then over sequences.
 """
 
@@ -84,7 +85,10 @@ def probe(
     progress: Callable[[int], None] | None = None,
 ) -> Probe:
     """Score every head on every kind; intervals are a bootstrap over sequences."""
+    kinds = tuple(dict.fromkeys(kinds))  # each kind once, in the order asked
     check(loaded, kinds, lengths, sequences, resamples, batch_size)
+    if seed < 0:
+        raise AttnprobeError(f"--seed {seed} is negative: use 0 or more")
     prefix, suffix = special_frame(loaded.tokenizer)
     rng = np.random.default_rng(seed)
     per_kind: dict[str, list[np.ndarray]] = {kind: [] for kind in kinds}  # each [sequence, layer, head]

@@ -124,8 +124,13 @@ def gguf_folder(path: Path, digest: str) -> Path:
     target = cache_dir() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    except OSError as err:
+        raise AttnprobeError(
+            f"cannot write the GGUF cache in {target.parent} ({err.strerror}): set ATTNPROBE_CACHE to a writable folder"
+        ) from err
     try:
         convert_gguf(path, staging)
         try:
