@@ -317,6 +317,7 @@ def probe(
     with err_console.status("Probing"):
         result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
                            resamples=resamples, batch_size=batch_size)
+    kinds = tuple(result.info["kinds"])  # each asked kind once, as the probe ran them
     info = {"model": {"spec": loaded.spec, "source": loaded.source, **loaded.origin}, **result.info}
     written = io.write_files(out, {
         io.PROBE_FILE: io.csv_writer(result.scores),

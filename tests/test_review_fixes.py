@@ -64,6 +64,17 @@ def test_probe_asks_each_kind_once(gpt2_dir):
     pd.testing.assert_frame_equal(once.scores, twice.scores)
 
 
+def test_probe_command_reports_a_repeated_kind_once(gpt2_dir, tmp_path):
+    result = runner.invoke(app, ["probe", "--model", str(gpt2_dir), "--kind", "previous", "--kind", "previous",
+                                 "--lengths", "4", "--sequences", "3", "--resamples", "20", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("Top previous heads") == 1
+    from matplotlib.image import imread
+
+    height, width = imread(tmp_path / "probe_heatmap.png").shape[:2]
+    assert width < 2 * height  # one panel, not two side by side
+
+
 def test_negative_seed_is_refused_before_any_work(gpt2_dir, corpus_file):
     with pytest.raises(AttnprobeError, match="--seed -1 is negative"):
         analyze(str(gpt2_dir), str(corpus_file), seed=-1)
