@@ -9,7 +9,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from attnprobe.classify import ALL_TYPES, HEAD_TYPES
+from attnprobe.classify import ALL_TYPES, counts_per_layer
 
 TYPE_COLORS = {
     "previous": "#66a61e", "local": "#1b9e77", "sink": "#e7298a", "copy": "#d95f02",
@@ -56,12 +56,6 @@ def draw_entropy_heatmap(ax: Axes, heads: pd.DataFrame) -> Any:
     return draw_head_grid(ax, heads, "entropy", "Mean attention entropy per head (light = sharp)", "Blues")
 
 
-def type_order(types: pd.DataFrame) -> list[str]:
-    """The default four types, plus previous and sink when the extended scheme made them."""
-    present = set(types["head_type"])
-    return [t for t in ALL_TYPES if t in HEAD_TYPES or t in present]
-
-
 def draw_layer_entropy(
     ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame, categories: pd.DataFrame | None = None
 ) -> None:
@@ -85,10 +79,9 @@ def draw_layer_entropy(
 
 
 def draw_type_distribution(ax: Axes, types: pd.DataFrame) -> None:
-    order = type_order(types)
-    counts = pd.crosstab(types["layer"], types["head_type"]).reindex(columns=order, fill_value=0)
+    counts = counts_per_layer(types)  # the same columns `attnprobe classify` prints
     bottom = np.zeros(len(counts))
-    for kind in order:
+    for kind in counts.columns:
         ax.bar(counts.index, counts[kind], bottom=bottom, color=TYPE_COLORS[kind], label=kind)
         bottom += counts[kind].to_numpy()
     ax.set_title("Head types by layer")

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attnprobe.analysis import check_options
 from attnprobe.bootstrap import DEFAULT_RESAMPLES, interval, resample_counts, resampled_means
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, stream_attention
@@ -86,10 +87,8 @@ def probe(
 ) -> Probe:
     """Score every head on every kind; intervals are a bootstrap over sequences."""
     kinds = tuple(dict.fromkeys(kinds))  # each kind once, in the order asked
-    check(loaded, kinds, lengths, sequences, resamples, batch_size)
-    if seed < 0:
-        raise AttnprobeError(f"--seed {seed} is negative: use 0 or more")
     prefix, suffix = special_frame(loaded.tokenizer)
+    check(loaded, kinds, lengths, sequences, resamples, batch_size, seed, len(prefix) + len(suffix))
     rng = np.random.default_rng(seed)
     per_kind: dict[str, list[np.ndarray]] = {kind: [] for kind in kinds}  # each [sequence, layer, head]
     chances: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -148,20 +147,20 @@ def top_heads(scores: pd.DataFrame, kind: str, n: int = 5) -> pd.DataFrame:
 
 def check(
     loaded: LoadedModel, kinds: tuple[str, ...], lengths: tuple[int, ...], sequences: int, resamples: int,
-    batch_size: int,
+    batch_size: int, seed: int, n_special: int,
 ) -> None:
+    """Refuse bad options before any work; `n_special` tokens frame every sequence."""
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise AttnprobeError(f"unknown --kind {', '.join(unknown) or '(none)'}: use induction, duplicate or previous")
     if not lengths or min(lengths) < 2:
         raise AttnprobeError(f"--lengths {','.join(map(str, lengths))}: every length must be 2 or more")
-    for name, value in (("--sequences", sequences), ("--resamples", resamples), ("--batch-size", batch_size)):
-        if value < 1:
-            raise AttnprobeError(f"{name} {value} is below 1: use 1 or more")
-    prefix, suffix = special_frame(loaded.tokenizer)
-    longest = len(prefix) + 2 * max(lengths) + len(suffix)
+    if sequences < 1:
+        raise AttnprobeError(f"--sequences {sequences} is below 1: use 1 or more (default {DEFAULT_SEQUENCES})")
+    check_options(batch_size, resamples, seed)
+    longest = n_special + 2 * max(lengths)
     if longest > loaded.max_length:
         raise AttnprobeError(
             f"--lengths {max(lengths)} makes sequences of {longest} tokens, longer than the model's "
-            f"{loaded.max_length}: use lengths up to {(loaded.max_length - len(prefix) - len(suffix)) // 2}"
+            f"{loaded.max_length}: use lengths up to {(loaded.max_length - n_special) // 2}"
         )

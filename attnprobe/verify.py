@@ -110,8 +110,8 @@ def recomputed_from_projections(loaded: LoadedModel, batched: Capture, keys: Ten
     if scores_of is None:
         return Check(name, None, 1e-5, f"no from-scratch recomputation for {model_type} models")
     worst = 0.0
-    for layer, (p, (args, kwargs)) in enumerate(zip(batched.maps, batched.inputs)):
-        module = attention_modules(loaded.model)[layer][0]
+    modules = [module for module, _ in attention_modules(loaded.model)]
+    for layer, (module, p, (args, kwargs)) in enumerate(zip(modules, batched.maps, batched.inputs)):
         hidden = (args[0] if args else kwargs["hidden_states"]).float()  # [batch, seq, embed]
         try:
             with torch.inference_mode():

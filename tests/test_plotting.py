@@ -96,6 +96,8 @@ def test_extended_types_get_their_own_bars_and_picks():
     heads["first_token"] = [0.1, 0.9, 0.1, 0.1, 0.1, 0.1]
     types = classify(heads, scheme="extended")
     types["head_type"] = ["previous", "sink", "local", "copy", "broad", "mixed"]
-    assert plotting.type_order(types) == ["previous", "local", "sink", "copy", "broad", "mixed"]
+    figure = plotting.layer_gradient_figure(heads, fake_layers(heads), types)
+    legend = [text.get_text() for text in figure.axes[1].get_legend().get_texts()]
+    assert legend == ["previous", "local", "sink", "copy", "broad", "mixed"]
     picks = plotting.representatives(types)
     assert picks["previous"] == (0, 0) and picks["sink"] == (0, 1)
