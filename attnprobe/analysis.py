@@ -6,6 +6,7 @@ import platform
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -14,11 +15,22 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__
+from attnprobe import __version__, kernel
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, resample_counts, resampled_means
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
-from attnprobe.metrics import METRICS, SPECIAL, sentence_stats
+from attnprobe.kernel import DEFAULT_BUDGET_MIB
+from attnprobe.metrics import (
+    METRICS,
+    POSITION_METRICS,
+    RECENT_WINDOW,
+    SINK_TOKENS,
+    SPECIAL,
+    SentenceSums,
+    bin_count,
+    bin_range,
+    sentence_sums,
+)
 from attnprobe.model import LoadedModel, load_model, quiet_transformers, stream_attention
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
@@ -36,6 +48,7 @@ class Analysis:
     run: dict[str, Any]  # provenance and the early/late summary
     example: dict[str, Any] = field(default_factory=dict)  # tokens and maps [layer, head, query, key]
     categories: pd.DataFrame | None = None  # category x layer, when the corpus is tagged
+    positions: pd.DataFrame | None = None  # layer x head x bin of query positions
 
 
 def analyze(
@@ -49,13 +62,16 @@ def analyze(
     seed: int = 0,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    split: str = "lines",
+    options: Options | None = None,
 ) -> Analysis:
-    """Measure every head of `model` over every sentence of `corpus`."""
-    check_options(batch_size, resamples, seed)
-    text = read_corpus(corpus)
+    """Measure every head of `model` over every sentence (or paragraph, or file: `split`) of `corpus`."""
+    check_options(batch_size, resamples, seed, options)
+    text = read_corpus(corpus, split=split)
     loaded = load_model(model, device, dtype)
     return analyze_loaded(
-        loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start
+        loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start,
+        options=options,
     )
 
 
@@ -68,71 +84,182 @@ def analyze_loaded(
     seed: int = 0,
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
+    options: Options | None = None,
 ) -> Analysis:
-    check_options(batch_size, resamples, seed)
+    options = options or Options()
+    check_options(batch_size, resamples, seed, options)
     started = time.perf_counter()
     tokens = tokenize(loaded, corpus)
     ids = tokens.ids
     if on_start:
         on_start(len(ids))
     example_index = pick_example(ids)
-    arrays, example_maps = measure(loaded, tokens, batch_size, example_index, progress)
+    measured = measure(loaded, tokens, batch_size, example_index, progress, options)
+    arrays = measured.stats
     per_sentence = tidy(arrays, corpus)
     heads = summarize_heads(per_sentence)
     layers = summarize_layers(heads)
     counts = resample_counts(len(ids), resamples, seed)
     heads, layers, summary = add_intervals(heads, layers, arrays, counts)
     run = run_info(loaded, corpus, ids, tokens.truncated, batch_size, time.perf_counter() - started)
+    run["attention"] = {
+        "requested": options.attention, "path": measured.path, "block_budget_mib": options.budget_mib,
+        "sink_tokens": options.sink, "window": options.window,
+    }
     run["summary"] = summary
     run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences"}
     run["example_sentence"] = {"index": example_index, "line": corpus.sentences[example_index].line}
     example = {
         "sentence": corpus.sentences[example_index].text,
         "tokens": token_labels(loaded.tokenizer, ids[example_index][:EXAMPLE_MAX_TOKENS]),
-        "maps": example_maps,
+        "maps": measured.example_maps,
         "total_tokens": len(ids[example_index]),
     }
     categories = summarize_categories(arrays["entropy"], corpus, resamples, seed)
-    return Analysis(heads, layers, per_sentence, run, example, categories)
+    positions = summarize_positions(measured.bins, [len(t) for t in ids])
+    return Analysis(heads, layers, per_sentence, run, example, categories, positions)
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the statistics are computed; none of these changes a value beyond float rounding."""
+
+    attention: str = "auto"  # auto | blocked | eager
+    sink: int = SINK_TOKENS  # sink_window: the first S keys
+    window: int = RECENT_WINDOW  # ... and the W most recent
+    budget_mib: float = DEFAULT_BUDGET_MIB  # memory for one block of attention rows
+    block_rows: int | None = None  # a fixed block size instead (tests)
+
+
+ATTENTION_CHOICES = ("auto", "blocked", "eager")
+
+
+def attention_path(loaded: LoadedModel, attention: str) -> str:
+    """`blocked` (attnprobe's statistics attention, O(n) memory) or `eager` (hooks on eager maps)."""
+    if attention not in ATTENTION_CHOICES:
+        raise AttnprobeError(f"unknown --attention {attention!r}: use auto, blocked or eager")
+    if attention == "eager":
+        return "eager"
+    reason = kernel.unsupported(loaded)
+    if reason is None:
+        return "blocked"
+    if attention == "blocked":
+        raise AttnprobeError(f"--attention blocked does not implement {reason}: use --attention eager or auto")
+    return "eager"
+
+
+@dataclass
+class Measured:
+    stats: dict[str, np.ndarray]  # per score [sentence, layer, head]
+    bins: dict[str, np.ndarray]  # per POSITION_METRICS score [sentence, layer, head, bin]
+    example_maps: np.ndarray  # [layer, head, query, key], the example's first tokens
+    path: str  # blocked or eager
 
 
 def measure(
-    loaded: LoadedModel, tokens: Tokens, batch_size: int, example_index: int, progress: Progress | None
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Every statistic of every sentence, [sentence, layer, head]; and the example's maps (first tokens)."""
+    loaded: LoadedModel, tokens: Tokens, batch_size: int, example_index: int, progress: Progress | None,
+    options: Options = Options(),
+) -> Measured:
+    """Every statistic of every sentence, [sentence, layer, head], by position bin too; the example's maps."""
     ids = tokens.ids
+    path = attention_path(loaded, options.attention)
     n_layers, n_heads = loaded.num_layers, loaded.num_heads
     has_special = any(any(flags) for flags in tokens.special)
     names = (*METRICS, SPECIAL) if has_special else METRICS
+    n_bins = bin_count(max(len(t) for t in ids))
     shape = (len(ids), n_layers, n_heads)  # stays on the device until the end: no sync per layer
     stats = {name: torch.full(shape, torch.nan, device=loaded.device) for name in names}  # [sentence, layer, head]
+    bins = {name: torch.full((*shape, n_bins), torch.nan, device=loaded.device)
+            for name in POSITION_METRICS}  # [sentence, layer, head, bin]
     n = min(len(ids[example_index]), EXAMPLE_MAX_TOKENS)
     example_maps = torch.zeros(n_layers, n_heads, n, n)  # [layer, head, query, key]
-    for batch in length_batches(ids, batch_size):
-        input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
-        rows = torch.tensor(batch, device=loaded.device)  # [batch]
-        special = pad_batch([tokens.special[i] for i in batch], loaded.device)[0].bool() if has_special else None
+    sink, window = options.sink, options.window
+    with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
+        for batch in length_batches(ids, batch_size):
+            input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
+            rows = torch.tensor(batch, device=loaded.device)  # [batch]
+            special = pad_batch([tokens.special[i] for i in batch], loaded.device)[0].bool() if has_special else None
+            k = min(n_bins, bin_count(input_ids.shape[1]))
 
-        def on_layer(layer: int, p: torch.Tensor, rows=rows, mask=mask, batch=batch, special=special) -> None:
-            for name, value in sentence_stats(p, mask, loaded.causal, special).items():  # [batch, head]
-                stats[name][rows, layer] = value
-            if example_index in batch:
-                example_maps[layer] = p[batch.index(example_index), :, :n, :n].float().cpu()  # [head, query, key]
+            def store(layer: int, sums: SentenceSums, rows=rows, k=k) -> None:
+                for name, value in sums.means().items():  # [batch, head]
+                    stats[name][rows, layer] = value
+                for name, value in sums.bin_means().items():  # [batch, head, bin]
+                    bins[name][rows, layer, :, :k] = value
 
-        stream_attention(loaded, input_ids, mask, on_layer)
-        if progress:
-            progress(len(batch))
-    arrays = {name: values.cpu().numpy().astype(np.float64) for name, values in stats.items()}
-    return arrays, example_maps.numpy()
+            example = (batch.index(example_index), n) if example_index in batch else None
+            if path == "blocked":
+                def on_sums(layer: int, sums: SentenceSums, maps: torch.Tensor | None, store=store) -> None:
+                    store(layer, sums)
+                    if maps is not None:
+                        example_maps[layer] = maps.cpu()  # [head, query, key]
+
+                kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window,
+                                 bins=k, budget_mib=options.budget_mib, block_rows=options.block_rows,
+                                 example=example)
+            else:
+                def on_map(layer: int, p: torch.Tensor, mask=mask, special=special, store=store, example=example,
+                           k=k) -> None:
+                    store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k))
+                    if example is not None:
+                        example_maps[layer] = p[example[0], :, :n, :n].float().cpu()  # [head, query, key]
+
+                stream_attention(loaded, input_ids, mask, on_map)
+            if progress:
+                progress(len(batch))
+    return Measured(
+        stats={name: values.cpu().numpy().astype(np.float64) for name, values in stats.items()},
+        bins={name: values.cpu().numpy().astype(np.float64) for name, values in bins.items()},
+        example_maps=example_maps.numpy(), path=path,
+    )
 
 
-def check_options(batch_size: int, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> None:
+def summarize_positions(bins: dict[str, np.ndarray], lengths: list[int]) -> pd.DataFrame:
+    """positions.csv: per layer, head and bin of query positions, the rows and each score's mean.
+
+    Inside a bin each sentence weighs the same: its mean over its rows in the bin, then the mean over
+    the sentences that have rows there.
+    """
+    some = next(iter(bins.values()))  # [sentence, layer, head, bin]
+    _, n_layers, n_heads, n_bins = some.shape
+    rows = np.zeros(n_bins, dtype=np.int64)  # real query rows per bin, over the corpus
+    for length in lengths:
+        for b in range(n_bins):
+            lo, hi = bin_range(b)
+            rows[b] += max(0, min(hi, length - 1) - lo + 1)
+    grids = np.meshgrid(np.arange(n_layers), np.arange(n_heads), np.arange(n_bins), indexing="ij")
+    frame = pd.DataFrame({key: g.ravel() for key, g in zip(("layer", "head", "bin"), grids)})
+    frame["position_min"] = [bin_range(b)[0] for b in frame["bin"]]
+    frame["position_max"] = [min(bin_range(b)[1], max(lengths) - 1) for b in frame["bin"]]
+    frame["rows"] = rows[frame["bin"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a bin where a score is undefined stays NaN
+        for name, values in bins.items():
+            frame[name] = np.nanmean(values, axis=0).ravel()  # [layer, head, bin] -> rows
+    return frame
+
+
+def check_options(
+    batch_size: int, resamples: int = DEFAULT_RESAMPLES, seed: int = 0, options: Options | None = None
+) -> None:
     if batch_size < 1:
         raise AttnprobeError(f"--batch-size {batch_size} is below 1: use 1 or more (default 8)")
     if resamples < 1:
         raise AttnprobeError(f"--resamples {resamples} is below 1: use 1 or more (default {DEFAULT_RESAMPLES})")
     if seed < 0:
         raise AttnprobeError(f"--seed {seed} is negative: use 0 or more")
+    if options is None:
+        return
+    if options.attention not in ATTENTION_CHOICES:
+        raise AttnprobeError(f"unknown --attention {options.attention!r}: use auto, blocked or eager")
+    if options.sink < 0:
+        raise AttnprobeError(f"--sink-tokens {options.sink} is negative: use 0 or more (default {SINK_TOKENS})")
+    if options.window < 1:
+        raise AttnprobeError(f"--window {options.window} is below 1: use 1 or more (default {RECENT_WINDOW})")
+    if not options.budget_mib > 0:
+        raise AttnprobeError(f"--block-mib {options.budget_mib} must be above 0 (default {DEFAULT_BUDGET_MIB})")
+    if options.block_rows is not None and options.block_rows < 1:
+        raise AttnprobeError(f"block_rows {options.block_rows} is below 1: use 1 or more, or None for the budget")
 
 
 @dataclass
@@ -298,12 +425,15 @@ def run_info(
             "architecture": type(loaded.model).__name__,
             "layers": loaded.num_layers,
             "heads": loaded.num_heads,
+            "kv_heads": loaded.num_kv_heads,
+            "head_dim": loaded.head_dim,
             "causal": loaded.causal,
             "max_length": loaded.max_length,
         },
         "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256},
         "sentences": len(ids),
         "tokens": sum(len(t) for t in ids),
+        "longest_sequence": max(len(t) for t in ids),
         "truncated_sentences": truncated,
         "device": str(loaded.device),
         "dtype": loaded.dtype,

@@ -28,12 +28,25 @@ err_console = Console(stderr=True)
 OutOption = Annotated[Path, typer.Option("--out", help="Results folder (created if missing).")]
 ResultsOption = Annotated[Path, typer.Option("--out", help="Results folder written by `attnprobe analyze`.")]
 DEFAULT_OUT = Path("outputs")
+POSITION_FIGURE = "position_profile.png"
 
 
 class DTypeChoice(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+class SplitChoice(str, Enum):
+    lines = "lines"
+    paragraphs = "paragraphs"
+    file = "file"
+
+
+class AttentionChoice(str, Enum):
+    auto = "auto"
+    blocked = "blocked"
+    eager = "eager"
 
 
 class DeviceChoice(str, Enum):
@@ -89,25 +102,41 @@ def analyze(
         int, typer.Option("--resamples", help="Bootstrap resamples of the sentences for the 95% intervals.")
     ] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap (same seed, same intervals).")] = 0,
+    split: Annotated[
+        SplitChoice, typer.Option("--split", help="One sequence per line, per blank-line paragraph, or the whole file.")
+    ] = SplitChoice.lines,
+    attention: Annotated[
+        AttentionChoice,
+        typer.Option("--attention", help="blocked: statistics inside attnprobe's attention, O(n) memory; "
+                     "eager: hooks on full maps; auto: blocked where supported."),
+    ] = AttentionChoice.auto,
+    block_mib: Annotated[
+        float, typer.Option("--block-mib", help="Memory budget (MiB) for one block of attention rows (blocked).")
+    ] = defaults.BLOCK_MIB,
+    sink_tokens: Annotated[
+        int, typer.Option("--sink-tokens", help="sink_window: the first S keys count as sinks.")
+    ] = defaults.SINK_TOKENS,
+    window: Annotated[int, typer.Option("--window", help="sink_window: the W most recent keys.")] = defaults.WINDOW,
 ) -> None:
-    """Run the model over the corpus; write heads.csv, layers.csv, run.json and example maps."""
+    """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from attnprobe import io
-    from attnprobe.analysis import analyze_loaded, check_options
+    from attnprobe.analysis import Options, analyze_loaded, check_options
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
 
-    check_options(batch_size, resamples, seed)
+    options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib)
+    check_options(batch_size, resamples, seed, options)
     io.check_out_dir(out)
-    sentences = read_corpus(corpus)
+    sentences = read_corpus(corpus, split=split.value)
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value, dtype.value)
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, console=err_console, transient=True) as bar:
         task = bar.add_task("analyze", total=None)
         result = analyze_loaded(
-            loaded, sentences, batch_size=batch_size, resamples=resamples, seed=seed,
+            loaded, sentences, batch_size=batch_size, resamples=resamples, seed=seed, options=options,
             on_start=lambda total: bar.update(task, total=total),
             progress=lambda done: bar.advance(task, done),
         )
@@ -120,6 +149,8 @@ def analyze(
             total_tokens=result.example["total_tokens"],
         ),
     }
+    if result.positions is not None:
+        files[io.POSITIONS_FILE] = io.csv_writer(result.positions)
     if result.categories is not None:
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
     stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
@@ -129,6 +160,11 @@ def analyze(
         err_console.print(
             f"Warning: {run['truncated_sentences']} sentence(s) were longer than the model's "
             f"{run['model']['max_length']} tokens and were truncated.", markup=False,
+        )
+    if run["attention"]["requested"] == "auto" and run["attention"]["path"] == "eager":
+        err_console.print(
+            f"Note: {run['model']['architecture']} ran on the eager path (full maps, memory grows with n^2); "
+            "see `attnprobe analyze --help` for --attention.", markup=False,
         )
     out_console.print(summary_table(run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
@@ -159,6 +195,7 @@ def summary_table(run: dict) -> Table:
 class SchemeChoice(str, Enum):
     default = "default"
     extended = "extended"
+    kv = "kv"
 
 
 @app.command()
@@ -166,7 +203,8 @@ class SchemeChoice(str, Enum):
 def classify(
     out: ResultsOption = DEFAULT_OUT,
     scheme: Annotated[
-        SchemeChoice, typer.Option(help="default: local/copy/broad/mixed; extended adds previous and sink.")
+        SchemeChoice, typer.Option(help="default: local/copy/broad/mixed; extended adds previous and sink; "
+                                   "kv: streaming/retrieval from sink_window, with a KV-cache estimate.")
     ] = SchemeChoice.default,
     local_min_diagonal: Annotated[
         float, typer.Option(help="Local if at least this share of attention is within +-2 tokens.")
@@ -183,18 +221,28 @@ def classify(
     previous_min_previous_token: Annotated[
         float, typer.Option(help="Extended: a local head is previous if at least this share goes to token i-1.")
     ] = defaults.PREVIOUS_MIN_PREVIOUS_TOKEN,
+    streaming_min_sink_window: Annotated[
+        float, typer.Option(help="kv: a head is streaming if at least this share sits on the sinks + recent window.")
+    ] = defaults.STREAMING_MIN_SINK_WINDOW,
 ) -> None:
-    """Label each head (local, copy, broad, mixed; or extended) from heads.csv; write head_types.csv."""
+    """Label each head (local, copy, broad, mixed; extended; or kv) from heads.csv; write head_types.csv."""
     from attnprobe import io
     from attnprobe.classify import Thresholds, counts_per_layer, required_columns
     from attnprobe.classify import classify as run_classify
 
     thresholds = Thresholds(
-        local_min_diagonal, copy_max_entropy, broad_min_entropy_norm, sink_min_first_token, previous_min_previous_token
+        local_min_diagonal, copy_max_entropy, broad_min_entropy_norm, sink_min_first_token, previous_min_previous_token,
+        streaming_min_sink_window,
     )
     heads = io.read_table(out, io.HEADS_FILE, required_columns(scheme.value), "attnprobe analyze")
-    types = run_classify(heads, thresholds, scheme.value)
-    written = io.write_files(out, {io.TYPES_FILE: io.csv_writer(types)})
+    if scheme is SchemeChoice.kv:
+        types, estimate = classify_kv(out, heads, thresholds)
+        files = {io.TYPES_FILE: io.csv_writer(types), io.KV_CACHE_FILE: io.json_writer(estimate)}
+    else:
+        types = run_classify(heads, thresholds, scheme.value)
+        files = {io.TYPES_FILE: io.csv_writer(types)}
+    stale = [] if scheme is SchemeChoice.kv else [io.KV_CACHE_FILE]  # from an earlier kv run
+    written = io.write_files(out, files, remove=stale)
     counts = counts_per_layer(types)
     table = Table(title=f"Head types per layer ({scheme.value} scheme)")
     table.add_column("layer", justify="right")
@@ -204,13 +252,59 @@ def classify(
         table.add_row(str(layer), *(str(int(v)) for v in row))
     table.add_row("all", *(str(int(v)) for v in counts.sum()), style="bold")
     out_console.print(table)
-    out_console.print(f"Wrote {written[0]}", markup=False, highlight=False)
+    if scheme is SchemeChoice.kv:
+        out_console.print(kv_table(estimate))
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def classify_kv(out: Path, heads, thresholds) -> tuple:
+    """The kv scheme needs the model's KV shape and the run's sink/window, from run.json."""
+    from attnprobe import io
+    from attnprobe.classify import classify as run_classify
+    from attnprobe.classify import kv_cache_estimate
+
+    run = io.read_run(out)
+    model, attention = run["model"], run["attention"]
+    if not model.get("causal", True):
+        raise AttnprobeError(f"{model['spec']} is an encoder: it keeps no KV cache, so --scheme kv does not apply")
+    types = run_classify(heads, thresholds, "kv", kv_heads=int(model["kv_heads"]))
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(run.get("dtype", "float32"), 4)
+    lengths = {"longest_sequence": int(run["longest_sequence"]), "32k": 32_768, "128k": 131_072}
+    estimate = kv_cache_estimate(
+        types, layers=int(model["layers"]), kv_heads=int(model["kv_heads"]), head_dim=int(model["head_dim"]),
+        dtype_bytes=dtype_bytes, sink=int(attention["sink_tokens"]), window=int(attention["window"]),
+        lengths=lengths,
+    )
+    estimate["model"] = model["spec"]
+    estimate["threshold"] = {"streaming_min_sink_window": thresholds.streaming_min_sink_window}
+    return types, estimate
+
+
+def kv_table(estimate: dict) -> Table:
+    counts, a = estimate["counts"], estimate["assumptions"]
+    query_heads = counts["query_heads_streaming"] + counts["query_heads_retrieval"]
+    table = Table(
+        title=f"KV cache if streaming KV heads keep only {a['sink']} sink + {a['window']} recent tokens",
+        caption=f"{counts['query_heads_streaming']} of {query_heads} query heads streaming; "
+        f"{counts['kv_heads_streaming']} of {counts['kv_heads_total']} KV heads usable "
+        "(all their query heads streaming). Attention mass, not accuracy.",
+    )
+    for column in ("sequence", "tokens", "full cache", "sink+window cache", "ratio"):
+        table.add_column(column, justify="right")
+    for name, row in estimate["lengths"].items():
+        table.add_row(name, f"{row['tokens']:,}", _mib(row["full_bytes"]), _mib(row["streaming_bytes"]),
+                      f"{row['ratio']:.3f}")
+    return table
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 @app.command()
 @friendly_errors
 def plot(out: ResultsOption = DEFAULT_OUT) -> None:
-    """Draw entropy_heatmap.png, layer_gradient.png and head_patterns.png from the results."""
+    """Draw entropy_heatmap.png, layer_gradient.png, head_patterns.png and position_profile.png."""
     from attnprobe import io, plotting
     from attnprobe.classify import RULE_COLUMNS
     from attnprobe.classify import classify as run_classify
@@ -218,7 +312,9 @@ def plot(out: ResultsOption = DEFAULT_OUT) -> None:
     heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", *RULE_COLUMNS], "attnprobe analyze")
     layers = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy", "entropy_head_std"], "attnprobe analyze")
     if (Path(out) / io.TYPES_FILE).exists():
-        types = io.read_table(out, io.TYPES_FILE, ["layer", "head", "head_type", *RULE_COLUMNS], "attnprobe classify")
+        kv = "kv_head" in io.read_columns(out, io.TYPES_FILE)  # the kv scheme labels streaming / retrieval
+        rule = ["sink_window"] if kv else list(RULE_COLUMNS)
+        types = io.read_table(out, io.TYPES_FILE, ["layer", "head", "head_type", *rule], "attnprobe classify")
         io.check_same_heads(heads, types, io.TYPES_FILE, f"attnprobe classify --out {out}")
     else:
         types = run_classify(heads)
@@ -231,11 +327,19 @@ def plot(out: ResultsOption = DEFAULT_OUT) -> None:
         raise AttnprobeError(f"no {io.EXAMPLE_FILE} in {out}: run `attnprobe analyze --out {out}` first")
     if example["maps"].shape[:2] != (heads["layer"].nunique(), heads["head"].nunique()):
         raise AttnprobeError(f"{io.EXAMPLE_FILE} does not match heads.csv: run `attnprobe analyze --out {out}` again")
-    written = io.write_files(out, {
-        "entropy_heatmap.png": io.figure_writer(plotting.entropy_heatmap_figure(heads)),
-        "layer_gradient.png": io.figure_writer(plotting.layer_gradient_figure(heads, layers, types, categories)),
-        "head_patterns.png": io.figure_writer(plotting.head_patterns_figure(example, types)),
-    })
+    figures = {
+        "entropy_heatmap.png": plotting.entropy_heatmap_figure(heads),
+        "layer_gradient.png": plotting.layer_gradient_figure(heads, layers, types, categories),
+        "head_patterns.png": plotting.head_patterns_figure(example, types),
+    }
+    if (Path(out) / io.POSITIONS_FILE).exists():
+        positions = io.read_table(
+            out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max", "entropy", "first_token"],
+            "attnprobe analyze",
+        )
+        figures[POSITION_FIGURE] = plotting.position_profile_figure(positions, "Attention by query position")
+    stale = [] if POSITION_FIGURE in figures else [POSITION_FIGURE]  # from an earlier run
+    written = io.write_files(out, {name: io.figure_writer(f) for name, f in figures.items()}, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 

@@ -22,6 +22,8 @@ TYPES_FILE = "head_types.csv"
 CATEGORIES_FILE = "categories.csv"
 PROBE_FILE = "probe.csv"
 PROBE_RUN_FILE = "probe.json"
+POSITIONS_FILE = "positions.csv"
+KV_CACHE_FILE = "kv_cache.json"
 
 TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
 
@@ -114,22 +116,50 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
         raise AttnprobeError(
             f"{path} has values that are not numbers in {', '.join(not_numbers)}: run `{made_by}` again"
         )
-    key = [c for c in ("category", "layer", "head") if c in columns]
+    key = [c for c in ("category", "layer", "head", "bin") if c in columns]
     if frame.duplicated(key).any():
         raise AttnprobeError(f"{path} repeats a ({', '.join(key)}) row: run `{made_by}` again")
     return frame
 
 
+def read_columns(out: str | Path, name: str) -> list[str]:
+    """The header of a results CSV (empty when it cannot be read; read_table then says why)."""
+    try:
+        return list(pd.read_csv(Path(out) / name, nrows=0).columns)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError):
+        return []
+
+
 def check_same_heads(heads: pd.DataFrame, other: pd.DataFrame, name: str, made_by: str) -> None:
     """Refuse a derived table that was made from another heads.csv (another model or run)."""
     key = ["layer", "head"]
-    shared = [c for c in ("entropy", "entropy_norm", "diagonal") if c in other.columns]
+    shared = [c for c in ("entropy", "entropy_norm", "diagonal", "sink_window") if c in other.columns]
     left = heads[key + shared].sort_values(key).reset_index(drop=True)
     right = other[key + shared].sort_values(key).reset_index(drop=True)
     same_heads = left[key].equals(right[key])
     close = same_heads and np.allclose(left[shared], right[shared], rtol=0, atol=1e-4, equal_nan=True)
     if not close:
         raise AttnprobeError(f"{name} does not match heads.csv (made from another run): run `{made_by}` again")
+
+
+def read_run(out: str | Path) -> dict[str, Any]:
+    """run.json as `analyze` wrote it."""
+    path = Path(out) / RUN_FILE
+    if not path.is_file():
+        raise AttnprobeError(f"no {RUN_FILE} in {out}: run `attnprobe analyze --out {out}` first")
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+    needed = {"model": ("spec", "layers", "heads", "kv_heads", "head_dim"), "attention": ("sink_tokens", "window")}
+    for section, keys in needed.items():
+        if not isinstance(run.get(section), dict) or any(k not in run[section] for k in keys):
+            raise AttnprobeError(f"{path} lacks {section} settings (made by an older attnprobe): run `attnprobe "
+                                 "analyze` again")
+    if "longest_sequence" not in run:
+        raise AttnprobeError(f"{path} lacks longest_sequence (made by an older attnprobe): run `attnprobe analyze` "
+                             "again")
+    return run
 
 
 def read_example(out: str | Path) -> dict[str, Any] | None:

@@ -1,24 +1,33 @@
 """Attention statistics as pure functions on tensors.
 
-Conventions: `p` is one layer's attention, [batch, head, query, key], right-padded, with
-real query rows summing to 1 over their valid keys and putting exactly 0 elsewhere (the
-model's own mask does this; `attnprobe verify` checks it). `rows` is a bool mask
-[batch, query] of the real (non-padding) query positions; padded rows may hold anything and
-never count. Nothing here edits its inputs, and nothing but `row_entropy` makes a temporary
-as large as `p`, so a layer's statistics cost one extra map at most.
+Conventions: `p` is a block of one layer's attention, [batch, head, rows, keys]: the query rows
+q0 .. q0 + rows - 1 against keys 0 .. keys - 1 (a whole map is the block with q0 = 0). Sequences
+are right-padded; real query rows sum to 1 over their valid keys and put exactly 0 elsewhere (the
+model's own mask does this; `attnprobe verify` checks it). `lengths` [batch] holds the number of
+real tokens of each sequence; padded rows may hold anything and never count. A causal block needs
+only the keys up to its last row. Nothing here edits its inputs, and no temporary is larger than
+the block, so the statistics of a block cost about one extra block of memory.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
+from attnprobe import defaults
+
 DIAGONAL_WINDOW = 2  # keys j with |i - j| <= 2 count as "near the diagonal"
+SINK_TOKENS = defaults.SINK_TOKENS  # sink_window: the first S keys ...
+RECENT_WINDOW = defaults.WINDOW  # ... plus the W most recent keys j > i - W
 
 METRICS = (
     "entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance", "diagonal_excess",
+    "sink_window",
 )
 SPECIAL = "special_tokens"  # reported only when the inputs contain special tokens
+POSITION_METRICS = ("entropy", "entropy_norm", "first_token", "diagonal", "distance", "sink_window")
 
 
 def valid_keys(attention_mask: Tensor, causal: bool) -> Tensor:
@@ -32,70 +41,193 @@ def valid_keys(attention_mask: Tensor, causal: bool) -> Tensor:
     return keys
 
 
-def row_entropy(p: Tensor) -> Tensor:
-    """Shannon entropy of each row in nats, with 0 ln 0 = 0."""
-    return torch.special.entr(p).sum(dim=-1)  # [batch, head, query]
+def positions(q0: int, rows: int, device: torch.device) -> Tensor:
+    """The query positions of a block."""
+    return torch.arange(q0, q0 + rows, device=device)  # [rows]
+
+
+def key_counts(i: Tensor, lengths: Tensor, causal: bool) -> Tensor:
+    """How many keys each query may see: i + 1 (causal) or the sequence length (encoder)."""
+    length = lengths[:, None]  # [batch, 1]
+    if causal:
+        return torch.minimum(i[None, :] + 1, length)  # [batch, rows]
+    return length.expand(-1, i.shape[0])  # [batch, rows]
+
+
+def window_key_counts(i: Tensor, lengths: Tensor, causal: bool, window: int = DIAGONAL_WINDOW) -> Tensor:
+    """How many valid keys lie within `window` of each query."""
+    before = i.clamp(max=window)[None, :]  # [1, rows]
+    after = (lengths[:, None] - 1 - i[None, :]).clamp(min=0, max=window)  # [batch, rows]
+    return before + 1 + (0 if causal else after)  # [batch, rows]
 
 
 def valid_key_counts(attention_mask: Tensor, causal: bool) -> Tensor:
-    """How many keys each query may see: i + 1 (causal) or the sentence length (encoder)."""
-    length = attention_mask.sum(dim=-1, keepdim=True)  # [batch, 1]
-    if not causal:
-        return length.expand(attention_mask.shape)  # [batch, query]
-    i = torch.arange(1, attention_mask.shape[-1] + 1, device=attention_mask.device)  # [query]
-    return torch.minimum(i[None, :], length)  # [batch, query]
+    """key_counts for a whole right-padded batch, from its attention mask."""
+    i = positions(0, attention_mask.shape[-1], attention_mask.device)  # [query]
+    return key_counts(i, attention_mask.sum(dim=-1), causal)  # [batch, query]
 
 
-def row_offset(p: Tensor, offset: int) -> Tensor:
-    """p[i, i + offset] for every query i, and 0 where that key does not exist."""
-    n = p.shape[-1]
-    out = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)  # [batch, head, query]
-    if abs(offset) >= n:
+def row_entropy(p: Tensor) -> Tensor:
+    """Shannon entropy of each row in nats, with 0 ln 0 = 0."""
+    return torch.special.entr(p).sum(dim=-1)  # [batch, head, rows]
+
+
+def row_offset(p: Tensor, offset: int, q0: int = 0) -> Tensor:
+    """p[i, i + offset] for every query i = q0 + row, and 0 where that key is not in the block."""
+    rows, keys = p.shape[-2:]
+    d = q0 + offset  # the diagonal, in block coordinates, that holds key i + offset
+    out = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)  # [batch, head, rows]
+    if d >= keys or d <= -rows:
         return out
-    band = p.diagonal(offset=offset, dim1=-2, dim2=-1)  # [batch, head, n - |offset|]
-    if offset >= 0:
-        out[..., : n - offset] = band
-    else:
-        out[..., -offset:] = band
+    band = p.diagonal(offset=d, dim1=-2, dim2=-1)  # [batch, head, m]
+    start = max(0, -d)  # the first row that has the key
+    out[..., start : start + band.shape[-1]] = band
     return out
 
 
-def row_diagonal(p: Tensor, window: int = DIAGONAL_WINDOW) -> Tensor:
+def row_diagonal(p: Tensor, q0: int = 0, window: int = DIAGONAL_WINDOW) -> Tensor:
     """Attention mass on keys within `window` positions of the query, read off the diagonals."""
-    return sum(row_offset(p, offset) for offset in range(-window, window + 1))  # [batch, head, query]
+    return sum(row_offset(p, offset, q0) for offset in range(-window, window + 1))  # [batch, head, rows]
 
 
-def row_distance(p: Tensor) -> Tensor:
+def row_distance(p: Tensor, q0: int = 0) -> Tensor:
     """Mean attention distance sum_j p_ij |i - j|, in tokens."""
-    n = p.shape[-1]
-    i = torch.arange(n, device=p.device, dtype=p.dtype)
-    return (p * (i[:, None] - i[None, :]).abs()).sum(dim=-1)  # [batch, head, query]
-
-
-def window_key_counts(attention_mask: Tensor, causal: bool, window: int = DIAGONAL_WINDOW) -> Tensor:
-    """How many valid keys lie within `window` of each query."""
-    length = attention_mask.sum(dim=-1, keepdim=True)  # [batch, 1]
-    i = torch.arange(attention_mask.shape[-1], device=attention_mask.device)[None, :]  # [1, query]
-    before = i.clamp(max=window)  # [1, query]
-    after = (length - 1 - i).clamp(min=0, max=window)  # [batch, query]
-    return before + 1 + (0 if causal else after)  # [batch, query]
+    rows, keys = p.shape[-2:]
+    i = positions(q0, rows, p.device).to(p.dtype)  # [rows]
+    j = torch.arange(keys, device=p.device, dtype=p.dtype)  # [keys]
+    return (p * (i[:, None] - j[None, :]).abs()).sum(dim=-1)  # [batch, head, rows]
 
 
 def row_entropy_norm(entropy: Tensor, n_keys: Tensor) -> Tensor:
     """Entropy over its maximum ln(k); NaN for rows with fewer than 2 valid keys."""
-    k = n_keys[:, None, :].to(entropy.dtype)  # [batch, 1, query]
-    usable = k >= 2  # [batch, 1, query]
-    return torch.where(usable, entropy / torch.log(k.clamp(min=2)), torch.nan)  # [batch, head, query]
+    k = n_keys[:, None, :].to(entropy.dtype)  # [batch, 1, rows]
+    usable = k >= 2  # [batch, 1, rows]
+    return torch.where(usable, entropy / torch.log(k.clamp(min=2)), torch.nan)  # [batch, head, rows]
 
 
 def row_first_token(p: Tensor) -> Tensor:
     """Attention mass on the sequence's first token (the "sink")."""
-    return p[..., 0]  # [batch, head, query]
+    return p[..., 0]  # [batch, head, rows]
 
 
 def row_special(p: Tensor, special: Tensor) -> Tensor:
-    """Attention mass on special-token keys ([CLS], [SEP], BOS, ...)."""
-    return torch.where(special[:, None, None, :], p, 0.0).sum(dim=-1)  # [batch, head, query]
+    """Attention mass on special-token keys ([CLS], [SEP], BOS, ...); `special` is [batch, keys]."""
+    return torch.where(special[:, None, None, : p.shape[-1]], p, 0.0).sum(dim=-1)  # [batch, head, rows]
+
+
+def row_sink_window(
+    p: Tensor, q0: int, causal: bool, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW
+) -> Tensor:
+    """Mass on the first `sink` keys plus the `window` most recent ones (j > i - window).
+
+    Defined for causal rows i >= sink + window, where those keys do not already cover every key; NaN
+    elsewhere (and for encoders, which keep no KV cache). Only the strip of keys the block's windows
+    touch is read, so this costs a fraction of a block.
+    """
+    rows, keys = p.shape[-2:]
+    out = torch.full(p.shape[:-1], torch.nan, dtype=p.dtype, device=p.device)  # [batch, head, rows]
+    first_row = max(0, sink + window - q0)  # the first row of the block that qualifies
+    if not causal or first_row >= rows:
+        return out
+    i = positions(q0 + first_row, rows - first_row, p.device)  # [m]
+    lo = int(i[0]) - window + 1  # keys before lo are outside every window of these rows (lo >= sink)
+    strip = p[..., first_row:, lo:keys]  # [batch, head, m, strip]
+    j = torch.arange(lo, keys, device=p.device)  # [strip]
+    recent = (j[None, :] > i[:, None] - window) & (j[None, :] <= i[:, None])  # [m, strip]
+    out[..., first_row:] = p[..., first_row:, :sink].sum(dim=-1) + torch.where(recent, strip, 0.0).sum(dim=-1)
+    return out
+
+
+def block_row_stats(
+    p: Tensor, q0: int, lengths: Tensor, causal: bool, special: Tensor | None = None,
+    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW,
+) -> dict[str, Tensor]:
+    """Every row statistic of a block of query rows, [batch, head, rows] each (padded rows included)."""
+    p = p.float()  # [batch, head, rows, keys]; no copy when the model runs in float32
+    i = positions(q0, p.shape[-2], p.device)  # [rows]
+    n_keys = key_counts(i, lengths, causal)[:, None, :]  # [batch, 1, rows]
+    entropy = row_entropy(p)  # [batch, head, rows]
+    diagonal = row_diagonal(p, q0)  # [batch, head, rows]
+    chance = window_key_counts(i, lengths, causal)[:, None, :] / n_keys.clamp(min=1)  # [batch, 1, rows]
+    has_previous = (n_keys >= 2) & (i >= 1)[None, None, :]  # [batch, 1, rows]
+    per_row = {
+        "entropy": entropy,
+        "entropy_norm": row_entropy_norm(entropy, n_keys[:, 0]),
+        "diagonal": diagonal,
+        "first_token": row_first_token(p),
+        "previous_token": torch.where(has_previous, row_offset(p, -1, q0), torch.nan),
+        "self": torch.where(n_keys >= 2, row_offset(p, 0, q0), torch.nan),
+        "distance": row_distance(p, q0),
+        "diagonal_excess": diagonal - chance,
+        "sink_window": row_sink_window(p, q0, causal, sink, window),
+    }
+    if special is not None:
+        per_row[SPECIAL] = row_special(p, special)
+    return per_row
+
+
+def position_bin(i: Tensor) -> Tensor:
+    """Bins of query positions: 0, 1, 2-3, 4-7, 8-15, ... (bin b >= 1 holds 2^(b-1) .. 2^b - 1)."""
+    return torch.frexp(i.to(torch.float64)).exponent.long()  # [rows]: exact for integers; frexp(0) = 0
+
+
+def bin_count(longest: int) -> int:
+    """How many bins the positions 0 .. longest - 1 fall into."""
+    return int(position_bin(torch.tensor([max(longest, 1) - 1]))[0]) + 1
+
+
+def bin_range(b: int) -> tuple[int, int]:
+    """The first and last query position of bin b."""
+    return (0, 0) if b == 0 else (2 ** (b - 1), 2**b - 1)
+
+
+@dataclass
+class SentenceSums:
+    """Per-sentence sums and counts of row statistics, filled block by block.
+
+    A sentence's value is sum / count over its real rows where the statistic is defined; the same
+    per bin of query positions for POSITION_METRICS.
+    """
+
+    sums: dict[str, Tensor] = field(default_factory=dict)  # [batch, head]
+    counts: dict[str, Tensor] = field(default_factory=dict)  # [batch, head]
+    bin_sums: dict[str, Tensor] = field(default_factory=dict)  # [batch, head, bin]
+    bin_counts: dict[str, Tensor] = field(default_factory=dict)  # [batch, head, bin]
+
+    def add(self, per_row: dict[str, Tensor], q0: int, lengths: Tensor, bins: int) -> None:
+        """Fold a block's row statistics in; `bins` is the number of position bins to keep."""
+        some = next(iter(per_row.values()))  # [batch, head, rows]
+        i = positions(q0, some.shape[-1], some.device)  # [rows]
+        real = (i[None, :] < lengths[:, None])[:, None, :]  # [batch, 1, rows]
+        where = position_bin(i).clamp(max=bins - 1)  # [rows]
+        for name, values in per_row.items():
+            keep = real & ~values.isnan()  # [batch, head, rows]
+            kept = torch.where(keep, values, 0.0)  # [batch, head, rows]
+            _add(self.sums, name, kept.sum(dim=-1))
+            _add(self.counts, name, keep.sum(dim=-1).to(values.dtype))
+            if name in POSITION_METRICS:
+                shape = (*values.shape[:-1], bins)
+                sums = torch.zeros(shape, dtype=values.dtype, device=values.device).index_add_(-1, where, kept)
+                counts = torch.zeros(shape, dtype=values.dtype, device=values.device).index_add_(
+                    -1, where, keep.to(values.dtype)
+                )
+                _add(self.bin_sums, name, sums)  # [batch, head, bin]
+                _add(self.bin_counts, name, counts)  # [batch, head, bin]
+
+    def means(self) -> dict[str, Tensor]:
+        """Per sentence and head, the mean over rows; NaN where no row had a value."""
+        return {name: _ratio(self.sums[name], self.counts[name]) for name in self.sums}  # [batch, head]
+
+    def bin_means(self) -> dict[str, Tensor]:
+        return {name: _ratio(self.bin_sums[name], self.bin_counts[name]) for name in self.bin_sums}
+
+
+def _add(store: dict[str, Tensor], name: str, value: Tensor) -> None:
+    store[name] = value if name not in store else store[name] + value
+
+
+def _ratio(total: Tensor, count: Tensor) -> Tensor:
+    return torch.where(count > 0, total / count.clamp(min=1), torch.nan)
 
 
 def masked_row_mean(values: Tensor, rows: Tensor) -> Tensor:
@@ -106,30 +238,24 @@ def masked_row_mean(values: Tensor, rows: Tensor) -> Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.nan)  # [batch, head]
 
 
+def sentence_sums(
+    p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None,
+    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int | None = None,
+) -> SentenceSums:
+    """The sums of a whole map [batch, head, query, key]: one block at q0 = 0."""
+    lengths = attention_mask.sum(dim=-1)  # [batch]
+    bins = bins or bin_count(p.shape[-2])
+    sums = SentenceSums()
+    sums.add(block_row_stats(p, 0, lengths, causal, special, sink, window), 0, lengths, bins)
+    return sums
+
+
 def sentence_stats(
-    p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None
+    p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None,
+    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW,
 ) -> dict[str, Tensor]:
     """Per-sentence, per-head means of every row statistic, over the real query rows.
 
     `special`, a bool mask [batch, key] of special-token positions, adds `special_tokens`.
     """
-    p = p.float()  # [batch, head, query, key]; no copy when the model runs in float32
-    rows = attention_mask.bool()  # [batch, query]
-    n_keys = valid_key_counts(attention_mask, causal)[:, None, :]  # [batch, 1, query]
-    first = torch.arange(p.shape[-1], device=p.device) == 0  # [query]
-    entropy = row_entropy(p)  # [batch, head, query]
-    diagonal = row_diagonal(p)  # [batch, head, query]
-    chance = window_key_counts(attention_mask, causal)[:, None, :] / n_keys.clamp(min=1)  # [batch, 1, query]
-    per_row = {
-        "entropy": entropy,
-        "entropy_norm": row_entropy_norm(entropy, n_keys[:, 0]),
-        "diagonal": diagonal,
-        "first_token": row_first_token(p),
-        "previous_token": torch.where((n_keys >= 2) & ~first, row_offset(p, -1), torch.nan),
-        "self": torch.where(n_keys >= 2, row_offset(p, 0), torch.nan),
-        "distance": row_distance(p),
-        "diagonal_excess": diagonal - chance,
-    }
-    if special is not None:
-        per_row[SPECIAL] = row_special(p, special)
-    return {name: masked_row_mean(v, rows) for name, v in per_row.items()}  # each [batch, head]
+    return sentence_sums(p, attention_mask, causal, special, sink, window).means()  # each [batch, head]

@@ -43,6 +43,16 @@ class LoadedModel:
     def num_heads(self) -> int:
         return int(self.model.config.num_attention_heads)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads per layer: fewer than the query heads under grouped-query attention."""
+        return int(getattr(self.model.config, "num_key_value_heads", None) or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+
 
 def resolve_device(device: str) -> torch.device:
     """'auto' picks CUDA, then MPS, then CPU; an explicit device must exist."""
@@ -129,7 +139,7 @@ def attention_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return found
 
 
-class _LastLayerDone(Exception):
+class LastLayerDone(Exception):
     """Raised from the last attention hook: the rest of the network (MLP, final norm) is not needed."""
 
 
@@ -152,14 +162,14 @@ def stream_attention(
                 seen.append(layer)
                 on_layer(layer, weights)  # [batch, head, query, key]
             if layer == len(modules) - 1:
-                raise _LastLayerDone
+                raise LastLayerDone
 
         return hook
 
     handles = [m.register_forward_hook(hook_for(layer, index)) for layer, (m, index) in enumerate(modules)]
     try:
-        loaded.model(**_forward_kwargs(loaded.model, input_ids, attention_mask))
-    except _LastLayerDone:
+        loaded.model(**forward_kwargs(loaded.model, input_ids, attention_mask))
+    except LastLayerDone:
         pass
     finally:
         for handle in handles:
@@ -172,7 +182,7 @@ def stream_attention(
         )
 
 
-def _forward_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Any]:
+def forward_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False

@@ -6,18 +6,23 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib import colormaps
 from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from attnprobe.classify import ALL_TYPES, counts_per_layer
 
 TYPE_COLORS = {
     "previous": "#66a61e", "local": "#1b9e77", "sink": "#e7298a", "copy": "#d95f02",
-    "broad": "#7570b3", "mixed": "#a6a6a6",
+    "broad": "#7570b3", "mixed": "#a6a6a6", "streaming": "#4575b4", "retrieval": "#d73027",
 }
 PICK_BY = {  # the clearest head of each type: (column, largest?)
     "previous": ("previous_token", True), "local": ("diagonal", True), "sink": ("first_token", True),
     "copy": ("entropy", False), "broad": ("entropy_norm", True),
+    "streaming": ("sink_window", True), "retrieval": ("sink_window", False),
 }
 MAX_ANNOTATED_CELLS = 400  # beyond this many heads the heatmap drops its per-cell numbers
 
@@ -163,4 +168,60 @@ def probe_heatmap_figure(scores: pd.DataFrame, kinds: list[str], model: str) -> 
         image = draw_head_grid(ax, scores, kind, f"{kind} score", "Purples", vmin=0.0, vmax=1.0)
     figure.colorbar(image, ax=list(axes), label="mean attention to the target token", shrink=0.8)
     figure.suptitle(f"Synthetic probes on {model}: random tokens repeated twice")
+    return figure
+
+
+POSITION_CMAP = "viridis"  # layers coloured by depth, shallow dark to deep yellow
+
+
+def position_x(positions: pd.DataFrame) -> pd.Series:
+    """Where a bin sits on a 1-based log axis: the geometric centre of its first and last query positions."""
+    return np.sqrt((positions["position_min"] + 1.0) * (positions["position_max"] + 1.0))
+
+
+def layer_norm(positions: pd.DataFrame) -> Normalize:
+    """Maps layer numbers onto the colormap; a single layer lands in its middle."""
+    layers = positions["layer"].dropna()
+    if layers.empty:
+        return Normalize(0.0, 1.0)
+    low, high = float(layers.min()), float(layers.max())
+    return Normalize(low - 0.5, high + 0.5) if low == high else Normalize(low, high)
+
+
+def draw_position_profile(ax: Axes, positions: pd.DataFrame, column: str, ylabel: str) -> ScalarMappable:
+    """One line per layer, the mean over its heads per position bin, coloured by depth; bins without a value skipped.
+
+    Returns the mappable for a colour bar labelled by layer."""
+    table = positions.groupby(["layer", "bin"]).agg(
+        position_min=("position_min", "min"), position_max=("position_max", "max"), value=(column, "mean"),
+    ).reset_index()  # mean skips NaN: the nanmean over heads, NaN where no head has a value
+    table["x"] = position_x(table)
+    norm = layer_norm(positions)
+    cmap = colormaps[POSITION_CMAP]
+    for layer, group in table.groupby("layer"):
+        group = group.sort_values("bin").dropna(subset=["value"])
+        if group.empty:
+            continue
+        ax.plot(group["x"], group["value"], marker="o", markersize=2.5, linewidth=1.2,
+                color=cmap(norm(layer)), label=f"layer {layer}")
+    ax.set_xscale("log")
+    ax.set_xlabel("query position (1-based, log scale)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.3)
+    return ScalarMappable(norm=norm, cmap=cmap)
+
+
+def position_profile_figure(positions: pd.DataFrame, title: str | None = None) -> Figure:
+    """Entropy and first-token mass against query position, one line per layer, with a layer colour bar."""
+    figure = Figure(figsize=(12.0, 4.6), layout="constrained")
+    left, right = figure.subplots(1, 2)
+    mappable = draw_position_profile(left, positions, "entropy", "mean attention entropy (nats)")
+    left.set_title("Entropy by query position")
+    draw_position_profile(right, positions, "first_token", "attention mass on the first token")
+    right.set_title("First-token mass by query position")
+    bar = figure.colorbar(mappable, ax=[left, right], label="layer", shrink=0.9)
+    bar.locator = MaxNLocator(integer=True)
+    bar.update_ticks()
+    if title is not None:
+        figure.suptitle(title)
     return figure

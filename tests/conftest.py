@@ -146,3 +146,42 @@ def make_planted_gpt2(folder: Path, scale: float = 1.5) -> Path:
 @pytest.fixture(scope="session")
 def planted_dir(tmp_path_factory) -> Path:
     return make_planted_gpt2(tmp_path_factory.mktemp("planted"))
+
+
+def make_llama(folder: Path, texts: list[str] = SENTENCES, *, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               max_positions: int = 128, hidden: int = 32, seed: int = 0) -> Path:
+    """Save a random tiny Llama (grouped-query attention, a BOS token) to `folder`."""
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    vocab_size = save_tokenizer(folder, texts, bos=True)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, initializer_range=0.4, bos_token_id=0,
+                         eos_token_id=0)
+    LlamaModel(config).save_pretrained(folder)
+    return folder
+
+
+def make_bert(folder: Path, texts: list[str] = SENTENCES, *, layers: int = 2, heads: int = 4, seed: int = 0) -> Path:
+    """Save a random tiny BERT encoder to `folder`."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    vocab_size = save_tokenizer(folder, texts)
+    config = BertConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=heads, max_position_embeddings=128, initializer_range=0.4)
+    BertModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory) -> Path:
+    return make_bert(tmp_path_factory.mktemp("bert"))

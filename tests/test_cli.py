@@ -43,7 +43,7 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     assert analyzed.exit_code == 0, analyzed.output
     heads = pd.read_csv(out / "heads.csv")
     scores = ["entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance",
-              "diagonal_excess"]
+              "diagonal_excess", "sink_window"]
     intervals = [f"{name}_ci_{side}" for name in scores for side in ("low", "high")]
     assert list(heads.columns) == ["layer", "head", *scores, "entropy_std", "sentences", *intervals]
     assert (heads["entropy_ci_low"] <= heads["entropy"] + 1e-9).all()
@@ -75,10 +75,10 @@ def test_classify_writes_types_and_prints_counts(results):
     assert "Head types per layer" in classified.stdout
 
 
-def test_plot_writes_three_pngs(results):
+def test_plot_writes_four_pngs(results):
     out, _, _, plotted = results
     assert plotted.exit_code == 0, plotted.output
-    for name in ("entropy_heatmap.png", "layer_gradient.png", "head_patterns.png"):
+    for name in ("entropy_heatmap.png", "layer_gradient.png", "head_patterns.png", "position_profile.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 

@@ -63,8 +63,9 @@ def test_padded_rows_and_keys_never_count():
     p[..., :n, n:] = 0.0
     p[..., n:, :] = torch.nan  # a padded query row can hold anything, even NaN
     mask = torch.tensor([[1] * n + [0] * pad])
-    stats = sentence_stats(p, mask, causal=True)
-    alone = sentence_stats(uniform_causal(n), torch.ones(1, n, dtype=torch.long), causal=True)
+    stats = sentence_stats(p, mask, causal=True, sink=1, window=1)  # sink_window defined from row 2 on
+    alone = sentence_stats(uniform_causal(n), torch.ones(1, n, dtype=torch.long), causal=True, sink=1, window=1)
+    assert not any(v.isnan().any() for v in alone.values())
     for name in stats:
         assert stats[name].item() == pytest.approx(alone[name].item(), abs=1e-6)
 

@@ -12,14 +12,17 @@ import pytest
 import torch
 from conftest import SENTENCES
 
-from attnprobe.analysis import analyze_loaded
+from attnprobe.analysis import Options, analyze_loaded
 from attnprobe.corpus import Corpus, Sentence
 from attnprobe.metrics import METRICS
 from attnprobe.model import load_model
 
+SINK, WINDOW = 1, 3  # small, so that sink_window is defined on short sentences
+
 
 def reference_row_scores(p: np.ndarray, i: int, n: int, causal: bool) -> dict[str, float]:
     """Every score of row i of one head's map p [query, key], straight from the definitions."""
+    kept = [j for j in range(i + 1) if j < SINK or j > i - WINDOW]  # sinks and the recent window
     keys = list(range(i + 1)) if causal else list(range(n))
     k = len(keys)
     row = [float(p[i, j]) for j in keys]
@@ -35,6 +38,7 @@ def reference_row_scores(p: np.ndarray, i: int, n: int, causal: bool) -> dict[st
         "self": float(p[i, i]) if k >= 2 else math.nan,
         "distance": sum(float(p[i, j]) * abs(i - j) for j in keys),
         "diagonal_excess": diagonal - len(near) / k,
+        "sink_window": sum(float(p[i, j]) for j in kept) if causal and i >= SINK + WINDOW else math.nan,
     }
 
 
@@ -53,17 +57,21 @@ def reference_sentence(model, tokenizer, text: str, causal: bool) -> dict[str, n
     return out
 
 
+@pytest.mark.parametrize("attention", ["blocked", "eager"])
 @pytest.mark.parametrize("which", ["gpt2", "minilm"])
-def test_streamed_statistics_equal_the_reference(which, request):
+def test_streamed_statistics_equal_the_reference(which, attention, request):
     loaded = load_model(str(request.getfixturevalue("gpt2_dir")), "cpu") if which == "gpt2" else \
         request.getfixturevalue("minilm")
     texts = SENTENCES[:5]
     corpus = Corpus(path=__import__("pathlib").Path("x.txt"), sha256="-",
                     sentences=tuple(Sentence(t, i + 1, None) for i, t in enumerate(texts)))
-    result = analyze_loaded(loaded, corpus, batch_size=3, resamples=10)
+    options = Options(attention=attention, sink=SINK, window=WINDOW, block_rows=4)
+    result = analyze_loaded(loaded, corpus, batch_size=3, resamples=10, options=options)
+    assert result.run["attention"]["path"] == attention
     frame = result.per_sentence
     for s, text in enumerate(texts):
         expected = reference_sentence(loaded.model, loaded.tokenizer, text, loaded.causal)
         got = frame[frame["sentence"] == s].sort_values(["layer", "head"])
         for name in METRICS:
             np.testing.assert_allclose(got[name].to_numpy(), expected[name].ravel(), atol=1e-5, err_msg=name)
+    assert frame["sink_window"].notna().any() == loaded.causal  # defined for decoders only
