@@ -156,17 +156,14 @@ def attend(
         q1 = min(n, q0 + rows)
         keys = q1 if causal else n  # a causal block sees no key after its last row
         q_block = query[:, :, q0:q1].reshape(batch, kv_heads, groups * (q1 - q0), dim)  # [batch, kv, g*r, dim]
-        scores = (q_block @ keys_t[..., :keys]) * scale  # [batch, kv, g*r, keys]
-        scores = scores.view(batch, heads, q1 - q0, keys).float()  # [batch, head, r, keys]
-        allowed = real[:, None, None, :keys]  # [batch, 1, 1, keys]
-        if causal:
-            i = torch.arange(q0, q1, device=query.device)  # [r]
-            allowed = allowed & (torch.arange(keys, device=query.device)[None, :] <= i[:, None])  # [batch, 1, r, keys]
-        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)  # [batch, head, r, keys]
-        p = torch.softmax(scores, dim=-1)  # [batch, head, r, keys]
+        scores = q_block @ keys_t[..., :keys]  # [batch, kv, g*r, keys]
+        scores = scores.view(batch, heads, q1 - q0, keys).float().mul_(scale)  # [batch, head, r, keys]
+        mask_block(scores, real, q0, causal)
+        p, entropy = softmax_with_entropy(scores)  # [batch, head, r, keys], [batch, head, r]
         del scores
         special = None if info.special is None else info.special[:, :keys]  # [batch, keys]
-        sums.add(block_row_stats(p, q0, lengths, causal, special, info.sink, info.window), q0, lengths, info.bins)
+        stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy)
+        sums.add(stats, q0, lengths, info.bins)
         if example is not None and q0 < example.shape[1]:
             row, kept = info.example
             end = min(q1, kept)
@@ -177,6 +174,35 @@ def attend(
             out = out.view(batch, heads, q1 - q0, dim).transpose(1, 2)  # [batch, r, head, dim]
             output[:, q0:q1] = out
     return sums, example, output
+
+
+def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool) -> None:
+    """Set the scores of keys a row may not see to the float32 minimum, in place (our own tensor).
+
+    Causal: only the square of keys inside the block holds future keys; padding: only padded keys.
+    """
+    rows, keys = scores.shape[-2:]
+    lowest = torch.finfo(torch.float32).min
+    if causal:
+        i = torch.arange(q0, q0 + rows, device=scores.device)  # [r]
+        j = torch.arange(q0, keys, device=scores.device)  # [strip]
+        scores[..., q0:].masked_fill_(j[None, :] > i[:, None], lowest)  # [batch, head, r, strip]
+    if not bool(real[:, :keys].all()):
+        scores.masked_fill_(~real[:, None, None, :keys], lowest)  # [batch, head, r, keys]
+
+
+def softmax_with_entropy(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """softmax over the last axis and each row's entropy, from the shifted scores.
+
+    With s' = s - max and Z = sum exp(s'), ln p = s' - ln Z, so H = ln Z - sum p s': one product
+    instead of a logarithm per entry. Edits `scores` (our own) in place.
+    """
+    scores.sub_(scores.amax(dim=-1, keepdim=True))  # [batch, head, r, keys]: <= 0, masked keys hugely negative
+    p = scores.exp()  # [batch, head, r, keys]
+    total = p.sum(dim=-1, keepdim=True)  # [batch, head, r, 1]
+    p.div_(total)
+    entropy = total[..., 0].log() - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
+    return p, entropy
 
 
 def _example_buffer(info: Batch, heads: int, device: torch.device) -> Tensor | None:

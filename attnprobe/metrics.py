@@ -91,11 +91,30 @@ def row_diagonal(p: Tensor, q0: int = 0, window: int = DIAGONAL_WINDOW) -> Tenso
 
 
 def row_distance(p: Tensor, q0: int = 0) -> Tensor:
-    """Mean attention distance sum_j p_ij |i - j|, in tokens."""
+    """Mean attention distance sum_j p_ij |i - j|, in tokens.
+
+    Keys before and after the block's own positions are weighed by a matrix product (their distances
+    split into a per-key and a per-row part, all terms >= 0, so nothing cancels); only the square of
+    keys inside the block is multiplied element by element.
+    """
     rows, keys = p.shape[-2:]
+    q1 = q0 + rows
     i = positions(q0, rows, p.device).to(p.dtype)  # [rows]
-    j = torch.arange(keys, device=p.device, dtype=p.dtype)  # [keys]
-    return (p * (i[:, None] - j[None, :]).abs()).sum(dim=-1)  # [batch, head, rows]
+    lo, hi = min(q0, keys), min(q1, keys)
+    j = torch.arange(lo, hi, device=p.device, dtype=p.dtype)  # [strip]
+    out = (p[..., lo:hi] * (i[:, None] - j[None, :]).abs()).sum(dim=-1)  # [batch, head, rows]
+    if lo > 0:  # keys before the block: |i - j| = (q0 - j) + (i - q0)
+        out = out + _split_distance(p[..., :lo], q0 - torch.arange(lo, device=p.device), i - q0)
+    if keys > hi:  # keys after it (encoders): |i - j| = (j - q1) + (q1 - i)
+        out = out + _split_distance(p[..., hi:], torch.arange(keys - hi, device=p.device) + (hi - q1), q1 - i)
+    return out
+
+
+def _split_distance(p: Tensor, per_key: Tensor, per_row: Tensor) -> Tensor:
+    """sum_j p_ij (per_key_j + per_row_i), with one matrix product for both sums."""
+    weights = torch.stack((per_key.to(p.dtype), torch.ones_like(per_key, dtype=p.dtype)), dim=-1)  # [keys, 2]
+    both = p @ weights  # [batch, head, rows, 2]
+    return both[..., 0] + per_row * both[..., 1]  # [batch, head, rows]
 
 
 def row_entropy_norm(entropy: Tensor, n_keys: Tensor) -> Tensor:
@@ -112,7 +131,8 @@ def row_first_token(p: Tensor) -> Tensor:
 
 def row_special(p: Tensor, special: Tensor) -> Tensor:
     """Attention mass on special-token keys ([CLS], [SEP], BOS, ...); `special` is [batch, keys]."""
-    return torch.where(special[:, None, None, : p.shape[-1]], p, 0.0).sum(dim=-1)  # [batch, head, rows]
+    flags = special[:, None, : p.shape[-1], None].to(p.dtype)  # [batch, 1, keys, 1]
+    return (p @ flags)[..., 0]  # [batch, head, rows]
 
 
 def row_sink_window(
@@ -140,13 +160,17 @@ def row_sink_window(
 
 def block_row_stats(
     p: Tensor, q0: int, lengths: Tensor, causal: bool, special: Tensor | None = None,
-    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW,
+    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, entropy: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Every row statistic of a block of query rows, [batch, head, rows] each (padded rows included)."""
+    """Every row statistic of a block of query rows, [batch, head, rows] each (padded rows included).
+
+    `entropy`, when the caller already has it (the blocked attention gets it from the softmax), is used
+    instead of computing it from p.
+    """
     p = p.float()  # [batch, head, rows, keys]; no copy when the model runs in float32
     i = positions(q0, p.shape[-2], p.device)  # [rows]
     n_keys = key_counts(i, lengths, causal)[:, None, :]  # [batch, 1, rows]
-    entropy = row_entropy(p)  # [batch, head, rows]
+    entropy = row_entropy(p) if entropy is None else entropy  # [batch, head, rows]
     diagonal = row_diagonal(p, q0)  # [batch, head, rows]
     chance = window_key_counts(i, lengths, causal)[:, None, :] / n_keys.clamp(min=1)  # [batch, 1, rows]
     has_previous = (n_keys >= 2) & (i >= 1)[None, None, :]  # [batch, 1, rows]

@@ -69,7 +69,7 @@ def test_blocked_statistics_equal_the_eager_ones(loaded, eager_result, rows):
 
 def test_auto_uses_the_blocked_path_for_supported_models(loaded):
     result = analyze_loaded(loaded, corpus_of(SENTENCES[:2]), resamples=5)
-    assert result.run["attention"] == {"requested": "auto", "path": "blocked", "block_budget_mib": 256,
+    assert result.run["attention"] == {"requested": "auto", "path": "blocked", "block_budget_mib": 64,
                                        "sink_tokens": 4, "window": 256}
 
 

@@ -1,0 +1,192 @@
+"""Long documents: attnprobe's blocked statistics attention against the bare SDPA forward pass.
+
+Run:  .venv/bin/python benchmarks/bench_long.py                 (both parts; ~10 min here)
+      .venv/bin/python benchmarks/bench_long.py --part smollm2 --tokens 3600
+      .venv/bin/python benchmarks/bench_long.py --part tiny --lengths 1024,2048,4096
+
+Part 1, SmolLM2-135M on one document (licence text, repeated if short, cut to --tokens): each way runs
+in its own process, which loads the model, warms it up on 8 tokens, then runs the document once.
+  sdpa     - the base model under SDPA, no attention output (the floor);
+  blocked  - attnprobe's statistics attention: every statistic of every row, by position bin too;
+  eager    - (--eager) attnprobe's hook path on eager maps, as before blocked attention existed.
+It prints the forward time and the peak resident memory of each process, and the ratios blocked/sdpa
+(targets: time <= 2x, peak memory <= 1.3x).
+
+Part 2, a tiny random Llama (4 layers, 4 query heads, 2 KV heads, 64 wide, room for 40k positions)
+on one random sequence of 1k ... 32k tokens: time and peak memory of the blocked run, so that O(n)
+memory and O(n^2) time are visible, and a check that the positions.csv bins that lie inside a 2,048-token
+prefix equal an independent eager computation on that prefix (causal: a row sees only the keys before it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LICENCE = Path("/usr/share/common-licenses/GPL-3")
+TARGET_TIME = 2.0  # blocked / sdpa forward time, at most
+TARGET_MEMORY = 1.3  # blocked / sdpa peak RSS, at most
+PREFIX = 2048
+
+
+def peak_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+def document_ids(tokenizer, tokens: int) -> list[int]:
+    text = LICENCE.read_text(encoding="utf-8") if LICENCE.exists() else "attention is all you need. " * 4000
+    ids = tokenizer(text)["input_ids"]
+    while len(ids) < tokens:
+        ids = ids + ids
+    return ids[:tokens]
+
+
+def run_way(loaded, x, mask, way: str, sink: int = 4, window: int = 256) -> None:
+    import torch
+
+    from attnprobe import kernel
+    from attnprobe.metrics import bin_count, sentence_sums
+    from attnprobe.model import stream_attention
+
+    bins = bin_count(x.shape[1])
+    with torch.inference_mode():
+        if way == "sdpa":
+            loaded.model.set_attn_implementation("sdpa")
+            loaded.model(input_ids=x, attention_mask=mask, use_cache=False)
+        elif way == "blocked":
+            with kernel.statistics_attention(loaded):
+                kernel.run_batch(loaded, x, mask, lambda *_: None, sink=sink, window=window, bins=bins)
+        else:
+            stream_attention(loaded, x, mask, lambda _l, p: sentence_sums(p, mask, True, None, sink, window, bins))
+
+
+def child(args) -> dict:
+    import torch
+
+    from attnprobe.model import load_model
+
+    if args.part == "smollm2":
+        loaded = load_model("smollm2-135m", "cpu")
+        ids = document_ids(loaded.tokenizer, args.n)
+        x = torch.tensor([ids])  # [batch, seq]
+    else:
+        loaded = load_model(str(args.work / "tiny"), "cpu")
+        x = torch.randint(3, loaded.model.config.vocab_size, (1, args.n), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(x)  # [batch, seq]
+    run_way(loaded, x[:, :8], mask[:, :8], args.how)  # warm-up: weights are memory-mapped until first used
+    started = time.perf_counter()
+    run_way(loaded, x, mask, args.how)
+    return {"seconds": time.perf_counter() - started, "peak_mib": peak_mib()}
+
+
+def spawn(part: str, how: str, n: int, work: Path) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--child", "--part", part, "--how", how, "--n", str(n),
+                           "--work", str(work)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{part}/{how}/{n} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def build_tiny(work: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+
+    folder = work / "tiny"
+    if (folder / "config.json").exists():
+        return
+    words = ["<s>", "<unk>", *(f"w{i}" for i in range(998))]
+    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="<unk>").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40_000,
+                         initializer_range=0.2)
+    LlamaModel(config).save_pretrained(folder)
+
+
+def prefix_check(work: Path, n: int) -> float:
+    """Largest difference (relative above 1) of the positions bins inside the prefix: blocked on n tokens vs
+    eager on PREFIX."""
+    import numpy as np
+    import torch
+
+    from attnprobe import kernel
+    from attnprobe.metrics import bin_count, sentence_sums
+    from attnprobe.model import load_model, stream_attention
+
+    loaded = load_model(str(work / "tiny"), "cpu")
+    x = torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(x)
+    blocked, eager = {}, {}
+    with torch.inference_mode(), kernel.statistics_attention(loaded):
+        kernel.run_batch(loaded, x, mask, lambda layer, sums, _m: blocked.__setitem__(layer, sums.bin_means()),
+                         bins=bin_count(n), sink=4, window=256)
+    keep = bin_count(PREFIX)  # bins 0 .. 11 hold positions 0 .. 2047
+    xp, mp = x[:, :PREFIX], mask[:, :PREFIX]
+    stream_attention(loaded, xp, mp, lambda layer, p: eager.__setitem__(
+        layer, sentence_sums(p, mp, True, None, 4, 256, keep).bin_means()))
+    worst = 0.0
+    for layer, values in eager.items():
+        for name, expected in values.items():
+            got = blocked[layer][name][..., :keep]
+            same_nan = bool((got.isnan() == expected.isnan()).all())
+            relative = (got - expected).abs() / expected.abs().clamp(min=1.0)  # distance is in tokens
+            worst = max(worst, float(np.nanmax(relative.numpy())) if same_nan else float("inf"))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("smollm2", "tiny", "both"), default="both")
+    parser.add_argument("--tokens", type=int, default=3600, help="SmolLM2 document length")
+    parser.add_argument("--eager", action="store_true", help="also time the eager hook path on SmolLM2 (slow)")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768", help="tiny-model lengths")
+    parser.add_argument("--work", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--how", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    work = args.work or Path(tempfile.mkdtemp(prefix="attnprobe-long-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"{os.cpu_count()} cores; work folder {work}")
+    if args.part in ("smollm2", "both"):
+        ways = ("sdpa", "blocked", "eager") if args.eager else ("sdpa", "blocked")
+        runs = {how: spawn("smollm2", how, args.tokens, work) for how in ways}
+        print(f"\nSmolLM2-135M, one document of {args.tokens} tokens (forward time; peak RSS of the process)")
+        print(f"{'way':<8} {'seconds':>8} {'peak MiB':>9}")
+        for how, r in runs.items():
+            print(f"{how:<8} {r['seconds']:>8.1f} {r['peak_mib']:>9.0f}")
+        t = runs["blocked"]["seconds"] / runs["sdpa"]["seconds"]
+        m = runs["blocked"]["peak_mib"] / runs["sdpa"]["peak_mib"]
+        print(f"blocked / sdpa: time {t:.2f} (target <= {TARGET_TIME}: {'met' if t <= TARGET_TIME else 'MISSED'}), "
+              f"peak memory {m:.2f} (target <= {TARGET_MEMORY}: {'met' if m <= TARGET_MEMORY else 'MISSED'})")
+    if args.part in ("tiny", "both"):
+        build_tiny(work)
+        lengths = [int(n) for n in args.lengths.split(",")]
+        print("\nTiny Llama (4 layers x 4 heads, 2 KV heads), one random sequence, blocked statistics attention")
+        print(f"{'tokens':>7} {'seconds':>8} {'peak MiB':>9} {'one eager map, GiB':>19}")
+        for n in lengths:
+            r = spawn("tiny", "blocked", n, work)
+            eager_map = 4 * n * n * 4 / 2**30  # [head, n, n] float32, one layer
+            print(f"{n:>7} {r['seconds']:>8.1f} {r['peak_mib']:>9.0f} {eager_map:>19.2f}")
+        n = max(lengths)
+        print(f"\npositions bins inside the first {PREFIX} tokens, blocked on {n} tokens vs eager on the prefix: "
+              f"max diff {prefix_check(work, n):.2g} (relative above 1)")
+
+
+if __name__ == "__main__":
+    main()
