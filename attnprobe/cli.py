@@ -337,7 +337,8 @@ def plot(out: ResultsOption = DEFAULT_OUT) -> None:
             out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max", "entropy", "first_token"],
             "attnprobe analyze",
         )
-        figures[POSITION_FIGURE] = plotting.position_profile_figure(positions, "Attention by query position")
+        title = run_title(out, "Attention by query position")
+        figures[POSITION_FIGURE] = plotting.position_profile_figure(positions, title)
     stale = [] if POSITION_FIGURE in figures else [POSITION_FIGURE]  # from an earlier run
     written = io.write_files(out, {name: io.figure_writer(f) for name, f in figures.items()}, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
@@ -437,6 +438,17 @@ def probe(
                           f"[{row[f'{k}_ci_low']:.3f}, {row[f'{k}_ci_high']:.3f}]")
         out_console.print(table)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def run_title(out: Path, what: str) -> str:
+    """`what: model on corpus`, from run.json when it can be read."""
+    import json
+
+    try:
+        run = json.loads((Path(out) / "run.json").read_text(encoding="utf-8"))
+        return f"{what}: {run['model']['spec']} on {Path(run['corpus']['path']).name}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return what
 
 
 def is_usage_error(err: BaseException) -> bool:

@@ -19,7 +19,7 @@ def gpt2(gpt2_dir):
 
 def test_all_checks_pass_on_gpt2(gpt2):
     checks = verify(gpt2, list(DEFAULT_SENTENCES[:3]))
-    assert len(checks) == 5
+    assert len(checks) == 7
     for check in checks:
         assert check.passed and not check.skipped, check
         assert 0.0 <= check.max_abs_diff <= check.tolerance
@@ -49,7 +49,7 @@ def test_verify_command_prints_every_check(gpt2_dir):
     assert result.exit_code == 0, result.output
     for name in ("rows sum to 1", "future/padded keys get 0", "batched = one at a time", "eager output"):
         assert name in result.stdout
-    assert result.stdout.count("pass") == 5
+    assert result.stdout.count("pass") == 7
 
 
 def test_verify_command_fails_with_exit_1(gpt2_dir, monkeypatch):
@@ -64,3 +64,26 @@ def test_verify_reads_sentences_from_a_corpus(gpt2_dir, corpus_file):
     assert result.exit_code == 0 and "2 sentences" in result.stdout
     bad = runner.invoke(app, ["verify", "--model", str(gpt2_dir), "-n", "0"])
     assert bad.exit_code == 1 and "--sentences 0" in bad.stderr
+
+
+def test_blocked_checks_pass_within_1e_6_and_catch_a_wrong_kernel(gpt2, monkeypatch):
+    checks = {c.name: c for c in verify(gpt2, list(DEFAULT_SENTENCES))}
+    assert checks["blocked statistics = eager"].max_abs_diff <= 1e-6
+    assert "blocks of" in checks["blocked statistics = eager"].note
+    real = verify_module.kernel.softmax_with_entropy
+
+    def hotter(scores):
+        return real(scores * 1.01)
+
+    monkeypatch.setattr(verify_module.kernel, "softmax_with_entropy", hotter)
+    checks = {c.name: c for c in verify(gpt2, list(DEFAULT_SENTENCES))}
+    assert not checks["blocked statistics = eager"].passed
+    assert not checks["blocked position bins = eager"].passed
+
+
+def test_blocked_checks_are_skipped_where_the_kernel_does_not_apply(llama_dir):
+    loaded = load_model(str(llama_dir), "cpu")
+    loaded.model.config.sliding_window = 4
+    checks = {c.name: c for c in verify(loaded, list(DEFAULT_SENTENCES[:2]))}
+    assert checks["blocked statistics = eager"].skipped
+    assert "sliding-window" in checks["blocked statistics = eager"].note
