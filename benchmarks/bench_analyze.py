@@ -10,9 +10,10 @@ its last statistic:
   2. naive  - the LM-head model, eager, output_attentions, one sentence at a time, and the
               statistics in a Python loop over heads (as the reference study's script does);
   3. attnprobe - `attnprobe analyze`, exactly as a user runs it.
-It prints wall time, tokens/s and peak memory for each, the ratios 3/1 (target <= 1.25) and
-2/3 (target >= 1.75), and then the peak memory of one long sequence, attnprobe's per-layer
-streaming against holding every layer's maps (and the bare SDPA forward pass).
+It prints wall time, tokens/s and peak memory for each, the ratios 3/1 (target <= 1.1 since blocked
+attention; it was 1.25) and 2/3 (target >= 1.75), and then the peak memory of one long sequence:
+attnprobe's blocked statistics attention, the eager hook path (reduce each layer's map, then drop it),
+holding every layer's maps, and the bare SDPA forward pass.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 VOCAB = 50257
 BATCH = 8
-TARGET_FLOOR_RATIO = 1.25  # attnprobe / floor, at most
+TARGET_FLOOR_RATIO = 1.1  # attnprobe / floor, at most (issue 8: short sentences must not get slower)
 TARGET_NAIVE_RATIO = 1.75  # naive / attnprobe, at least
 
 
@@ -124,7 +125,8 @@ def run_child(way: str, work: Path) -> dict:
 def child_memory(work: Path, n: int, how: str) -> dict:
     import torch
 
-    from attnprobe.metrics import sentence_stats
+    from attnprobe import kernel
+    from attnprobe.metrics import bin_count, sentence_stats
     from attnprobe.model import load_model, stream_attention
 
     loaded = load_model(str(work / "model"), "cpu")
@@ -136,6 +138,9 @@ def child_memory(work: Path, n: int, how: str) -> dict:
     reset_peak()
     with torch.inference_mode():
         if how == "attnprobe":
+            with kernel.statistics_attention(loaded):
+                kernel.run_batch(loaded, x, mask, lambda *_: None, bins=bin_count(n))
+        elif how == "hooks":
             stream_attention(loaded, x, mask, lambda _layer, p: sentence_stats(p, mask, True))
         elif how == "sdpa":
             loaded.model.set_attn_implementation("sdpa")
@@ -198,14 +203,14 @@ def main() -> None:
     if args.no_memory:
         return
     print("\nPeak memory above the loaded model, one sequence (MiB)")
-    print(f"{'tokens':>7} {'SDPA, no maps':>14} {'attnprobe':>10} {'all maps':>9}")
+    print(f"{'tokens':>7} {'SDPA, no maps':>14} {'attnprobe':>10} {'eager hooks':>12} {'all maps':>9}")
     for n in (128, 256, 512, 1024):
         row = []
-        for how in ("sdpa", "attnprobe", "all-maps"):
+        for how in ("sdpa", "attnprobe", "hooks", "all-maps"):
             done = subprocess.run([sys.executable, __file__, "--child", "memory", "--work", str(work),
                                    "--n", str(n), "--how", how], capture_output=True, text=True, check=True)
             row.append(json.loads(done.stdout.strip().splitlines()[-1])["above_model_mib"])
-        print(f"{n:>7} {row[0]:>14.0f} {row[1]:>10.0f} {row[2]:>9.0f}")
+        print(f"{n:>7} {row[0]:>14.0f} {row[1]:>10.0f} {row[2]:>12.0f} {row[3]:>9.0f}")
 
 
 if __name__ == "__main__":
