@@ -435,6 +435,7 @@ def run_info(
         "tokens": sum(len(t) for t in ids),
         "longest_sequence": max(len(t) for t in ids),
         "truncated_sentences": truncated,
+        "distributed": {"world_size": 1, "sentences_per_rank": [len(ids)]},  # one process analysed every sentence
         "device": str(loaded.device),
         "dtype": loaded.dtype,
         "batch_size": batch_size,

@@ -32,11 +32,15 @@ class Scheme(str, Enum):
 ALL_TYPES = tuple(t.value for t in HeadType)  # display order
 HEAD_TYPES = ("local", "copy", "broad", "mixed")  # the default scheme
 EXTENDED_TYPES = ("previous", "local", "sink", "copy", "broad", "mixed")  # the extended scheme
-RULE_COLUMNS = ("diagonal", "entropy", "entropy_norm")
-EXTENDED_COLUMNS = ("first_token", "previous_token")
+# The rules read each score over the rows the mask leaves a choice (a row with one valid key has
+# entropy 0 and first-token mass 1, a row whose +-2 window holds every valid key has diagonal 1,
+# whatever the head does): such rows must never decide a label. entropy_norm and previous_token
+# already leave them out.
+RULE_COLUMNS = ("diagonal_unforced", "entropy_unforced", "entropy_norm")
+EXTENDED_COLUMNS = ("first_token_unforced", "previous_token")
 KV_TYPES = ("streaming", "retrieval")  # the kv scheme
 KV_COLUMNS = ("sink_window",)
-_TOLERANCE = 1e-9  # so that a value equal to a threshold, up to rounding, counts as reaching it
+_TOLERANCE = 1e-6  # a value equal to a threshold up to float32 rounding (1e-7 relative) counts as reaching it
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ def is_broad(entropy_norm: pd.Series, t: Thresholds) -> pd.Series:
 
 
 def is_sink(first_token: pd.Series, t: Thresholds) -> pd.Series:
-    return first_token >= t.sink_min_first_token - _TOLERANCE
+    """Strictly more than the threshold: an even split between the first token and another is no sink."""
+    return first_token > t.sink_min_first_token + _TOLERANCE
 
 
 def is_previous(previous_token: pd.Series, t: Thresholds) -> pd.Series:
@@ -124,8 +129,8 @@ def head_types(
     types = pd.Series(HeadType.MIXED.value, index=heads.index, name="head_type")
     undecided = pd.Series(True, index=heads.index)
     for kind, hit in (
-        (HeadType.LOCAL, is_local(heads["diagonal"], t)),
-        (HeadType.COPY, is_copy(heads["entropy"], t)),
+        (HeadType.LOCAL, is_local(heads["diagonal_unforced"], t)),
+        (HeadType.COPY, is_copy(heads["entropy_unforced"], t)),
         (HeadType.BROAD, is_broad(heads["entropy_norm"], t)),
     ):
         chosen = undecided & hit.fillna(False).astype(bool)
@@ -133,7 +138,7 @@ def head_types(
         undecided &= ~chosen
     if Scheme(scheme) is Scheme.EXTENDED:
         types[(types == HeadType.LOCAL.value) & is_previous(heads["previous_token"], t)] = HeadType.PREVIOUS.value
-        types[(types == HeadType.COPY.value) & is_sink(heads["first_token"], t)] = HeadType.SINK.value
+        types[(types == HeadType.COPY.value) & is_sink(heads["first_token_unforced"], t)] = HeadType.SINK.value
     return types
 
 

@@ -207,16 +207,19 @@ def classify(
                                    "kv: streaming/retrieval from sink_window, with a KV-cache estimate.")
     ] = SchemeChoice.default,
     local_min_diagonal: Annotated[
-        float, typer.Option(help="Local if at least this share of attention is within +-2 tokens.")
+        float, typer.Option(help="Local if at least this share of attention is within +-2 tokens "
+                            "(over rows with keys outside the window).")
     ] = defaults.LOCAL_MIN_DIAGONAL,
     copy_max_entropy: Annotated[
-        float, typer.Option(help="Copy if mean entropy is at most this (nats); ln 2 = an even split over 2 tokens.")
+        float, typer.Option(help="Copy if mean entropy (over rows with 2+ keys) is at most this (nats); "
+                            "ln 2 = an even split over 2 tokens.")
     ] = defaults.COPY_MAX_ENTROPY,
     broad_min_entropy_norm: Annotated[
         float, typer.Option(help="Broad if normalized entropy H/ln(k) is at least this.")
     ] = defaults.BROAD_MIN_ENTROPY_NORM,
     sink_min_first_token: Annotated[
-        float, typer.Option(help="Extended: a copy head is a sink if at least this share goes to the first token.")
+        float, typer.Option(help="Extended: a copy head is a sink if more than this share goes to the first token "
+                            "(over rows with 2+ keys).")
     ] = defaults.SINK_MIN_FIRST_TOKEN,
     previous_min_previous_token: Annotated[
         float, typer.Option(help="Extended: a local head is previous if at least this share goes to token i-1.")

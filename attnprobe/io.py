@@ -133,7 +133,7 @@ def read_columns(out: str | Path, name: str) -> list[str]:
 def check_same_heads(heads: pd.DataFrame, other: pd.DataFrame, name: str, made_by: str) -> None:
     """Refuse a derived table that was made from another heads.csv (another model or run)."""
     key = ["layer", "head"]
-    shared = [c for c in ("entropy", "entropy_norm", "diagonal", "sink_window") if c in other.columns]
+    shared = [c for c in ("entropy_unforced", "entropy_norm", "diagonal_unforced", "sink_window") if c in other.columns]
     left = heads[key + shared].sort_values(key).reset_index(drop=True)
     right = other[key + shared].sort_values(key).reset_index(drop=True)
     same_heads = left[key].equals(right[key])

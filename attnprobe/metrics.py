@@ -24,8 +24,12 @@ RECENT_WINDOW = defaults.WINDOW  # ... plus the W most recent keys j > i - W
 
 METRICS = (
     "entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance", "diagonal_excess",
-    "sink_window",
+    "sink_window", "entropy_unforced", "diagonal_unforced", "first_token_unforced",
 )
+# The classification rules read these: the same scores over the rows the mask leaves a choice (a row
+# with one valid key has entropy 0 and first-token mass 1; a row whose +-2 window holds every valid
+# key has diagonal 1, whatever the head does).
+UNFORCED = ("entropy_unforced", "diagonal_unforced", "first_token_unforced")
 SPECIAL = "special_tokens"  # reported only when the inputs contain special tokens
 POSITION_METRICS = ("entropy", "entropy_norm", "first_token", "diagonal", "distance", "sink_window")
 
@@ -174,16 +178,21 @@ def block_row_stats(
     diagonal = row_diagonal(p, q0)  # [batch, head, rows]
     chance = window_key_counts(i, lengths, causal)[:, None, :] / n_keys.clamp(min=1)  # [batch, 1, rows]
     has_previous = (n_keys >= 2) & (i >= 1)[None, None, :]  # [batch, 1, rows]
+    window_open = window_key_counts(i, lengths, causal)[:, None, :] < n_keys  # [batch, 1, rows]
+    first = row_first_token(p)  # [batch, head, rows]
     per_row = {
         "entropy": entropy,
         "entropy_norm": row_entropy_norm(entropy, n_keys[:, 0]),
         "diagonal": diagonal,
-        "first_token": row_first_token(p),
+        "first_token": first,
         "previous_token": torch.where(has_previous, row_offset(p, -1, q0), torch.nan),
         "self": torch.where(n_keys >= 2, row_offset(p, 0, q0), torch.nan),
         "distance": row_distance(p, q0),
         "diagonal_excess": diagonal - chance,
         "sink_window": row_sink_window(p, q0, causal, sink, window),
+        "entropy_unforced": torch.where(n_keys >= 2, entropy, torch.nan),
+        "diagonal_unforced": torch.where(window_open, diagonal, torch.nan),
+        "first_token_unforced": torch.where(n_keys >= 2, first, torch.nan),
     }
     if special is not None:
         per_row[SPECIAL] = row_special(p, special)

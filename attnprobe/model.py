@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import pickle
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,12 +88,22 @@ def load_model(spec: str, device: str = "auto", dtype: str = "float32") -> Loade
     torch_dtype = resolve_dtype(dtype, torch_device)
     resolved = resolve(spec)
     source = resolved.location
+    from safetensors import SafetensorError
     from transformers import AutoModel, AutoTokenizer
 
     with quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
-            model = AutoModel.from_pretrained(source, attn_implementation="eager", dtype=torch_dtype)
+            # weights_only: a pickled checkpoint is read by torch's safe loader, never unpickled freely
+            model = AutoModel.from_pretrained(
+                source, attn_implementation="eager", dtype=torch_dtype, weights_only=True
+            )
+        except (SafetensorError, pickle.UnpicklingError, EOFError) as err:
+            raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
+        except RuntimeError as err:
+            if not str(err).startswith("PytorchStreamReader"):  # torch's zip reader: a truncated .bin
+                raise
+            raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
             raise _load_error(spec, source, resolved.local, err) from err
     model.eval().to(torch_device)
@@ -197,6 +208,49 @@ def _load_error(spec: str, source: str, local: bool, err: Exception) -> Attnprob
         f"cannot load model {spec!r} from the model hub (offline or unknown id): "
         "pass a local folder saved with save_pretrained, e.g. --model ./my-model"
     )
+
+
+def _weights_error(spec: str, source: str, local: bool, origin: dict[str, Any], err: Exception) -> AttnprobeError:
+    """A weights file that cannot be read: corrupt safetensors, or a pickle torch's safe loader refuses."""
+    from pathlib import Path
+
+    from safetensors import SafetensorError
+
+    folder = Path(source) if local else None
+    where = f"cannot load model from {source}" if local else f"cannot load model {spec!r}"
+    if "gguf_file" in origin:
+        fix = f"delete {source} and run again to convert {origin['gguf_file']} anew"
+    elif not local:
+        fix = "delete it from the Hugging Face cache and download it again"
+    else:
+        fix = None
+    if isinstance(err, SafetensorError):
+        name = (_unreadable_safetensors(folder) if folder else None) or "its safetensors weight file"
+        return AttnprobeError(
+            f"{where}: {name} is not a readable safetensors file (truncated or corrupt): "
+            f"{fix or 're-save the model with save_pretrained'}"
+        )
+    pickles = sorted(p.name for p in folder.glob("*.bin")) if folder else []
+    name = pickles[0] if len(pickles) == 1 else "its pickled .bin weights"
+    return AttnprobeError(
+        f"{where}: {name} is not loadable: it is truncated, corrupt, or holds more than plain tensors, and "
+        "attnprobe reads pickled weights only with torch's safe loader (safetensors is the safe format): "
+        f"convert {name} to safetensors (e.g. load it yourself with a trusted torch.load and "
+        "save_pretrained(..., safe_serialization=True))"
+    )
+
+
+def _unreadable_safetensors(folder: Any) -> str | None:
+    """The first .safetensors file in `folder` (a Path) whose header cannot be read, if any."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return path.name
+    return None
 
 
 def _is_encoder(config: Any) -> bool:

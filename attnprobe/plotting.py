@@ -20,8 +20,8 @@ TYPE_COLORS = {
     "broad": "#7570b3", "mixed": "#a6a6a6", "streaming": "#4575b4", "retrieval": "#d73027",
 }
 PICK_BY = {  # the clearest head of each type: (column, largest?)
-    "previous": ("previous_token", True), "local": ("diagonal", True), "sink": ("first_token", True),
-    "copy": ("entropy", False), "broad": ("entropy_norm", True),
+    "previous": ("previous_token", True), "local": ("diagonal_unforced", True), "sink": ("first_token_unforced", True),
+    "copy": ("entropy_unforced", False), "broad": ("entropy_norm", True),
     "streaming": ("sink_window", True), "retrieval": ("sink_window", False),
 }
 MAX_ANNOTATED_CELLS = 400  # beyond this many heads the heatmap drops its per-cell numbers
@@ -115,7 +115,7 @@ def representatives(types: pd.DataFrame) -> dict[str, tuple[int, int]]:
     for kind, group in types.groupby("head_type"):
         column, largest = PICK_BY.get(str(kind), ("entropy", None))
         if largest is None:  # mixed: the most typical, nearest the median entropy
-            index = (group["entropy"] - group["entropy"].median()).abs().idxmin()
+            index = (group["entropy_unforced"] - group["entropy_unforced"].median()).abs().idxmin()
         else:
             index = group[column].idxmax() if largest else group[column].idxmin()
         picks[str(kind)] = (int(group.loc[index, "layer"]), int(group.loc[index, "head"]))

@@ -56,12 +56,13 @@ def test_blocked_statistics_equal_the_eager_ones(loaded, eager_result, rows):
     options = Options(attention="blocked", sink=SINK, window=WINDOW, block_rows=rows)
     blocked = analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=3, resamples=20, options=options)
     assert blocked.run["attention"]["path"] == "blocked" and eager_result.run["attention"]["path"] == "eager"
+    # One-row blocks multiply with a matrix-vector kernel, whose float32 rounding differs by a few ulps in
+    # a layer's output and carries into the next layer: 1.1e-6 seen there, so 2e-6 (verify's tolerance).
+    tolerance = 2e-6 if rows == 1 else 1e-6
     for column in eager_result.per_sentence.columns:
         if column != "category":
-            assert_close(blocked.per_sentence[column], eager_result.per_sentence[column], column)
-    for column in eager_result.positions.columns:
-        # A bin's mean can rest on one row, and a one-row block multiplies with another kernel (matrix-vector),
-        # whose float32 rounding differs by a few ulps in a layer's output and carries into the next layer.
+            assert_close(blocked.per_sentence[column], eager_result.per_sentence[column], column, tolerance)
+    for column in eager_result.positions.columns:  # a bin's mean can rest on a single row
         assert_close(blocked.positions[column], eager_result.positions[column], f"positions {column}", 3e-6)
     np.testing.assert_allclose(blocked.example["maps"], eager_result.example["maps"], atol=3e-6)  # likewise
     assert_close(blocked.heads["entropy_ci_low"], eager_result.heads["entropy_ci_low"], "interval")

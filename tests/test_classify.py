@@ -10,7 +10,7 @@ from attnprobe.errors import AttnprobeError
 
 
 def heads(rows):
-    return pd.DataFrame(rows, columns=["layer", "head", "entropy", "entropy_norm", "diagonal"])
+    return pd.DataFrame(rows, columns=["layer", "head", "entropy_unforced", "entropy_norm", "diagonal_unforced"])
 
 
 def test_previous_token_head_is_local_although_its_entropy_is_low():
@@ -50,8 +50,9 @@ def test_missing_normalized_entropy_is_not_broad():
 def test_classify_keeps_the_values_the_rule_used_and_counts_every_type():
     table = heads([(0, 0, 0.0, 0.0, 1.0), (0, 1, 2.0, 0.9, 0.1), (1, 0, 2.0, 0.9, 0.1)])
     result = classify(table)
-    assert list(result.columns) == ["layer", "head", "head_type", "diagonal", "entropy", "entropy_norm"]
-    assert result["diagonal"].tolist() == [1.0, 0.1, 0.1]
+    assert list(result.columns) == ["layer", "head", "head_type", "diagonal_unforced", "entropy_unforced",
+                                    "entropy_norm"]
+    assert result["diagonal_unforced"].tolist() == [1.0, 0.1, 0.1]
     counts = counts_per_layer(result)
     assert list(counts.columns) == ["local", "copy", "broad", "mixed"]
     assert counts.loc[0].tolist() == [1, 0, 1, 0]
@@ -67,8 +68,8 @@ def test_out_of_range_thresholds_are_refused(kwargs):
 
 
 def extended_heads(rows):
-    return pd.DataFrame(rows, columns=["layer", "head", "entropy", "entropy_norm", "diagonal", "first_token",
-                                       "previous_token"])
+    return pd.DataFrame(rows, columns=["layer", "head", "entropy_unforced", "entropy_norm", "diagonal_unforced",
+                                       "first_token_unforced", "previous_token"])
 
 
 def test_extended_scheme_splits_previous_and_sink():
@@ -83,8 +84,8 @@ def test_extended_scheme_splits_previous_and_sink():
     assert head_types(table, scheme="extended").tolist() == ["previous", "local", "sink", "copy", "broad", "mixed"]
     assert head_types(table).tolist() == ["local", "local", "copy", "copy", "broad", "mixed"]  # default unchanged
     result = classify(table, scheme="extended")
-    assert list(result.columns) == ["layer", "head", "head_type", "diagonal", "entropy", "entropy_norm",
-                                    "first_token", "previous_token"]
+    assert list(result.columns) == ["layer", "head", "head_type", "diagonal_unforced", "entropy_unforced",
+                                    "entropy_norm", "first_token_unforced", "previous_token"]
     assert list(counts_per_layer(result).columns) == ["previous", "local", "sink", "copy", "broad", "mixed"]
 
 

@@ -150,15 +150,16 @@ def test_default_and_extended_schemes_are_unchanged():
     table = pd.DataFrame(
         [(0, 0, 0.05, 0.02, 0.98, 0.10, 0.95, 0.99), (0, 1, 0.40, 0.20, 0.20, 0.10, 0.05, 0.10),
          (1, 0, 2.00, 0.90, 0.30, 0.60, 0.10, NAN), (1, 1, 1.20, 0.50, 0.40, 0.70, 0.60, 0.97)],
-        columns=["layer", "head", "entropy", "entropy_norm", "diagonal", "first_token", "previous_token",
-                 "sink_window"],
+        columns=["layer", "head", "entropy_unforced", "entropy_norm", "diagonal_unforced", "first_token_unforced",
+                 "previous_token", "sink_window"],
     )
     assert ALL_TYPES[:6] == ("previous", "local", "sink", "copy", "broad", "mixed")
     assert ALL_TYPES[6:] == ("streaming", "retrieval")
-    assert required_columns() == ["layer", "head", "diagonal", "entropy", "entropy_norm"]
-    assert required_columns("extended") == [*required_columns(), "first_token", "previous_token"]
+    assert required_columns() == ["layer", "head", "diagonal_unforced", "entropy_unforced", "entropy_norm"]
+    assert required_columns("extended") == [*required_columns(), "first_token_unforced", "previous_token"]
     default = classify(table)
-    assert list(default.columns) == ["layer", "head", "head_type", "diagonal", "entropy", "entropy_norm"]
+    assert list(default.columns) == ["layer", "head", "head_type", "diagonal_unforced", "entropy_unforced",
+                                     "entropy_norm"]
     assert default["head_type"].tolist() == ["local", "copy", "broad", "mixed"]
     assert list(counts_per_layer(default).columns) == ["local", "copy", "broad", "mixed"]
     extended = classify(table, scheme="extended")

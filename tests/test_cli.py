@@ -43,7 +43,7 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     assert analyzed.exit_code == 0, analyzed.output
     heads = pd.read_csv(out / "heads.csv")
     scores = ["entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance",
-              "diagonal_excess", "sink_window"]
+              "diagonal_excess", "sink_window", "entropy_unforced", "diagonal_unforced", "first_token_unforced"]
     intervals = [f"{name}_ci_{side}" for name in scores for side in ("low", "high")]
     assert list(heads.columns) == ["layer", "head", *scores, "entropy_std", "sentences", *intervals]
     assert (heads["entropy_ci_low"] <= heads["entropy"] + 1e-9).all()
@@ -58,6 +58,7 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     assert run_info["model"]["source"] == str(gpt2_dir.resolve())
     assert len(run_info["corpus"]["sha256"]) == 64
     assert run_info["batch_size"] == 8 and run_info["device"] == "cpu"
+    assert run_info["distributed"] == {"world_size": 1, "sentences_per_rank": [3]}  # one process, every sentence
     assert "early - late" in analyzed.stdout and "95% interval" in analyzed.stdout
     assert run_info["bootstrap"] == {"resamples": 1000, "seed": 0, "confidence": 0.95, "over": "sentences"}
     low, high = run_info["summary"]["difference_ci"]
@@ -69,7 +70,8 @@ def test_classify_writes_types_and_prints_counts(results):
     out, _, classified, _ = results
     assert classified.exit_code == 0, classified.output
     types = pd.read_csv(out / "head_types.csv")
-    assert list(types.columns) == ["layer", "head", "head_type", "diagonal", "entropy", "entropy_norm"]
+    assert list(types.columns) == ["layer", "head", "head_type", "diagonal_unforced", "entropy_unforced",
+                                   "entropy_norm"]
     assert set(types["head_type"]) <= {"local", "copy", "broad", "mixed"}
     assert len(types) == 12
     assert "Head types per layer" in classified.stdout
@@ -212,7 +214,7 @@ def test_plot_refuses_head_types_from_another_run(results, tmp_path):
     for name in ("heads.csv", "layers.csv", "example_attention.npz"):
         (out / name).write_bytes((results[0] / name).read_bytes())
     types = pd.read_csv(results[0] / "head_types.csv")
-    types["entropy"] += 0.5
+    types["entropy_unforced"] += 0.5
     types.to_csv(out / "head_types.csv", index=False)
     assert_one_line_error(run("plot", "--out", out), "head_types.csv does not match", "attnprobe classify")
     assert not list(out.glob("*.png"))

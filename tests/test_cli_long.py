@@ -35,6 +35,7 @@ def test_split_file_is_one_sequence_on_the_blocked_path(long_results):
     assert run_info["attention"] == {"requested": "auto", "path": "blocked", "block_budget_mib": 64,
                                      "sink_tokens": 1, "window": 8}
     assert run_info["model"]["kv_heads"] == 2 and run_info["model"]["head_dim"] == 8
+    assert run_info["distributed"] == {"world_size": 1, "sentences_per_rank": [1]}
     heads = pd.read_csv(out / "heads.csv")
     assert heads["sink_window"].between(0, 1).all()
     positions = pd.read_csv(out / "positions.csv")

@@ -15,7 +15,8 @@ def fake_heads(n_layers: int, n_heads: int) -> pd.DataFrame:
         "layer": layer.ravel(), "head": head.ravel(),
         "entropy": rng.uniform(0, 2.5, layer.size), "entropy_norm": rng.uniform(0, 1, layer.size),
         "diagonal": rng.uniform(0, 1, layer.size), "first_token": rng.uniform(0, 1, layer.size),
-    })
+    }).assign(entropy_unforced=lambda f: f["entropy"] * 1.05, diagonal_unforced=lambda f: f["diagonal"] * 0.9,
+              first_token_unforced=lambda f: f["first_token"] * 0.95)
 
 
 def fake_layers(heads: pd.DataFrame) -> pd.DataFrame:
@@ -63,7 +64,8 @@ def test_layer_gradient_shows_mean_per_layer_and_type_counts():
 def test_representatives_pick_the_clearest_head_of_each_type():
     types = pd.DataFrame({
         "layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "head_type": ["local", "local", "copy", "broad"],
-        "diagonal": [0.9, 0.99, 0.1, 0.2], "entropy": [0.1, 0.2, 0.3, 2.0], "entropy_norm": [0.1, 0.1, 0.1, 0.9],
+        "diagonal_unforced": [0.9, 0.99, 0.1, 0.2], "entropy_unforced": [0.1, 0.2, 0.3, 2.0],
+        "entropy_norm": [0.1, 0.1, 0.1, 0.9],
     })
     assert plotting.representatives(types) == {"local": (0, 1), "copy": (1, 0), "broad": (1, 1)}
 
@@ -93,7 +95,7 @@ def test_category_lines_join_the_layer_gradient():
 def test_extended_types_get_their_own_bars_and_picks():
     heads = fake_heads(2, 3)
     heads["previous_token"] = [0.9, 0.1, 0.1, 0.1, 0.1, 0.1]
-    heads["first_token"] = [0.1, 0.9, 0.1, 0.1, 0.1, 0.1]
+    heads["first_token_unforced"] = [0.1, 0.9, 0.1, 0.1, 0.1, 0.1]
     types = classify(heads, scheme="extended")
     types["head_type"] = ["previous", "sink", "local", "copy", "broad", "mixed"]
     figure = plotting.layer_gradient_figure(heads, fake_layers(heads), types)

@@ -39,6 +39,9 @@ def reference_row_scores(p: np.ndarray, i: int, n: int, causal: bool) -> dict[st
         "distance": sum(float(p[i, j]) * abs(i - j) for j in keys),
         "diagonal_excess": diagonal - len(near) / k,
         "sink_window": sum(float(p[i, j]) for j in kept) if causal and i >= SINK + WINDOW else math.nan,
+        "entropy_unforced": entropy if k >= 2 else math.nan,
+        "diagonal_unforced": diagonal if len(near) < k else math.nan,
+        "first_token_unforced": float(p[i, 0]) if k >= 2 else math.nan,
     }
 
 

@@ -97,12 +97,13 @@ def test_long_example_sentence_keeps_only_its_first_tokens(gpt2_dir, tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda f: f.assign(entropy=f["entropy"].astype(object).where(f.index != 2, "abc")), "not numbers in entropy"),
+    (lambda f: f.assign(entropy_unforced=f["entropy_unforced"].astype(object).where(f.index != 2, "abc")),
+     "not numbers in entropy_unforced"),
     (lambda f: pd.concat([f, f.iloc[[0]]]), "repeats a (layer, head) row"),
 ])
 def test_damaged_heads_csv(tmp_path, damage, message):
-    heads = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0], "entropy": [0.1, 1.0, 2.0],
-                          "entropy_norm": [0.1, 0.5, 0.9], "diagonal": [0.9, 0.3, 0.2]})
+    heads = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0], "entropy_unforced": [0.1, 1.0, 2.0],
+                          "entropy_norm": [0.1, 0.5, 0.9], "diagonal_unforced": [0.9, 0.3, 0.2]})
     damage(heads).to_csv(tmp_path / "heads.csv", index=False)
     for command in ("classify", "plot"):
         result = runner.invoke(app, [command, "--out", str(tmp_path)])

@@ -33,6 +33,7 @@ def test_classify_and_plot_import_no_torch(tmp_path):
 
     heads = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "entropy": [0.1, 2.0, 1.0, 0.5],
                           "entropy_norm": [0.1, 0.9, 0.5, 0.3], "diagonal": [0.95, 0.2, 0.4, 0.3]})
+    heads["entropy_unforced"], heads["diagonal_unforced"] = heads["entropy"], heads["diagonal"]
     heads.to_csv(tmp_path / "heads.csv", index=False)
     assert CliRunner().invoke(app, ["classify", "--out", str(tmp_path)]).exit_code == 0
     assert heavy_modules_after([["classify", "--out", str(tmp_path)], ["plot", "--out", str(tmp_path)]]) == "[]"
