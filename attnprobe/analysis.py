@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from attnprobe import __version__, kernel
-from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, resample_counts, resampled_means
+from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel import DEFAULT_BUDGET_MIB
@@ -99,7 +99,7 @@ def analyze_loaded(
     per_sentence = tidy(arrays, corpus)
     heads = summarize_heads(per_sentence)
     layers = summarize_layers(heads)
-    counts = resample_counts(len(ids), resamples, seed)
+    counts = poisson_weights(range(len(ids)), resamples, seed)  # [resample, sentence]
     heads, layers, summary = add_intervals(heads, layers, arrays, counts)
     run = run_info(loaded, corpus, ids, tokens.truncated, batch_size, time.perf_counter() - started)
     run["attention"] = {
@@ -107,7 +107,8 @@ def analyze_loaded(
         "sink_tokens": options.sink, "window": options.window,
     }
     run["summary"] = summary
-    run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences"}
+    run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
+                        "method": "poisson"}
     run["example_sentence"] = {"index": example_index, "line": corpus.sentences[example_index].line}
     example = {
         "sentence": corpus.sentences[example_index].text,
@@ -115,7 +116,7 @@ def analyze_loaded(
         "maps": measured.example_maps,
         "total_tokens": len(ids[example_index]),
     }
-    categories = summarize_categories(arrays["entropy"], corpus, resamples, seed)
+    categories = summarize_categories(arrays["entropy"], corpus, counts)
     positions = summarize_positions(measured.bins, [len(t) for t in ids])
     return Analysis(heads, layers, per_sentence, run, example, categories, positions)
 
@@ -387,10 +388,11 @@ def add_intervals(
     return heads, layers, summary
 
 
-def summarize_categories(
-    entropy: np.ndarray, corpus: Corpus, resamples: int, seed: int
-) -> pd.DataFrame | None:
-    """Category x layer mean entropy with an interval over that category's sentences."""
+def summarize_categories(entropy: np.ndarray, corpus: Corpus, counts: np.ndarray) -> pd.DataFrame | None:
+    """Category x layer mean entropy with an interval over that category's sentences.
+
+    The intervals use the corpus's own weights [resample, sentence], restricted to the category.
+    """
     labels = [s.category for s in corpus.sentences]
     if all(label is None for label in labels):
         return None
@@ -401,7 +403,7 @@ def summarize_categories(
     for category in dict.fromkeys(label or UNTAGGED for label in labels):
         chosen = [i for i, label in enumerate(labels) if (label or UNTAGGED) == category]
         values = by_sentence[chosen]  # [sentence, layer]
-        low, high = interval(resampled_means(values, resample_counts(len(chosen), resamples, seed)))
+        low, high = interval(resampled_means(values, counts[:, chosen]))
         frames.append(pd.DataFrame({
             "category": category, "layer": np.arange(values.shape[1]), "entropy": values.mean(axis=0),
             "entropy_ci_low": low, "entropy_ci_high": high, "sentences": len(chosen),

@@ -1,12 +1,18 @@
-"""Bootstrap confidence intervals over sentences (pure numpy).
+"""Bootstrap confidence intervals over sentences (pure numpy): the Poisson bootstrap.
 
-Every statistic is resampled with the same resamples of sentences, so the intervals of heads,
-layers and the early-vs-late gradient all describe the same "another sample of sentences".
+Each sentence gets, for each of the R resamples, an independent Poisson(1) weight: how often it is
+drawn into that resample (Hanley & MacGibbon 2006; Chamandy et al. 2012). The weights come from
+(seed, the sentence's index in the corpus) alone, so they, and the intervals, do not depend on
+batch size, batch order or how many processes share the corpus, and a resample's weighted sums
+can be accumulated as sentences stream past. Every statistic uses the same weights, so the
+intervals of heads, layers, categories and the early-vs-late gradient all describe the same
+"another sample of sentences".
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -14,14 +20,21 @@ CONFIDENCE = 0.95
 DEFAULT_RESAMPLES = 1000
 
 
-def resample_counts(n_items: int, resamples: int, seed: int) -> np.ndarray:
-    """How often each item is drawn in each resample (with replacement): [resample, item]."""
-    rng = np.random.default_rng(seed)
-    return rng.multinomial(n_items, np.full(n_items, 1.0 / n_items), size=resamples).astype(np.float64)
+def poisson_weights(indices: Iterable[int], resamples: int, seed: int) -> np.ndarray:
+    """Poisson(1) weights [resample, item] for the items with these corpus indices.
+
+    Column k depends only on (seed, indices[k]): the same sentence gets the same weights whatever
+    else is in the batch or the shard.
+    """
+    columns = [np.random.default_rng([seed, int(i)]).poisson(1.0, resamples) for i in indices]
+    return np.array(columns, dtype=np.float64).reshape(-1, resamples).T  # [resample, item]
 
 
 def resampled_means(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Means of `values` [item, ...] under each resample, skipping NaN: [resample, ...]."""
+    """Weighted means of `values` [item, ...] under each resample's weights [resample, item], skipping NaN.
+
+    A resample whose items with a value all have weight 0 gives NaN, which `interval` skips.
+    """
     flat = values.reshape(values.shape[0], -1)  # [item, k]
     present = ~np.isnan(flat)  # [item, k]
     totals = counts @ np.where(present, flat, 0.0)  # [resample, k]

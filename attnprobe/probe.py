@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from attnprobe.analysis import check_options
-from attnprobe.bootstrap import DEFAULT_RESAMPLES, interval, resample_counts, resampled_means
+from attnprobe.bootstrap import DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, stream_attention
 
@@ -106,7 +106,7 @@ def probe(
             if progress:
                 progress(len(batch))
     values = {kind: np.concatenate(per_kind[kind]) for kind in kinds}  # [sequence, layer, head]
-    frame = tabulate(values, resample_counts(len(lengths) * sequences, resamples, seed))
+    frame = tabulate(values, poisson_weights(range(len(lengths) * sequences), resamples, seed))
     info = {
         "kinds": list(kinds), "lengths": list(lengths), "sequences_per_length": sequences, "seed": seed,
         "resamples": resamples, "special_prefix": prefix, "special_suffix": suffix,

@@ -60,7 +60,8 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     assert run_info["batch_size"] == 8 and run_info["device"] == "cpu"
     assert run_info["distributed"] == {"world_size": 1, "sentences_per_rank": [3]}  # one process, every sentence
     assert "early - late" in analyzed.stdout and "95% interval" in analyzed.stdout
-    assert run_info["bootstrap"] == {"resamples": 1000, "seed": 0, "confidence": 0.95, "over": "sentences"}
+    assert run_info["bootstrap"] == {"resamples": 1000, "seed": 0, "confidence": 0.95, "over": "sentences",
+                                     "method": "poisson"}
     low, high = run_info["summary"]["difference_ci"]
     assert low <= run_info["summary"]["difference"] <= high
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
