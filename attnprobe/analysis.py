@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__, kernel
+from attnprobe import __version__, distributed, kernel
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
@@ -68,7 +68,7 @@ def analyze(
     """Measure every head of `model` over every sentence (or paragraph, or file: `split`) of `corpus`."""
     check_options(batch_size, resamples, seed, options)
     text = read_corpus(corpus, split=split)
-    loaded = load_model(model, device, dtype)
+    loaded = load_model(model, distributed.device_for(distributed.current(), device), dtype)
     return analyze_loaded(
         loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start,
         options=options,
@@ -94,7 +94,9 @@ def analyze_loaded(
     if on_start:
         on_start(len(ids))
     example_index = pick_example(ids)
-    measured = measure(loaded, tokens, batch_size, example_index, progress, options)
+    world = distributed.current()
+    distributed.join(world, loaded.device)
+    measured = measure(loaded, tokens, batch_size, example_index, progress, options, world)
     arrays = measured.stats
     per_sentence = tidy(arrays, corpus)
     heads = summarize_heads(per_sentence)
@@ -102,6 +104,7 @@ def analyze_loaded(
     counts = poisson_weights(range(len(ids)), resamples, seed)  # [resample, sentence]
     heads, layers, summary = add_intervals(heads, layers, arrays, counts)
     run = run_info(loaded, corpus, ids, tokens.truncated, batch_size, time.perf_counter() - started)
+    run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(len(ids))}
     run["attention"] = {
         "requested": options.attention, "path": measured.path, "block_budget_mib": options.budget_mib,
         "sink_tokens": options.sink, "window": options.window,
@@ -159,9 +162,12 @@ class Measured:
 
 def measure(
     loaded: LoadedModel, tokens: Tokens, batch_size: int, example_index: int, progress: Progress | None,
-    options: Options = Options(),
+    options: Options = Options(), world: distributed.World = distributed.World(),
 ) -> Measured:
-    """Every statistic of every sentence, [sentence, layer, head], by position bin too; the example's maps."""
+    """Every statistic of every sentence, [sentence, layer, head], by position bin too; the example's maps.
+
+    Under torchrun each rank measures its shard of the sentences, and the results are merged.
+    """
     ids = tokens.ids
     path = attention_path(loaded, options.attention)
     n_layers, n_heads = loaded.num_layers, loaded.num_heads
@@ -173,10 +179,10 @@ def measure(
     bins = {name: torch.full((*shape, n_bins), torch.nan, device=loaded.device)
             for name in POSITION_METRICS}  # [sentence, layer, head, bin]
     n = min(len(ids[example_index]), EXAMPLE_MAX_TOKENS)
-    example_maps = torch.zeros(n_layers, n_heads, n, n)  # [layer, head, query, key]
+    example_maps = torch.full((n_layers, n_heads, n, n), torch.nan, device=loaded.device)  # [layer, head, q, k]
     sink, window = options.sink, options.window
     with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
-        for batch in length_batches(ids, batch_size):
+        for batch in length_batches(ids, batch_size, world.shard(len(ids))):
             input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
             rows = torch.tensor(batch, device=loaded.device)  # [batch]
             special = pad_batch([tokens.special[i] for i in batch], loaded.device)[0].bool() if has_special else None
@@ -193,7 +199,7 @@ def measure(
                 def on_sums(layer: int, sums: SentenceSums, maps: torch.Tensor | None, store=store) -> None:
                     store(layer, sums)
                     if maps is not None:
-                        example_maps[layer] = maps.cpu()  # [head, query, key]
+                        example_maps[layer] = maps  # [head, query, key]
 
                 kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window,
                                  bins=k, budget_mib=options.budget_mib, block_rows=options.block_rows,
@@ -203,15 +209,17 @@ def measure(
                            k=k) -> None:
                     store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k))
                     if example is not None:
-                        example_maps[layer] = p[example[0], :, :n, :n].float().cpu()  # [head, query, key]
+                        example_maps[layer] = p[example[0], :, :n, :n].float()  # [head, query, key]
 
                 stream_attention(loaded, input_ids, mask, on_map)
             if progress:
-                progress(len(batch))
+                progress(len(batch) * world.size)  # the ranks run in step: an estimate of the whole run
+    stats, bins = distributed.merge(world, stats), distributed.merge(world, bins)
+    example_maps = distributed.merge(world, {"maps": example_maps})["maps"]
     return Measured(
         stats={name: values.cpu().numpy().astype(np.float64) for name, values in stats.items()},
         bins={name: values.cpu().numpy().astype(np.float64) for name, values in bins.items()},
-        example_maps=example_maps.numpy(), path=path,
+        example_maps=example_maps.cpu().numpy(), path=path,
     )
 
 
@@ -285,9 +293,10 @@ def tokenize(loaded: LoadedModel, corpus: Corpus) -> Tokens:
     return Tokens([list(t) for t in cut["input_ids"]], [list(m) for m in cut["special_tokens_mask"]], truncated)
 
 
-def length_batches(ids: list[list[int]], batch_size: int) -> list[list[int]]:
-    """Sentence indices grouped into batches of similar length (least padding)."""
-    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+def length_batches(ids: list[list[int]], batch_size: int, indices: list[int] | None = None) -> list[list[int]]:
+    """Sentence indices (all, or the given ones) grouped into batches of similar length (least padding)."""
+    chosen = range(len(ids)) if indices is None else indices
+    order = sorted(chosen, key=lambda i: (len(ids[i]), i))
     return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
 
 
@@ -437,7 +446,6 @@ def run_info(
         "tokens": sum(len(t) for t in ids),
         "longest_sequence": max(len(t) for t in ids),
         "truncated_sentences": truncated,
-        "distributed": {"world_size": 1, "sentences_per_rank": [len(ids)]},  # one process analysed every sentence
         "device": str(loaded.device),
         "dtype": loaded.dtype,
         "batch_size": batch_size,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -121,25 +122,31 @@ def analyze(
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from attnprobe import io
+    from attnprobe import distributed, io
     from attnprobe.analysis import Options, analyze_loaded, check_options
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
 
     options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib)
     check_options(batch_size, resamples, seed, options)
+    world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
     io.check_out_dir(out)
     sentences = read_corpus(corpus, split=split.value)
-    with err_console.status(f"Loading {model}"):
-        loaded = load_model(model, device.value, dtype.value)
+    with err_console.status(f"Loading {model}") if world.is_main else nullcontext():
+        loaded = load_model(model, distributed.device_for(world, device.value), dtype.value)
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
-    with Progress(*columns, console=err_console, transient=True) as bar:
-        task = bar.add_task("analyze", total=None)
-        result = analyze_loaded(
-            loaded, sentences, batch_size=batch_size, resamples=resamples, seed=seed, options=options,
-            on_start=lambda total: bar.update(task, total=total),
-            progress=lambda done: bar.advance(task, done),
-        )
+    try:
+        with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar:
+            task = bar.add_task("analyze", total=None)
+            result = analyze_loaded(
+                loaded, sentences, batch_size=batch_size, resamples=resamples, seed=seed, options=options,
+                on_start=lambda total: bar.update(task, total=total),
+                progress=lambda done: bar.advance(task, done),
+            )
+    finally:
+        distributed.leave(world)
+    if not world.is_main:
+        return
     files = {
         io.HEADS_FILE: io.csv_writer(result.heads),
         io.LAYERS_FILE: io.csv_writer(result.layers),
