@@ -16,7 +16,8 @@ import pandas as pd
 import torch
 
 from attnprobe import __version__, distributed, kernel
-from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
+from attnprobe.accumulate import Accumulator, Shape
+from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel import DEFAULT_BUDGET_MIB
@@ -28,7 +29,6 @@ from attnprobe.metrics import (
     SPECIAL,
     SentenceSums,
     bin_count,
-    bin_range,
     sentence_sums,
 )
 from attnprobe.model import LoadedModel, load_model, quiet_transformers, stream_attention
@@ -44,7 +44,7 @@ Progress = Callable[[int], None]  # called with the number of sentences just fin
 class Analysis:
     heads: pd.DataFrame  # one row per (layer, head)
     layers: pd.DataFrame  # one row per layer
-    per_sentence: pd.DataFrame  # one row per (sentence, layer, head)
+    per_sentence: pd.DataFrame | None  # one row per (sentence, layer, head), when asked for
     run: dict[str, Any]  # provenance and the early/late summary
     example: dict[str, Any] = field(default_factory=dict)  # tokens and maps [layer, head, query, key]
     categories: pd.DataFrame | None = None  # category x layer, when the corpus is tagged
@@ -64,6 +64,7 @@ def analyze(
     on_start: Callable[[int], None] | None = None,
     split: str = "lines",
     options: Options | None = None,
+    keep_per_sentence: bool = False,
 ) -> Analysis:
     """Measure every head of `model` over every sentence (or paragraph, or file: `split`) of `corpus`."""
     check_options(batch_size, resamples, seed, options)
@@ -71,7 +72,7 @@ def analyze(
     loaded = load_model(model, distributed.device_for(distributed.current(), device), dtype)
     return analyze_loaded(
         loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start,
-        options=options,
+        options=options, keep_per_sentence=keep_per_sentence,
     )
 
 
@@ -85,7 +86,13 @@ def analyze_loaded(
     progress: Progress | None = None,
     on_start: Callable[[int], None] | None = None,
     options: Options | None = None,
+    keep_per_sentence: bool = False,
 ) -> Analysis:
+    """Measure every head of a loaded model over a corpus.
+
+    Statistics are folded into sums batch by batch, so memory does not grow with the corpus;
+    `keep_per_sentence` also returns every sentence's values as `Analysis.per_sentence` (it does grow).
+    """
     options = options or Options()
     check_options(batch_size, resamples, seed, options)
     started = time.perf_counter()
@@ -96,13 +103,19 @@ def analyze_loaded(
     example_index = pick_example(ids)
     world = distributed.current()
     distributed.join(world, loaded.device)
-    measured = measure(loaded, tokens, batch_size, example_index, progress, options, world)
-    arrays = measured.stats
-    per_sentence = tidy(arrays, corpus)
-    heads = summarize_heads(per_sentence)
+    labels = sentence_categories(corpus)
+    has_special = any(any(flags) for flags in tokens.special)
+    shape = Shape(
+        names=(*METRICS, SPECIAL) if has_special else METRICS, bin_names=POSITION_METRICS,
+        layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(max(len(t) for t in ids)),
+        resamples=resamples, seed=seed, categories=tuple(dict.fromkeys(labels)) if labels else (),
+    )
+    measured = measure(loaded, tokens, batch_size, example_index, progress, options, world, shape, labels,
+                       keep_per_sentence)
+    totals = measured.totals
+    heads = totals.heads()
     layers = summarize_layers(heads)
-    counts = poisson_weights(range(len(ids)), resamples, seed)  # [resample, sentence]
-    heads, layers, summary = add_intervals(heads, layers, arrays, counts)
+    heads, layers, summary = add_intervals(heads, layers, totals)
     run = run_info(loaded, corpus, ids, tokens.truncated, batch_size, time.perf_counter() - started)
     run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(len(ids))}
     run["attention"] = {
@@ -119,9 +132,17 @@ def analyze_loaded(
         "maps": measured.example_maps,
         "total_tokens": len(ids[example_index]),
     }
-    categories = summarize_categories(arrays["entropy"], corpus, counts)
-    positions = summarize_positions(measured.bins, [len(t) for t in ids])
-    return Analysis(heads, layers, per_sentence, run, example, categories, positions)
+    per_sentence = tidy(measured.per_sentence, corpus) if measured.per_sentence is not None else None
+    positions = totals.positions(max(len(t) for t in ids))
+    return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions)
+
+
+def sentence_categories(corpus: Corpus) -> list[str] | None:
+    """Each sentence's category (`untagged` above the first tag), or None for an untagged corpus."""
+    labels = [s.category for s in corpus.sentences]
+    if all(label is None for label in labels):
+        return None
+    return [label or UNTAGGED for label in labels]
 
 
 @dataclass(frozen=True)
@@ -154,45 +175,45 @@ def attention_path(loaded: LoadedModel, attention: str) -> str:
 
 @dataclass
 class Measured:
-    stats: dict[str, np.ndarray]  # per score [sentence, layer, head]
-    bins: dict[str, np.ndarray]  # per POSITION_METRICS score [sentence, layer, head, bin]
+    totals: Accumulator  # every statistic, summed over the sentences (all ranks merged)
     example_maps: np.ndarray  # [layer, head, query, key], the example's first tokens
     path: str  # blocked or eager
+    per_sentence: dict[str, np.ndarray] | None = None  # per score [sentence, layer, head], when kept
 
 
 def measure(
     loaded: LoadedModel, tokens: Tokens, batch_size: int, example_index: int, progress: Progress | None,
-    options: Options = Options(), world: distributed.World = distributed.World(),
+    options: Options, world: distributed.World, shape: Shape, labels: list[str] | None = None,
+    keep_per_sentence: bool = False,
 ) -> Measured:
-    """Every statistic of every sentence, [sentence, layer, head], by position bin too; the example's maps.
+    """Run every batch of this rank's sentences and fold its statistics into an Accumulator.
 
-    Under torchrun each rank measures its shard of the sentences, and the results are merged.
+    Under torchrun each rank measures its shard of the sentences, and the sums are merged.
     """
     ids = tokens.ids
     path = attention_path(loaded, options.attention)
-    n_layers, n_heads = loaded.num_layers, loaded.num_heads
-    has_special = any(any(flags) for flags in tokens.special)
-    names = (*METRICS, SPECIAL) if has_special else METRICS
-    n_bins = bin_count(max(len(t) for t in ids))
-    shape = (len(ids), n_layers, n_heads)  # stays on the device until the end: no sync per layer
-    stats = {name: torch.full(shape, torch.nan, device=loaded.device) for name in names}  # [sentence, layer, head]
-    bins = {name: torch.full((*shape, n_bins), torch.nan, device=loaded.device)
-            for name in POSITION_METRICS}  # [sentence, layer, head, bin]
+    totals = Accumulator(shape)
+    kept = {name: np.full((len(ids), shape.layers, shape.heads), np.nan) for name in shape.names} \
+        if keep_per_sentence else None  # [sentence, layer, head]
     n = min(len(ids[example_index]), EXAMPLE_MAX_TOKENS)
-    example_maps = torch.full((n_layers, n_heads, n, n), torch.nan, device=loaded.device)  # [layer, head, q, k]
+    example_maps = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
     sink, window = options.sink, options.window
     with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
         for batch in length_batches(ids, batch_size, world.shard(len(ids))):
             input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
-            rows = torch.tensor(batch, device=loaded.device)  # [batch]
-            special = pad_batch([tokens.special[i] for i in batch], loaded.device)[0].bool() if has_special else None
-            k = min(n_bins, bin_count(input_ids.shape[1]))
+            special = pad_batch([tokens.special[i] for i in batch], loaded.device)[0].bool() \
+                if SPECIAL in shape.names else None  # [batch, seq]
+            k = min(shape.bins, bin_count(input_ids.shape[1]))
+            stats = {name: torch.full((len(batch), shape.layers, shape.heads), torch.nan, device=loaded.device)
+                     for name in shape.names}  # [batch, layer, head]
+            bins = {name: torch.full((len(batch), shape.layers, shape.heads, k), torch.nan, device=loaded.device)
+                    for name in shape.bin_names}  # [batch, layer, head, bin]
 
-            def store(layer: int, sums: SentenceSums, rows=rows, k=k) -> None:
+            def store(layer: int, sums: SentenceSums, stats=stats, bins=bins) -> None:
                 for name, value in sums.means().items():  # [batch, head]
-                    stats[name][rows, layer] = value
+                    stats[name][:, layer] = value
                 for name, value in sums.bin_means().items():  # [batch, head, bin]
-                    bins[name][rows, layer, :, :k] = value
+                    bins[name][:, layer] = value
 
             example = (batch.index(example_index), n) if example_index in batch else None
             if path == "blocked":
@@ -212,40 +233,20 @@ def measure(
                         example_maps[layer] = p[example[0], :, :n, :n].float()  # [head, query, key]
 
                 stream_attention(loaded, input_ids, mask, on_map)
+            values = {name: v.cpu().numpy().astype(np.float64) for name, v in stats.items()}
+            totals.add(batch, values, {name: v.cpu().numpy().astype(np.float64) for name, v in bins.items()},
+                       [len(ids[i]) for i in batch], [labels[i] for i in batch] if labels else None)
+            if kept is not None:
+                for name, value in values.items():
+                    kept[name][batch] = value
             if progress:
                 progress(len(batch) * world.size)  # the ranks run in step: an estimate of the whole run
-    stats, bins = distributed.merge(world, stats), distributed.merge(world, bins)
+    totals.sums = distributed.merge_sums(world, totals.sums, loaded.device)
     example_maps = distributed.merge(world, {"maps": example_maps})["maps"]
-    return Measured(
-        stats={name: values.cpu().numpy().astype(np.float64) for name, values in stats.items()},
-        bins={name: values.cpu().numpy().astype(np.float64) for name, values in bins.items()},
-        example_maps=example_maps.cpu().numpy(), path=path,
-    )
-
-
-def summarize_positions(bins: dict[str, np.ndarray], lengths: list[int]) -> pd.DataFrame:
-    """positions.csv: per layer, head and bin of query positions, the rows and each score's mean.
-
-    Inside a bin each sentence weighs the same: its mean over its rows in the bin, then the mean over
-    the sentences that have rows there.
-    """
-    some = next(iter(bins.values()))  # [sentence, layer, head, bin]
-    _, n_layers, n_heads, n_bins = some.shape
-    rows = np.zeros(n_bins, dtype=np.int64)  # real query rows per bin, over the corpus
-    for length in lengths:
-        for b in range(n_bins):
-            lo, hi = bin_range(b)
-            rows[b] += max(0, min(hi, length - 1) - lo + 1)
-    grids = np.meshgrid(np.arange(n_layers), np.arange(n_heads), np.arange(n_bins), indexing="ij")
-    frame = pd.DataFrame({key: g.ravel() for key, g in zip(("layer", "head", "bin"), grids)})
-    frame["position_min"] = [bin_range(b)[0] for b in frame["bin"]]
-    frame["position_max"] = [min(bin_range(b)[1], max(lengths) - 1) for b in frame["bin"]]
-    frame["rows"] = rows[frame["bin"]]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a bin where a score is undefined stays NaN
-        for name, values in bins.items():
-            frame[name] = np.nanmean(values, axis=0).ravel()  # [layer, head, bin] -> rows
-    return frame
+    if kept is not None:
+        kept = {name: v.cpu().numpy() for name, v in distributed.merge(
+            world, {name: torch.from_numpy(v).to(loaded.device) for name, v in kept.items()}).items()}
+    return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), path=path, per_sentence=kept)
 
 
 def check_options(
@@ -333,15 +334,6 @@ def metric_columns(frame: pd.DataFrame) -> list[str]:
     return [name for name in (*METRICS, SPECIAL) if name in frame.columns]
 
 
-def summarize_heads(per_sentence: pd.DataFrame) -> pd.DataFrame:
-    """A head's value is the mean over sentences, each sentence weighing the same."""
-    grouped = per_sentence.groupby(["layer", "head"], sort=True)
-    heads = grouped[metric_columns(per_sentence)].mean()  # NaN-skipping: entropy_norm is NaN for 1-token causal rows
-    heads["entropy_std"] = grouped["entropy"].std(ddof=1)
-    heads["sentences"] = grouped["entropy"].count()
-    return heads.reset_index()
-
-
 def summarize_layers(heads: pd.DataFrame) -> pd.DataFrame:
     grouped = heads.groupby("layer", sort=True)
     layers = grouped[metric_columns(heads)].mean()
@@ -372,12 +364,12 @@ def early_late(layers: pd.DataFrame) -> dict[str, Any]:
 
 
 def add_intervals(
-    heads: pd.DataFrame, layers: pd.DataFrame, arrays: dict[str, np.ndarray], counts: np.ndarray
+    heads: pd.DataFrame, layers: pd.DataFrame, totals: Accumulator
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
     """`<name>_ci_low`/`_ci_high` for every score of heads and layers, and the gradient's interval."""
     heads, layers = heads.copy(), layers.copy()
-    for name, values in arrays.items():  # values: [sentence, layer, head]
-        per_head = resampled_means(values, counts)  # [resample, layer, head]
+    for name in totals.shape.names:
+        per_head = totals.resampled_head_means(name)  # [resample, layer, head]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN heads stay NaN
             per_layer = np.nanmean(per_head, axis=2)  # [resample, layer]
@@ -395,29 +387,6 @@ def add_intervals(
         low, high = interval(resampled)
         summary[f"{key}_ci"] = [float(low), float(high)]
     return heads, layers, summary
-
-
-def summarize_categories(entropy: np.ndarray, corpus: Corpus, counts: np.ndarray) -> pd.DataFrame | None:
-    """Category x layer mean entropy with an interval over that category's sentences.
-
-    The intervals use the corpus's own weights [resample, sentence], restricted to the category.
-    """
-    labels = [s.category for s in corpus.sentences]
-    if all(label is None for label in labels):
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        by_sentence = np.nanmean(entropy, axis=2)  # [sentence, layer]: mean over heads
-    frames = []
-    for category in dict.fromkeys(label or UNTAGGED for label in labels):
-        chosen = [i for i, label in enumerate(labels) if (label or UNTAGGED) == category]
-        values = by_sentence[chosen]  # [sentence, layer]
-        low, high = interval(resampled_means(values, counts[:, chosen]))
-        frames.append(pd.DataFrame({
-            "category": category, "layer": np.arange(values.shape[1]), "entropy": values.mean(axis=0),
-            "entropy_ci_low": low, "entropy_ci_high": high, "sentences": len(chosen),
-        }))
-    return pd.concat(frames, ignore_index=True)
 
 
 def run_info(

@@ -94,3 +94,18 @@ def leave(world: World) -> None:
 
     if world.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def merge_sums(world: World, sums: dict, device: torch.device) -> dict:
+    """Accumulator sums (numpy float64 arrays) added over every rank."""
+    if world.size == 1:
+        return sums
+    import numpy as np
+    import torch.distributed as dist
+
+    merged = {}
+    for key in sorted(sums):  # the same order on every rank
+        tensor = torch.from_numpy(np.ascontiguousarray(sums[key])).to(device)
+        dist.all_reduce(tensor)
+        merged[key] = tensor.cpu().numpy()
+    return merged

@@ -13,7 +13,7 @@ from attnprobe.corpus import read_corpus
 
 
 def test_uniform_heads_give_closed_form_values(uniform_gpt2_dir, corpus_file):
-    result = analyze(str(uniform_gpt2_dir), str(corpus_file), batch_size=3, device="cpu")
+    result = analyze(str(uniform_gpt2_dir), str(corpus_file), batch_size=3, device="cpu", keep_per_sentence=True)
     tok = AutoTokenizer.from_pretrained(uniform_gpt2_dir)
     tokenizer_lengths = [len(tok(s)["input_ids"]) for s in SENTENCES]
     frame = result.per_sentence
@@ -42,7 +42,7 @@ def test_results_do_not_depend_on_batch_size(gpt2_dir, corpus_file):
 
 
 def test_heads_are_means_over_sentences_with_sample_std(gpt2_dir, corpus_file):
-    result = analyze(str(gpt2_dir), str(corpus_file), batch_size=4, device="cpu")
+    result = analyze(str(gpt2_dir), str(corpus_file), batch_size=4, device="cpu", keep_per_sentence=True)
     one = result.per_sentence.query("layer == 1 and head == 2")
     row = result.heads.query("layer == 1 and head == 2").iloc[0]
     assert row["entropy"] == pytest.approx(one["entropy"].mean())
@@ -52,7 +52,7 @@ def test_heads_are_means_over_sentences_with_sample_std(gpt2_dir, corpus_file):
 
 
 def test_example_maps_are_proper_causal_rows(gpt2_dir, corpus_file):
-    result = analyze(str(gpt2_dir), str(corpus_file), batch_size=8, device="cpu")
+    result = analyze(str(gpt2_dir), str(corpus_file), batch_size=8, device="cpu", keep_per_sentence=True)
     maps = result.example["maps"]  # [layer, head, query, key]
     n = len(result.example["tokens"])
     assert maps.shape == (3, 4, n, n)
@@ -63,7 +63,7 @@ def test_example_maps_are_proper_causal_rows(gpt2_dir, corpus_file):
 
 def test_long_sentences_are_truncated_to_the_context(tmp_path, corpus_file):
     model = make_gpt2(tmp_path / "short", n_positions=8, uniform_heads=True)
-    result = analyze(str(model), str(corpus_file), batch_size=2, device="cpu")
+    result = analyze(str(model), str(corpus_file), batch_size=2, device="cpu", keep_per_sentence=True)
     assert result.run["truncated_sentences"] == 5  # all but the 7-, 3- and 3-token sentences
     assert result.run["model"]["max_length"] == 8
     longest = sum(math.log(i + 1) for i in range(8)) / 8
@@ -94,7 +94,7 @@ def test_bundled_corpus_is_100_tagged_sentences():
 
 
 def test_bfloat16_runs_with_float32_statistics(gpt2_dir, corpus_file):
-    full = analyze(str(gpt2_dir), str(corpus_file), device="cpu")
+    full = analyze(str(gpt2_dir), str(corpus_file), device="cpu", keep_per_sentence=True)
     half = analyze(str(gpt2_dir), str(corpus_file), device="cpu", dtype="bfloat16")
     assert half.run["dtype"] == "bfloat16" and full.run["dtype"] == "float32"
     assert half.heads["entropy"].dtype == "float64"
@@ -113,7 +113,7 @@ def test_tagged_corpus_gives_categories_with_intervals(gpt2_dir, tmp_path):
     corpus = tmp_path / "tagged.txt"
     corpus.write_text("Rain fell.\n# category: short\nBirds sing.\nThe cat sat on the mat.\n"
                       "# category: long\n" + "\n".join(SENTENCES[3:6]) + "\n", encoding="utf-8")
-    result = analyze(str(gpt2_dir), str(corpus), device="cpu", resamples=200)
+    result = analyze(str(gpt2_dir), str(corpus), device="cpu", resamples=200, keep_per_sentence=True)
     cats = result.categories
     assert list(cats.columns) == ["category", "layer", "entropy", "entropy_ci_low", "entropy_ci_high", "sentences"]
     assert list(dict.fromkeys(cats["category"])) == ["untagged", "short", "long"]

@@ -48,13 +48,15 @@ def loaded(request):
 @pytest.fixture(scope="module")
 def eager_result(loaded):
     options = Options(attention="eager", sink=SINK, window=WINDOW)
-    return analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=3, resamples=20, options=options)
+    return analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=3, resamples=20, options=options,
+                          keep_per_sentence=True)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 10_000])
 def test_blocked_statistics_equal_the_eager_ones(loaded, eager_result, rows):
     options = Options(attention="blocked", sink=SINK, window=WINDOW, block_rows=rows)
-    blocked = analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=3, resamples=20, options=options)
+    blocked = analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=3, resamples=20, options=options,
+                             keep_per_sentence=True)
     assert blocked.run["attention"]["path"] == "blocked" and eager_result.run["attention"]["path"] == "eager"
     # One-row blocks multiply with a matrix-vector kernel, whose float32 rounding differs by a few ulps in
     # a layer's output and carries into the next layer: 1.1e-6 seen there, so 2e-6 (verify's tolerance).

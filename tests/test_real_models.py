@@ -53,8 +53,8 @@ def test_minilm_counts_special_tokens_and_uses_all_keys(minilm):
 def test_batching_is_exact_on_real_models(fixture, request):
     loaded = request.getfixturevalue(fixture)
     corpus = corpus_of(bundled_sentences(10))
-    one = analyze_loaded(loaded, corpus, batch_size=1)
-    many = analyze_loaded(loaded, corpus, batch_size=7)
+    one = analyze_loaded(loaded, corpus, batch_size=1, keep_per_sentence=True)
+    many = analyze_loaded(loaded, corpus, batch_size=7, keep_per_sentence=True)
     pd.testing.assert_frame_equal(one.per_sentence, many.per_sentence, atol=1e-5, rtol=0)
 
 

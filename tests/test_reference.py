@@ -69,7 +69,7 @@ def test_streamed_statistics_equal_the_reference(which, attention, request):
     corpus = Corpus(path=__import__("pathlib").Path("x.txt"), sha256="-",
                     sentences=tuple(Sentence(t, i + 1, None) for i, t in enumerate(texts)))
     options = Options(attention=attention, sink=SINK, window=WINDOW, block_rows=4)
-    result = analyze_loaded(loaded, corpus, batch_size=3, resamples=10, options=options)
+    result = analyze_loaded(loaded, corpus, batch_size=3, resamples=10, options=options, keep_per_sentence=True)
     assert result.run["attention"]["path"] == attention
     frame = result.per_sentence
     for s, text in enumerate(texts):
