@@ -274,24 +274,36 @@ def check_options(
 
 @dataclass
 class Tokens:
-    ids: list[list[int]]  # per sentence, truncated to the model's context
-    special: list[list[int]]  # 1 where the tokenizer added a special token ([CLS], [SEP], BOS)
+    ids: list[np.ndarray]  # per sentence, int32, truncated to the model's context
+    special: list[np.ndarray]  # per sentence, 1 where the tokenizer added a special token ([CLS], [SEP], BOS)
     truncated: int  # how many sentences were longer than the context
 
 
+TOKENIZE_CHUNK = 1024  # sentences per tokenizer call: its per-sentence encodings are large, so keep few alive
+
+
 def tokenize(loaded: LoadedModel, corpus: Corpus) -> Tokens:
-    """Token ids per sentence, truncated to the model's context; also how many were truncated."""
-    with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
-        full = loaded.tokenizer(corpus.texts, add_special_tokens=True, truncation=False)["input_ids"]
-        cut = loaded.tokenizer(
-            corpus.texts, add_special_tokens=True, truncation=True, max_length=loaded.max_length,
-            return_special_tokens_mask=True,
-        )
-    for sentence, tokens in zip(corpus.sentences, cut["input_ids"]):
-        if not tokens:
-            raise AttnprobeError(f"corpus line {sentence.line} gives no tokens: remove or fix it")
-    truncated = sum(len(a) > len(b) for a, b in zip(full, cut["input_ids"]))
-    return Tokens([list(t) for t in cut["input_ids"]], [list(m) for m in cut["special_tokens_mask"]], truncated)
+    """Token ids per sentence (int32 arrays), truncated to the model's context; and how many were truncated."""
+    ids: list[np.ndarray] = []
+    special: list[np.ndarray] = []
+    truncated = 0
+    texts = corpus.texts
+    for start in range(0, len(texts), TOKENIZE_CHUNK):
+        chunk = texts[start : start + TOKENIZE_CHUNK]
+        with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
+            full = loaded.tokenizer(chunk, add_special_tokens=True, truncation=False)["input_ids"]
+            cut = loaded.tokenizer(
+                chunk, add_special_tokens=True, truncation=True, max_length=loaded.max_length,
+                return_special_tokens_mask=True,
+            )
+        for k, (tokens, flags) in enumerate(zip(cut["input_ids"], cut["special_tokens_mask"])):
+            if not tokens:
+                line = corpus.sentences[start + k].line
+                raise AttnprobeError(f"corpus line {line} gives no tokens: remove or fix it")
+            truncated += len(full[k]) > len(tokens)
+            ids.append(np.asarray(tokens, dtype=np.int32))
+            special.append(np.asarray(flags, dtype=np.int8))
+    return Tokens(ids, special, truncated)
 
 
 def length_batches(ids: list[list[int]], batch_size: int, indices: list[int] | None = None) -> list[list[int]]:
@@ -316,8 +328,8 @@ def pick_example(ids: list[list[int]]) -> int:
     return min(range(len(ids)), key=lambda i: (abs(len(ids[i]) - EXAMPLE_TARGET_TOKENS), i))
 
 
-def token_labels(tokenizer: Any, ids: list[int]) -> list[str]:
-    return [tokenizer.decode([t]) for t in ids]
+def token_labels(tokenizer: Any, ids: Any) -> list[str]:
+    return [tokenizer.decode([int(t)]) for t in ids]
 
 
 def tidy(stats: dict[str, np.ndarray], corpus: Corpus) -> pd.DataFrame:

@@ -141,7 +141,7 @@ def test_special_tokens_are_the_ones_the_tokenizer_adds(minilm):
     tokens = tokenize(minilm, corpus)
     ids, special = tokens.ids[0], tokens.special[0]
     assert minilm.tokenizer.unk_token_id in ids  # the emoji
-    assert special == [1] + [0] * (len(ids) - 2) + [1]  # only [CLS] and [SEP]
+    assert special.tolist() == [1] + [0] * (len(ids) - 2) + [1]  # only [CLS] and [SEP]
 
 
 def test_misspelt_option_value_is_one_line_exit_2():
