@@ -32,6 +32,7 @@ from attnprobe.metrics import (
     sentence_sums,
 )
 from attnprobe.model import LoadedModel, load_model, quiet_transformers, stream_attention
+from attnprobe.resume import Checkpointing, State, Stopped, check_fingerprint
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
 EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
@@ -87,6 +88,7 @@ def analyze_loaded(
     on_start: Callable[[int], None] | None = None,
     options: Options | None = None,
     keep_per_sentence: bool = False,
+    checkpointing: Checkpointing | None = None,
 ) -> Analysis:
     """Measure every head of a loaded model over a corpus.
 
@@ -110,8 +112,15 @@ def analyze_loaded(
         layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(max(len(t) for t in ids)),
         resamples=resamples, seed=seed, categories=tuple(dict.fromkeys(labels)) if labels else (),
     )
+    if checkpointing is not None and keep_per_sentence:
+        raise AttnprobeError("keep_per_sentence cannot be resumed from a checkpoint: use one or the other")
+    if checkpointing is not None and world.size > 1:
+        raise AttnprobeError("checkpoints and --resume work in a single process for now: run without torchrun")
+    fingerprint = run_fingerprint(loaded, corpus, batch_size, resamples, seed, options)
+    if checkpointing is not None and checkpointing.resume_from is not None:
+        check_fingerprint(checkpointing.resume_from.fingerprint, fingerprint)
     measured = measure(loaded, tokens, batch_size, example_index, progress, options, world, shape, labels,
-                       keep_per_sentence)
+                       keep_per_sentence, checkpointing, fingerprint)
     totals = measured.totals
     heads = totals.heads()
     layers = summarize_layers(heads)
@@ -135,6 +144,18 @@ def analyze_loaded(
     per_sentence = tidy(measured.per_sentence, corpus) if measured.per_sentence is not None else None
     positions = totals.positions(max(len(t) for t in ids))
     return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions)
+
+
+def run_fingerprint(
+    loaded: LoadedModel, corpus: Corpus, batch_size: int, resamples: int, seed: int, options: Options
+) -> dict[str, Any]:
+    """Everything that decides the results of a run: a checkpoint resumes only the same run."""
+    return {
+        "model": loaded.source, "model_sha256": loaded.origin.get("gguf_sha256"), "dtype": loaded.dtype,
+        "corpus_sha256": corpus.sha256, "sentences": len(corpus.sentences), "batch_size": batch_size,
+        "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
+        "window": options.window, "block_mib": options.budget_mib, "version": __version__,
+    }
 
 
 def sentence_categories(corpus: Corpus) -> list[str] | None:
@@ -184,7 +205,8 @@ class Measured:
 def measure(
     loaded: LoadedModel, tokens: Tokens, batch_size: int, example_index: int, progress: Progress | None,
     options: Options, world: distributed.World, shape: Shape, labels: list[str] | None = None,
-    keep_per_sentence: bool = False,
+    keep_per_sentence: bool = False, checkpointing: Checkpointing | None = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> Measured:
     """Run every batch of this rank's sentences and fold its statistics into an Accumulator.
 
@@ -198,8 +220,26 @@ def measure(
     n = min(len(ids[example_index]), EXAMPLE_MAX_TOKENS)
     example_maps = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
     sink, window = options.sink, options.window
+    start = 0
+    if checkpointing is not None and checkpointing.resume_from is not None:
+        state = checkpointing.resume_from
+        start = state.batches_done
+        totals.sums = {key: value.copy() for key, value in state.sums.items()}
+        if state.example_maps is not None:
+            example_maps = torch.from_numpy(state.example_maps).to(loaded.device)
+
+    def save(done: int) -> None:
+        maps = example_maps.cpu().numpy()
+        checkpointing.save(State(fingerprint or {}, done, totals.sums, None if np.isnan(maps).all() else maps))
+        checkpointing.last_saved = time.monotonic()
+
+    batches = length_batches(ids, batch_size, world.shard(len(ids)))
+    if progress and start:
+        progress(sum(len(b) for b in batches[:start]))
     with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
-        for batch in length_batches(ids, batch_size, world.shard(len(ids))):
+        for number, batch in enumerate(batches):
+            if number < start:
+                continue
             input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
             special = pad_batch([tokens.special[i] for i in batch], loaded.device)[0].bool() \
                 if SPECIAL in shape.names else None  # [batch, seq]
@@ -241,6 +281,12 @@ def measure(
                     kept[name][batch] = value
             if progress:
                 progress(len(batch) * world.size)  # the ranks run in step: an estimate of the whole run
+            if checkpointing is not None and number + 1 < len(batches):
+                if checkpointing.should_stop():
+                    save(number + 1)
+                    raise Stopped(f"stopped after {number + 1} of {len(batches)} batches; the checkpoint keeps them")
+                if checkpointing.due():
+                    save(number + 1)
     totals.sums = distributed.merge_sums(world, totals.sums, loaded.device)
     example_maps = distributed.merge(world, {"maps": example_maps})["maps"]
     if kept is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -118,6 +118,12 @@ def analyze(
         int, typer.Option("--sink-tokens", help="sink_window: the first S keys count as sinks.")
     ] = defaults.SINK_TOKENS,
     window: Annotated[int, typer.Option("--window", help="sink_window: the W most recent keys.")] = defaults.WINDOW,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run whose checkpoint.npz is in --out (same settings).")
+    ] = False,
+    checkpoint_every: Annotated[
+        float, typer.Option("--checkpoint-every", help="Seconds between checkpoints of a long run.")
+    ] = 300.0,
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -126,23 +132,41 @@ def analyze(
     from attnprobe.analysis import Options, analyze_loaded, check_options
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
+    from attnprobe.resume import Checkpointing, Stopped
 
     options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib)
     check_options(batch_size, resamples, seed, options)
     world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
     io.check_out_dir(out)
     sentences = read_corpus(corpus, split=split.value)
+    if checkpoint_every < 0:
+        raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
+    checkpointing = None
+    if world.size == 1:
+        checkpointing = Checkpointing(
+            save=lambda state: io.write_files(out, {io.CHECKPOINT_FILE: io.npz_writer(**state.to_arrays())}),
+            resume_from=io.read_checkpoint(out) if resume else None, every_seconds=checkpoint_every,
+        )
+    elif resume:
+        raise AttnprobeError("--resume works in a single process for now: run without torchrun")
     with err_console.status(f"Loading {model}") if world.is_main else nullcontext():
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value)
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
     try:
-        with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar:
+        with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar, \
+                stop_requests() as stop:
+            if checkpointing is not None:
+                checkpointing.should_stop = stop
             task = bar.add_task("analyze", total=None)
             result = analyze_loaded(
                 loaded, sentences, batch_size=batch_size, resamples=resamples, seed=seed, options=options,
                 on_start=lambda total: bar.update(task, total=total),
-                progress=lambda done: bar.advance(task, done),
+                progress=lambda done: bar.advance(task, done), checkpointing=checkpointing,
             )
+    except Stopped as err:
+        err_console.print(f"Interrupted: {err}. Continue with the same command and --resume.", markup=False,
+                          soft_wrap=True)
+        raise typer.Exit(130) from None
     finally:
         distributed.leave(world)
     if not world.is_main:
@@ -161,6 +185,7 @@ def analyze(
     if result.categories is not None:
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
     stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
+    stale.append(io.CHECKPOINT_FILE)  # the run is complete
     written = io.write_files(out, files, remove=stale)
     run = result.run
     if run["truncated_sentences"]:
@@ -175,6 +200,32 @@ def analyze(
         )
     out_console.print(summary_table(run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+@contextmanager
+def stop_requests():
+    """Ctrl-C or SIGTERM asks the run to stop after its current batch (and save a checkpoint); a second
+    Ctrl-C stops at once."""
+    import signal
+    import threading
+
+    asked: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def handler(signum, _frame):
+        if asked and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        asked.append(signum)
+        err_console.print("Stopping after this batch (Ctrl-C again to stop now)...", markup=False)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: bool(asked)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def summary_table(run: dict) -> Table:

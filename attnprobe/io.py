@@ -23,6 +23,7 @@ CATEGORIES_FILE = "categories.csv"
 PROBE_FILE = "probe.csv"
 PROBE_RUN_FILE = "probe.json"
 POSITIONS_FILE = "positions.csv"
+CHECKPOINT_FILE = "checkpoint.npz"  # a long analyze run's progress; removed when the run completes
 KV_CACHE_FILE = "kv_cache.json"
 
 TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
@@ -156,10 +157,29 @@ def read_run(out: str | Path) -> dict[str, Any]:
         if not isinstance(run.get(section), dict) or any(k not in run[section] for k in keys):
             raise AttnprobeError(f"{path} lacks {section} settings (made by an older attnprobe): run `attnprobe "
                                  "analyze` again")
+    numbers = [run["model"][k] for k in ("layers", "heads", "kv_heads", "head_dim")]
+    numbers += [run["attention"][k] for k in ("sink_tokens", "window")] + [run.get("longest_sequence", 1)]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in numbers):
+        raise AttnprobeError(f"{path} holds a model or attention setting that is not a whole number: run "
+                             "`attnprobe analyze` again")
     if "longest_sequence" not in run:
         raise AttnprobeError(f"{path} lacks longest_sequence (made by an older attnprobe): run `attnprobe analyze` "
                              "again")
     return run
+
+
+def read_checkpoint(out: str | Path) -> Any:
+    """The checkpoint `analyze` left in `out`, as a resume.State."""
+    from attnprobe.resume import State
+
+    path = Path(out) / CHECKPOINT_FILE
+    if not path.is_file():
+        raise AttnprobeError(f"no {CHECKPOINT_FILE} in {out}: nothing to resume; run without --resume")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return State.from_arrays({key: data[key] for key in data.files})
+    except (OSError, KeyError, ValueError) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}): delete it and run without --resume") from err
 
 
 def read_example(out: str | Path) -> dict[str, Any] | None:

@@ -81,6 +81,8 @@ def unsupported(loaded: LoadedModel) -> str | None:
     for key, feature in REFUSED_CONFIG.items():
         if getattr(config, key, None):
             return f"{feature} ({key}={getattr(config, key)!r})"
+    if model_type in ("gpt2", "llama") and getattr(config, "is_causal", None) is False:
+        return "a bidirectional mask on a causal architecture (is_causal=False)"
     layer_types = set(getattr(config, "layer_types", None) or ())
     if layer_types - {"full_attention"}:
         return f"layer types {sorted(layer_types)} (only full attention is implemented)"
@@ -146,6 +148,9 @@ def attend(
     groups = heads // kv_heads  # query heads sharing one KV head (grouped-query attention)
     scale = dim**-0.5 if scaling is None else scaling
     real = torch.ones(batch, n, dtype=torch.bool, device=query.device) if padding is None else padding  # [batch, key]
+    if real.dim() != 2 or real.shape[-1] != n or bool((real[:, 1:] & ~real[:, :-1]).any()):
+        raise AttnprobeError("attnprobe's statistics attention takes a right-padded [batch, key] mask "
+                             f"(got shape {tuple(real.shape)}, or padding on the left): pad on the right")
     lengths = real.sum(dim=-1)  # [batch]: right padding
     keys_t = key.transpose(-1, -2)  # [batch, kv_head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
@@ -156,8 +161,8 @@ def attend(
         q1 = min(n, q0 + rows)
         keys = q1 if causal else n  # a causal block sees no key after its last row
         q_block = query[:, :, q0:q1].reshape(batch, kv_heads, groups * (q1 - q0), dim)  # [batch, kv, g*r, dim]
-        scores = q_block @ keys_t[..., :keys]  # [batch, kv, g*r, keys]
-        scores = scores.view(batch, heads, q1 - q0, keys).float().mul_(scale)  # [batch, head, r, keys]
+        scores = (q_block @ keys_t[..., :keys]).mul_(scale)  # [batch, kv, g*r, keys]: scaled in the model's dtype
+        scores = scores.view(batch, heads, q1 - q0, keys).float()  # [batch, head, r, keys], as eager rounds it
         mask_block(scores, real, q0, causal)
         p, entropy = softmax_with_entropy(scores)  # [batch, head, r, keys], [batch, head, r]
         del scores

@@ -201,7 +201,8 @@ def block_row_stats(
 
 def position_bin(i: Tensor) -> Tensor:
     """Bins of query positions: 0, 1, 2-3, 4-7, 8-15, ... (bin b >= 1 holds 2^(b-1) .. 2^b - 1)."""
-    return torch.frexp(i.to(torch.float64)).exponent.long()  # [rows]: exact for integers; frexp(0) = 0
+    exponent = torch.frexp(i.cpu().to(torch.float64)).exponent  # [rows]: exact for integers; frexp(0) = 0
+    return exponent.long().to(i.device)  # computed on the CPU: MPS has no float64
 
 
 def bin_count(longest: int) -> int:

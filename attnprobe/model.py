@@ -67,6 +67,11 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cpu")
     if device == "cuda" and torch.cuda.is_available():
         return torch.device("cuda")
+    if device.startswith("cuda:") and device[5:].isdigit() and torch.cuda.is_available():
+        if int(device[5:]) >= torch.cuda.device_count():
+            raise AttnprobeError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+        torch.cuda.set_device(int(device[5:]))  # one GPU per torchrun rank
+        return torch.device(device)
     if device == "mps" and torch.backends.mps.is_available():
         return torch.device("mps")
     if device in ("cuda", "mps"):
@@ -120,7 +125,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "float32") -> Loade
         model=model,
         tokenizer=tokenizer,
         device=torch_device,
-        causal=bool(getattr(modules[0][0], "is_causal", not _is_encoder(model.config))),
+        causal=bool(getattr(modules[0][0], "is_causal", not _is_encoder(model.config)))
+        and getattr(model.config, "is_causal", None) is not False,  # a config may ask for a bidirectional mask
         max_length=_max_length(model.config, tokenizer),
         dtype=dtype,
     )
