@@ -89,6 +89,7 @@ def analyze_loaded(
     options: Options | None = None,
     keep_per_sentence: bool = False,
     checkpointing: Checkpointing | None = None,
+    on_batch: Callable[[list[int], dict[str, np.ndarray]], None] | None = None,
 ) -> Analysis:
     """Measure every head of a loaded model over a corpus.
 
@@ -114,13 +115,15 @@ def analyze_loaded(
     )
     if checkpointing is not None and keep_per_sentence:
         raise AttnprobeError("keep_per_sentence cannot be resumed from a checkpoint: use one or the other")
+    if on_batch is not None and (world.size > 1 or (checkpointing and checkpointing.resume_from is not None)):
+        raise AttnprobeError("--per-sentence works in a single process and without --resume for now")
     if checkpointing is not None and world.size > 1:
         raise AttnprobeError("checkpoints and --resume work in a single process for now: run without torchrun")
     fingerprint = run_fingerprint(loaded, corpus, batch_size, resamples, seed, options)
     if checkpointing is not None and checkpointing.resume_from is not None:
         check_fingerprint(checkpointing.resume_from.fingerprint, fingerprint)
     measured = measure(loaded, tokens, batch_size, example_index, progress, options, world, shape, labels,
-                       keep_per_sentence, checkpointing, fingerprint)
+                       keep_per_sentence, checkpointing, fingerprint, on_batch)
     totals = measured.totals
     heads = totals.heads()
     layers = summarize_layers(heads)
@@ -207,6 +210,7 @@ def measure(
     options: Options, world: distributed.World, shape: Shape, labels: list[str] | None = None,
     keep_per_sentence: bool = False, checkpointing: Checkpointing | None = None,
     fingerprint: dict[str, Any] | None = None,
+    on_batch: Callable[[list[int], dict[str, np.ndarray]], None] | None = None,
 ) -> Measured:
     """Run every batch of this rank's sentences and fold its statistics into an Accumulator.
 
@@ -276,6 +280,8 @@ def measure(
             values = {name: v.cpu().numpy().astype(np.float64) for name, v in stats.items()}
             totals.add(batch, values, {name: v.cpu().numpy().astype(np.float64) for name, v in bins.items()},
                        [len(ids[i]) for i in batch], [labels[i] for i in batch] if labels else None)
+            if on_batch is not None:
+                on_batch(batch, values)
             if kept is not None:
                 for name, value in values.items():
                     kept[name][batch] = value

@@ -124,6 +124,9 @@ def analyze(
     checkpoint_every: Annotated[
         float, typer.Option("--checkpoint-every", help="Seconds between checkpoints of a long run.")
     ] = 300.0,
+    per_sentence: Annotated[
+        bool, typer.Option("--per-sentence", help="Also write sentences.parquet: every (sentence, layer, head).")
+    ] = False,
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -154,7 +157,7 @@ def analyze(
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
     try:
         with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar, \
-                stop_requests() as stop:
+                stop_requests() as stop, sentence_writer(out, sentences, per_sentence) as rows:
             if checkpointing is not None:
                 checkpointing.should_stop = stop
             task = bar.add_task("analyze", total=None)
@@ -162,7 +165,9 @@ def analyze(
                 loaded, sentences, batch_size=batch_size, resamples=resamples, seed=seed, options=options,
                 on_start=lambda total: bar.update(task, total=total),
                 progress=lambda done: bar.advance(task, done), checkpointing=checkpointing,
+                on_batch=rows.write if rows else None,
             )
+            parquet = [rows.commit()] if rows else []
     except Stopped as err:
         err_console.print(f"Interrupted: {err}. Continue with the same command and --resume.", markup=False,
                           soft_wrap=True)
@@ -186,7 +191,9 @@ def analyze(
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
     stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
     stale.append(io.CHECKPOINT_FILE)  # the run is complete
-    written = io.write_files(out, files, remove=stale)
+    if not per_sentence:
+        stale.append(io.SENTENCES_FILE)  # from an earlier run
+    written = [*io.write_files(out, files, remove=stale), *parquet]
     run = result.run
     if run["truncated_sentences"]:
         err_console.print(
@@ -200,6 +207,24 @@ def analyze(
         )
     out_console.print(summary_table(run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+@contextmanager
+def sentence_writer(out: Path, corpus, wanted: bool):
+    """io.SentenceWriter for --per-sentence (None otherwise); removed again if the run fails."""
+    if not wanted:
+        yield None
+        return
+    from attnprobe import io
+    from attnprobe.metrics import METRICS, SPECIAL
+
+    names = [*METRICS, SPECIAL]  # special_tokens is NaN where the tokenizer adds none
+    lines = [s.line for s in corpus.sentences]
+    labels = [s.category for s in corpus.sentences]
+    if any(label is not None for label in labels):
+        labels = [label or "untagged" for label in labels]
+    with io.SentenceWriter(out, names, lines, labels) as writer:
+        yield writer
 
 
 @contextmanager

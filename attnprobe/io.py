@@ -23,7 +23,8 @@ CATEGORIES_FILE = "categories.csv"
 PROBE_FILE = "probe.csv"
 PROBE_RUN_FILE = "probe.json"
 POSITIONS_FILE = "positions.csv"
-CHECKPOINT_FILE = "checkpoint.npz"  # a long analyze run's progress; removed when the run completes
+CHECKPOINT_FILE = "checkpoint.npz"  # a long run's progress; removed once it completes
+SENTENCES_FILE = "sentences.parquet"  # analyze --per-sentence
 KV_CACHE_FILE = "kv_cache.json"
 
 TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
@@ -73,6 +74,92 @@ def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[st
     for name in remove:
         (out / name).unlink(missing_ok=True)
     return [final for _, final in staged]
+
+
+class SentenceWriter:
+    """sentences.parquet, streamed: one row per (sentence, layer, head), row groups as batches finish.
+
+    Written under a temporary name and renamed by `commit`; `discard` (or an exception inside the
+    `with`) removes it, so an interrupted run leaves no half-written file.
+    """
+
+    ROWS_PER_GROUP = 65_536
+
+    def __init__(
+        self, out: str | Path, names: Iterable[str], lines: list[int], categories: list[str | None]
+    ) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.out = check_out_dir(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.names, self.lines, self.categories = list(names), lines, categories
+        fields = [("sentence", pa.int64()), ("line", pa.int64()), ("category", pa.string()), ("layer", pa.int32()),
+                  ("head", pa.int32())] + [(name, pa.float64()) for name in self.names]
+        self.schema = pa.schema(fields)
+        fd, tmp = tempfile.mkstemp(dir=self.out, prefix=f".{SENTENCES_FILE}.", suffix=".tmp")
+        os.close(fd)
+        self.tmp = Path(tmp)
+        self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        self.pending: list[Any] = []
+        self.pending_rows = 0
+
+    def write(self, indices: list[int], values: dict[str, np.ndarray]) -> None:
+        """One batch: `values` per score [sentence, layer, head] for the sentences at `indices`."""
+        import pyarrow as pa
+
+        some = values[self.names[0]]
+        n, layers, heads = some.shape
+        sentence = np.repeat(np.asarray(indices, dtype=np.int64), layers * heads)
+        columns = {
+            "sentence": sentence,
+            "line": np.asarray(self.lines, dtype=np.int64)[sentence],
+            "category": [self.categories[i] for i in sentence],
+            "layer": np.tile(np.repeat(np.arange(layers, dtype=np.int32), heads), n),
+            "head": np.tile(np.arange(heads, dtype=np.int32), n * layers),
+        }
+        missing = np.full(len(sentence), np.nan)  # a score this corpus has none of (special_tokens)
+        columns.update({name: values[name].reshape(-1) if name in values else missing for name in self.names})
+        self.pending.append(pa.table(columns, schema=self.schema))
+        self.pending_rows += len(sentence)
+        if self.pending_rows >= self.ROWS_PER_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if self.pending:
+            self.writer.write_table(pa.concat_tables(self.pending))
+        self.pending, self.pending_rows = [], 0
+
+    def commit(self) -> Path:
+        self._flush()
+        self.writer.close()
+        os.chmod(self.tmp, 0o666 & ~_umask())
+        final = self.out / SENTENCES_FILE
+        os.replace(self.tmp, final)
+        return final
+
+    def discard(self) -> None:
+        self.writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> SentenceWriter:
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is not None:
+            self.discard()
+
+
+def read_sentences(out: str | Path) -> Any:
+    """sentences.parquet as a lazy pyarrow ParquetFile (`.iter_batches()`, `.read().to_pandas()`)."""
+    import pyarrow.parquet as pq
+
+    path = Path(out) / SENTENCES_FILE
+    if not path.is_file():
+        raise AttnprobeError(f"no {SENTENCES_FILE} in {out}: run `attnprobe analyze --per-sentence --out {out}`")
+    return pq.ParquetFile(path)
 
 
 def csv_writer(frame: pd.DataFrame) -> Writer:
