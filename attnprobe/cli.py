@@ -127,6 +127,12 @@ def analyze(
     per_sentence: Annotated[
         bool, typer.Option("--per-sentence", help="Also write sentences.parquet: every (sentence, layer, head).")
     ] = False,
+    device_map: Annotated[
+        str | None, typer.Option("--device-map", help="'auto': spread a large model over GPUs, CPU and disk.")
+    ] = None,
+    max_memory: Annotated[
+        str | None, typer.Option("--max-memory", help="With --device-map: limits per device, e.g. 0=20GiB,cpu=60GiB.")
+    ] = None,
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -134,7 +140,7 @@ def analyze(
     from attnprobe import distributed, io
     from attnprobe.analysis import Options, analyze_loaded, check_options
     from attnprobe.corpus import read_corpus
-    from attnprobe.model import load_model
+    from attnprobe.model import load_model, parse_max_memory
     from attnprobe.resume import Checkpointing, Stopped
 
     options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib)
@@ -144,6 +150,8 @@ def analyze(
     sentences = read_corpus(corpus, split=split.value)
     if checkpoint_every < 0:
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
+    if max_memory and not device_map:
+        raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
     checkpointing = None
     if world.size == 1:
         checkpointing = Checkpointing(
@@ -153,7 +161,8 @@ def analyze(
     elif resume:
         raise AttnprobeError("--resume works in a single process for now: run without torchrun")
     with err_console.status(f"Loading {model}") if world.is_main else nullcontext():
-        loaded = load_model(model, distributed.device_for(world, device.value), dtype.value)
+        loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
+                            device_map=device_map, max_memory=parse_max_memory(max_memory))
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
     try:
         with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar, \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import pickle
+import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +56,20 @@ class LoadedModel:
         return int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
 
 
+def parse_max_memory(text: str | None) -> dict | None:
+    """`--max-memory 0=20GiB,1=20GiB,cpu=60GiB` -> {0: "20GiB", 1: "20GiB", "cpu": "60GiB"}."""
+    if not text:
+        return None
+    limits: dict = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise AttnprobeError(f"--max-memory {text!r}: write device=size pairs, e.g. 0=20GiB,cpu=60GiB")
+        key = key.strip()
+        limits[int(key) if key.isdigit() else key] = value.strip()
+    return limits
+
+
 def resolve_device(device: str) -> torch.device:
     """'auto' picks CUDA, then MPS, then CPU; an explicit device must exist."""
     if device == "auto":
@@ -87,10 +102,22 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "float32") -> LoadedModel:
-    """Load the base model and tokenizer from a local folder or a hub id, with eager attention."""
+def load_model(
+    spec: str, device: str = "auto", dtype: str = "float32", device_map: str | dict | None = None,
+    max_memory: dict | None = None, offload_folder: str | None = None,
+) -> LoadedModel:
+    """Load the base model and tokenizer from a local folder or a hub id, with eager attention.
+
+    `device_map` ("auto", or a module -> device dict) spreads a model too large for one device over
+    several GPUs, the CPU and the disk with accelerate's big-model loading; `max_memory` caps each
+    device ({0: "20GiB", "cpu": "60GiB"}). The inputs then go to the device of the embeddings.
+    """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    placement = {} if device_map is None else {
+        "device_map": device_map, "max_memory": max_memory,
+        "offload_folder": offload_folder or tempfile.mkdtemp(prefix="attnprobe-offload-"),
+    }
     resolved = resolve(spec)
     source = resolved.location
     from safetensors import SafetensorError
@@ -101,7 +128,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "float32") -> Loade
             tokenizer = AutoTokenizer.from_pretrained(source)
             # weights_only: a pickled checkpoint is read by torch's safe loader, never unpickled freely
             model = AutoModel.from_pretrained(
-                source, attn_implementation="eager", dtype=torch_dtype, weights_only=True
+                source, attn_implementation="eager", dtype=torch_dtype, weights_only=True, **placement
             )
         except (SafetensorError, pickle.UnpicklingError, EOFError) as err:
             raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
@@ -109,9 +136,19 @@ def load_model(spec: str, device: str = "auto", dtype: str = "float32") -> Loade
             if not str(err).startswith("PytorchStreamReader"):  # torch's zip reader: a truncated .bin
                 raise
             raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
+        except ImportError as err:
+            if device_map is None:
+                raise
+            raise AttnprobeError(f"--device-map needs accelerate ({err}): pip install accelerate") from err
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
             raise _load_error(spec, source, resolved.local, err) from err
-    model.eval().to(torch_device)
+    model.eval()
+    if device_map is None:
+        model.to(torch_device)
+    else:
+        torch_device = model.get_input_embeddings().weight.device  # where the inputs go
+        if torch_device.type == "meta":  # the embeddings themselves were offloaded
+            torch_device = torch.device("cpu")
     modules = attention_modules(model)
     if not modules:
         raise AttnprobeError(

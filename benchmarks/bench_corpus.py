@@ -7,7 +7,10 @@ A tiny random GPT-2 (4 layers x 4 heads, 64 wide, a 1,000-word vocabulary) reads
 sentences of 8-24 tokens; each size runs as its own `attnprobe analyze` process, with the default
 1,000 bootstrap resamples. Statistics are folded into sums batch by batch, so the peak resident
 memory should stay flat within noise while the time grows linearly. What still grows with the
-corpus: the sentences and their token ids (about 0.3 KB a sentence).
+corpus: the sentences and their token ids (about 0.7 KB a sentence).
+
+Then `--processes 2` (the default) runs the 10,000-sentence corpus in one process and in two under
+`torchrun --standalone` (gloo on CPU) and prints the ratio; on a 2-core machine expect about 1.
 """
 
 from __future__ import annotations
@@ -51,10 +54,12 @@ def corpus(work: Path, sentences: int) -> Path:
     return path
 
 
-def run(model: Path, text: Path, out: Path) -> dict:
+def run(model: Path, text: Path, out: Path, processes: int = 1) -> dict:
     started = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "attnprobe", "analyze", "--model", str(model), "--corpus",
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                str(processes)] if processes > 1 else [sys.executable]
+    process = subprocess.Popen([*launcher, "-m", "attnprobe", "analyze", "--model", str(model), "--corpus",
                                 str(text), "--out", str(out), "--device", "cpu", "--batch-size", "32"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(process.pid, 0)
@@ -67,6 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--work", type=Path)
+    parser.add_argument("--processes", type=int, default=2, help="compare 1 process with this many (0: skip)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="attnprobe-corpus-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -76,6 +82,12 @@ def main() -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         r = run(model, corpus(work, n), work / f"out-{n}")
         print(f"{n:>10} {r['seconds']:>8.1f} {n / r['seconds']:>12.0f} {r['peak_mib']:>9.0f}")
+    if args.processes > 1:
+        text = corpus(work, 10_000)
+        one = run(model, text, work / "out-one")["seconds"]
+        many = run(model, text, work / "out-many", args.processes)["seconds"]
+        print(f"\n10,000 sentences: 1 process {one:.1f} s, {args.processes} under torchrun {many:.1f} s "
+              f"(whole processes); ratio {many / one:.2f}")
 
 
 if __name__ == "__main__":
