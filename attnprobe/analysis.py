@@ -104,13 +104,14 @@ def analyze_loaded(
     if on_start:
         on_start(len(ids))
     example_index = pick_example(ids)
+    longest = max(len(t) for t in ids)
     world = distributed.current()
     distributed.join(world, loaded.device)
     labels = sentence_categories(corpus)
     has_special = any(any(flags) for flags in tokens.special)
     shape = Shape(
         names=(*METRICS, SPECIAL) if has_special else METRICS, bin_names=POSITION_METRICS,
-        layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(max(len(t) for t in ids)),
+        layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(longest),
         resamples=resamples, seed=seed, categories=tuple(dict.fromkeys(labels)) if labels else (),
     )
     if checkpointing is not None and keep_per_sentence:
@@ -145,7 +146,7 @@ def analyze_loaded(
         "total_tokens": len(ids[example_index]),
     }
     per_sentence = tidy(measured.per_sentence, corpus) if measured.per_sentence is not None else None
-    positions = totals.positions(max(len(t) for t in ids))
+    positions = totals.positions(longest)
     return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions)
 
 
@@ -184,9 +185,10 @@ ATTENTION_CHOICES = ("auto", "blocked", "eager")
 
 
 def attention_path(loaded: LoadedModel, attention: str) -> str:
-    """`blocked` (attnprobe's statistics attention, O(n) memory) or `eager` (hooks on eager maps)."""
-    if attention not in ATTENTION_CHOICES:
-        raise AttnprobeError(f"unknown --attention {attention!r}: use auto, blocked or eager")
+    """`blocked` (attnprobe's statistics attention, O(n) memory) or `eager` (hooks on eager maps).
+
+    `attention` is one of ATTENTION_CHOICES (check_options has checked it).
+    """
     if attention == "eager":
         return "eager"
     reason = kernel.unsupported(loaded)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnprobe.errors import AttnprobeError
+from attnprobe.sources import file_sha256
 
 SPLITS = ("lines", "paragraphs", "file")
 
@@ -178,17 +179,6 @@ def _decode_lines(path: Path, digest) -> tuple[list[str], bool]:
     return lines, blank
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as stream:
-            while chunk := stream.read(_CHUNK):
-                digest.update(chunk)
-    except OSError as err:
-        raise AttnprobeError(f"cannot read corpus {path}: {err.strerror}") from err
-    return digest.hexdigest()
-
-
 def _row_sentence(path: Path, where: str, number: int, text, category) -> Sentence:
     """A Sentence from one row's `text` and `category` values, checked; `where` is "line" or "row"."""
     if not isinstance(text, str):
@@ -250,7 +240,10 @@ def _read_parquet(path: Path) -> Corpus:
         import pyarrow.parquet as pq
     except ImportError as err:
         raise AttnprobeError(f"reading the .parquet corpus {path} needs pyarrow: pip install pyarrow") from err
-    sha256 = _file_sha256(path)
+    try:
+        sha256 = file_sha256(path)
+    except OSError as err:
+        raise AttnprobeError(f"cannot read corpus {path}: {err.strerror}") from err
 
     def unreadable(err: Exception) -> AttnprobeError:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]

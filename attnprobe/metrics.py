@@ -65,12 +65,6 @@ def window_key_counts(i: Tensor, lengths: Tensor, causal: bool, window: int = DI
     return before + 1 + (0 if causal else after)  # [batch, rows]
 
 
-def valid_key_counts(attention_mask: Tensor, causal: bool) -> Tensor:
-    """key_counts for a whole right-padded batch, from its attention mask."""
-    i = positions(0, attention_mask.shape[-1], attention_mask.device)  # [query]
-    return key_counts(i, attention_mask.sum(dim=-1), causal)  # [batch, query]
-
-
 def row_entropy(p: Tensor) -> Tensor:
     """Shannon entropy of each row in nats, with 0 ln 0 = 0."""
     return torch.special.entr(p).sum(dim=-1)  # [batch, head, rows]
@@ -176,9 +170,10 @@ def block_row_stats(
     n_keys = key_counts(i, lengths, causal)[:, None, :]  # [batch, 1, rows]
     entropy = row_entropy(p) if entropy is None else entropy  # [batch, head, rows]
     diagonal = row_diagonal(p, q0)  # [batch, head, rows]
-    chance = window_key_counts(i, lengths, causal)[:, None, :] / n_keys.clamp(min=1)  # [batch, 1, rows]
+    in_window = window_key_counts(i, lengths, causal)[:, None, :]  # [batch, 1, rows]
+    chance = in_window / n_keys.clamp(min=1)  # [batch, 1, rows]
     has_previous = (n_keys >= 2) & (i >= 1)[None, None, :]  # [batch, 1, rows]
-    window_open = window_key_counts(i, lengths, causal)[:, None, :] < n_keys  # [batch, 1, rows]
+    window_open = in_window < n_keys  # [batch, 1, rows]
     first = row_first_token(p)  # [batch, head, rows]
     per_row = {
         "entropy": entropy,
@@ -262,14 +257,6 @@ def _add(store: dict[str, Tensor], name: str, value: Tensor) -> None:
 
 def _ratio(total: Tensor, count: Tensor) -> Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.nan)
-
-
-def masked_row_mean(values: Tensor, rows: Tensor) -> Tensor:
-    """Mean over the selected query rows that are not NaN; NaN where none are left."""
-    keep = rows[:, None, :] & ~values.isnan()  # [batch, head, query]
-    total = torch.where(keep, values, 0.0).sum(dim=-1)  # [batch, head]
-    count = keep.sum(dim=-1)  # [batch, head]
-    return torch.where(count > 0, total / count.clamp(min=1), torch.nan)  # [batch, head]
 
 
 def sentence_sums(

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from attnprobe.metrics import (
-    masked_row_mean,
+    SentenceSums,
+    key_counts,
     row_diagonal,
     row_entropy,
     sentence_stats,
-    valid_key_counts,
     valid_keys,
 )
 
@@ -82,11 +82,14 @@ def test_encoder_rows_see_every_valid_token():
     assert keys.sum(dim=-1).tolist() == [[3, 3, 3, 0]]
 
 
-def test_masked_row_mean_skips_nan_and_unselected_rows():
-    values = torch.tensor([[[1.0, torch.nan, 3.0, 100.0]]])  # [batch, head, query]
-    rows = torch.tensor([[True, True, True, False]])
-    assert masked_row_mean(values, rows).item() == pytest.approx(2.0)
-    assert masked_row_mean(values, torch.zeros(1, 4, dtype=torch.bool)).isnan().all()
+def test_sentence_means_skip_nan_and_padded_rows():
+    values = torch.tensor([[[1.0, torch.nan, 3.0, 100.0]]])  # [batch, head, query]: row 3 is padding
+    sums = SentenceSums()
+    sums.add({"x": values}, 0, torch.tensor([3]), bins=1)
+    assert sums.means()["x"].item() == pytest.approx(2.0)
+    empty = SentenceSums()
+    empty.add({"x": values}, 0, torch.tensor([0]), bins=1)  # no real row at all
+    assert empty.means()["x"].isnan().all()
 
 
 def test_inputs_are_not_modified():
@@ -106,10 +109,10 @@ def test_diagonal_read_off_the_diagonals_equals_the_band_sum(n):
     assert torch.allclose(row_diagonal(p), (p * band).sum(-1), atol=1e-6)
 
 
-def test_valid_key_counts():
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    assert valid_key_counts(mask, causal=True).tolist() == [[1, 2, 3, 3], [1, 2, 3, 4]]
-    assert valid_key_counts(mask, causal=False).tolist() == [[3, 3, 3, 3], [4, 4, 4, 4]]
+def test_key_counts():
+    i, lengths = torch.arange(4), torch.tensor([3, 4])  # query positions; a padded and a full sentence
+    assert key_counts(i, lengths, causal=True).tolist() == [[1, 2, 3, 3], [1, 2, 3, 4]]
+    assert key_counts(i, lengths, causal=False).tolist() == [[3, 3, 3, 3], [4, 4, 4, 4]]
 
 
 def test_previous_token_pattern_scores():
