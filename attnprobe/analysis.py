@@ -50,6 +50,7 @@ class Analysis:
     example: dict[str, Any] = field(default_factory=dict)  # tokens and maps [layer, head, query, key]
     categories: pd.DataFrame | None = None  # category x layer, when the corpus is tagged
     positions: pd.DataFrame | None = None  # layer x head x bin of query positions
+    resamples: dict[str, np.ndarray] = field(default_factory=dict)  # per score [resample, layer, head], float32
 
 
 def analyze(
@@ -147,7 +148,8 @@ def analyze_loaded(
     }
     per_sentence = tidy(measured.per_sentence, corpus) if measured.per_sentence is not None else None
     positions = totals.positions(longest)
-    return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions)
+    resampled = {name: totals.resampled_head_means(name).astype(np.float32) for name in totals.shape.names}
+    return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions, resampled)
 
 
 def run_fingerprint(

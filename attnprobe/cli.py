@@ -194,6 +194,8 @@ def analyze(
             total_tokens=result.example["total_tokens"],
         ),
     }
+    if result.resamples:
+        files[io.RESAMPLES_FILE] = io.npz_writer(**result.resamples)
     if result.positions is not None:
         files[io.POSITIONS_FILE] = io.csv_writer(result.positions)
     if result.categories is not None:

@@ -26,6 +26,7 @@ POSITIONS_FILE = "positions.csv"
 CHECKPOINT_FILE = "checkpoint.npz"  # a long run's progress; removed once it completes
 SENTENCES_FILE = "sentences.parquet"  # analyze --per-sentence
 KV_CACHE_FILE = "kv_cache.json"
+RESAMPLES_FILE = "resamples.npz"  # per score, the bootstrap's resampled head means [resample, layer, head]
 
 TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
 
@@ -280,6 +281,18 @@ def read_example(out: str | Path) -> dict[str, Any] | None:
             total = int(data["total_tokens"]) if "total_tokens" in data else len(tokens)
             return {"maps": data["maps"], "tokens": tokens, "sentence": str(data["sentence"]), "total_tokens": total}
     except (OSError, KeyError, ValueError) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+
+
+def read_resamples(out: str | Path) -> dict[str, np.ndarray]:
+    """The bootstrap's resampled head means `analyze` saved: per score [resample, layer, head]."""
+    path = Path(out) / RESAMPLES_FILE
+    if not path.is_file():
+        raise AttnprobeError(f"no {RESAMPLES_FILE} in {out}: run `attnprobe analyze --out {out}` again")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except (OSError, ValueError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
 
 

@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
@@ -65,6 +66,22 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     low, high = run_info["summary"]["difference_ci"]
     assert low <= run_info["summary"]["difference"] <= high
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+
+
+def test_resamples_file_gives_the_intervals(results):
+    """resamples.npz holds what the intervals were computed from: its percentiles are heads.csv's bounds."""
+    from attnprobe import io
+
+    out = results[0]
+    heads = pd.read_csv(out / "heads.csv")
+    resampled = io.read_resamples(out)
+    assert set(resampled) == {"entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self",
+                              "distance", "diagonal_excess", "sink_window", "entropy_unforced",
+                              "diagonal_unforced", "first_token_unforced"}
+    assert resampled["entropy"].shape == (1000, 3, 4) and resampled["entropy"].dtype == np.float32
+    low, high = np.nanpercentile(resampled["entropy"].astype(np.float64), [2.5, 97.5], axis=0)
+    assert low.ravel() == pytest.approx(heads["entropy_ci_low"].to_numpy(), abs=1e-6)
+    assert high.ravel() == pytest.approx(heads["entropy_ci_high"].to_numpy(), abs=1e-6)
 
 
 def test_classify_writes_types_and_prints_counts(results):
