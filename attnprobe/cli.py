@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from contextlib import contextmanager, nullcontext
 from enum import Enum
@@ -152,21 +153,18 @@ def analyze(
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
     if max_memory and not device_map:
         raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
-    checkpointing = None
-    if world.size == 1:
-        checkpointing = Checkpointing(
-            save=lambda state: io.write_files(out, {io.CHECKPOINT_FILE: io.npz_writer(**state.to_arrays())}),
-            resume_from=io.read_checkpoint(out) if resume else None, every_seconds=checkpoint_every,
-        )
-    elif resume:
-        raise AttnprobeError("--resume works in a single process for now: run without torchrun")
+    saved = io.checkpoint_name(world.rank, world.size)  # under torchrun every rank saves its own
+    checkpointing = Checkpointing(
+        save=lambda state: io.write_files(out, {saved: io.npz_writer(**state.to_arrays())}),
+        resume_from=io.read_checkpoint(out, saved) if resume else None, every_seconds=checkpoint_every,
+    )
     with err_console.status(f"Loading {model}") if world.is_main else nullcontext():
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
                             device_map=device_map, max_memory=parse_max_memory(max_memory))
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
     try:
         with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar, \
-                stop_requests() as stop, sentence_writer(out, sentences, per_sentence) as rows:
+                stop_requests() as stop, sentence_writer(out, sentences, per_sentence, world) as rows:
             if checkpointing is not None:
                 checkpointing.should_stop = stop
             task = bar.add_task("analyze", total=None)
@@ -177,9 +175,13 @@ def analyze(
                 on_batch=rows.write if rows else None,
             )
             parquet = [rows.commit()] if rows else []
+            if rows and world.size > 1:
+                distributed.barrier(world)  # every rank's part is in place
+                parquet = [io.join_sentence_parts(out, world.size)] if world.is_main else []
     except Stopped as err:
-        err_console.print(f"Interrupted: {err}. Continue with the same command and --resume.", markup=False,
-                          soft_wrap=True)
+        if world.is_main:
+            err_console.print(f"Interrupted: {err}. Continue with the same command and --resume.", markup=False,
+                              soft_wrap=True)
         raise typer.Exit(130) from None
     finally:
         distributed.leave(world)
@@ -194,6 +196,8 @@ def analyze(
             total_tokens=result.example["total_tokens"],
         ),
     }
+    if result.examples:
+        files[io.EXAMPLES_FILE] = io.examples_writer(result.examples)
     if result.resamples:
         files[io.RESAMPLES_FILE] = io.npz_writer(**result.resamples)
     if result.positions is not None:
@@ -201,16 +205,13 @@ def analyze(
     if result.categories is not None:
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
     stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
-    stale.append(io.CHECKPOINT_FILE)  # the run is complete
+    stale.extend(io.checkpoint_files(out))  # the run is complete
     if not per_sentence:
         stale.append(io.SENTENCES_FILE)  # from an earlier run
     written = [*io.write_files(out, files, remove=stale), *parquet]
     run = result.run
     if run["truncated_sentences"]:
-        err_console.print(
-            f"Warning: {run['truncated_sentences']} sentence(s) were longer than the model's "
-            f"{run['model']['max_length']} tokens and were truncated.", markup=False,
-        )
+        err_console.print(f"Warning: {truncation_message(run)}", markup=False, soft_wrap=True)
     if run["attention"]["requested"] == "auto" and run["attention"]["path"] == "eager":
         err_console.print(
             f"Note: {run['model']['architecture']} ran on the eager path (full maps, memory grows with n^2); "
@@ -220,8 +221,17 @@ def analyze(
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
+def truncation_message(run: dict) -> str:
+    """Which sentences were cut to the model's context, and by how many tokens (the first few named)."""
+    count, cut = run["truncated_sentences"], run.get("truncated_lines", [])
+    named = ", ".join(f"line {c['line']} (-{c['tokens_cut']} tokens)" for c in cut)
+    more = f" and {count - len(cut)} more" if count > len(cut) else ""
+    return (f"{count} sentence(s) were longer than the model's {run['model']['max_length']} tokens and were "
+            f"truncated: {named}{more}. Shorten or split them to measure all of their tokens.")
+
+
 @contextmanager
-def sentence_writer(out: Path, corpus, wanted: bool):
+def sentence_writer(out: Path, corpus, wanted: bool, world=None):
     """io.SentenceWriter for --per-sentence (None otherwise); removed again if the run fails."""
     if not wanted:
         yield None
@@ -230,11 +240,8 @@ def sentence_writer(out: Path, corpus, wanted: bool):
     from attnprobe.metrics import METRICS, SPECIAL
 
     names = [*METRICS, SPECIAL]  # special_tokens is NaN where the tokenizer adds none
-    lines = [s.line for s in corpus.sentences]
-    labels = [s.category for s in corpus.sentences]
-    if any(label is not None for label in labels):
-        labels = [label or "untagged" for label in labels]
-    with io.SentenceWriter(out, names, lines, labels) as writer:
+    part = world.rank if world is not None and world.size > 1 else None  # one part per rank, joined by rank 0
+    with io.SentenceWriter(out, names, corpus.tagged, part=part) as writer:
         yield writer
 
 
@@ -401,7 +408,7 @@ def _mib(n: float) -> str:
 @app.command()
 @friendly_errors
 def plot(out: ResultsOption = DEFAULT_OUT) -> None:
-    """Draw entropy_heatmap.png, layer_gradient.png, head_patterns.png and position_profile.png."""
+    """Draw entropy_heatmap.png, layer_gradient.png, head_patterns.png, position_profile.png (and importance*.png)."""
     from attnprobe import io, plotting
     from attnprobe.classify import RULE_COLUMNS
     from attnprobe.classify import classify as run_classify
@@ -436,9 +443,28 @@ def plot(out: ResultsOption = DEFAULT_OUT) -> None:
         )
         title = run_title(out, "Attention by query position")
         figures[POSITION_FIGURE] = plotting.position_profile_figure(positions, title)
+    figures.update(importance_figures(out, heads, types))
     stale = [] if POSITION_FIGURE in figures else [POSITION_FIGURE]  # from an earlier run
     written = io.write_files(out, {name: io.figure_writer(f) for name, f in figures.items()}, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+@app.command()
+@friendly_errors
+def report(out: ResultsOption = DEFAULT_OUT) -> None:
+    """Write report.html: one self-contained page to explore every head, its attention on the example sentences,
+    the layer charts and the run's provenance (no model, no network)."""
+    from attnprobe import io
+    from attnprobe.report import build_report
+
+    page = build_report(out)
+    path = io.write_report(out, page.html)
+    for note in page.notes:
+        err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
+    size = path.stat().st_size / 2**20
+    out_console.print(f"Wrote {path} ({size:.1f} MiB, {page.examples} example sentence"
+                      f"{'' if page.examples == 1 else 's'}); open it in a browser", markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 @app.command()
@@ -459,7 +485,10 @@ def verify(
 
     if sentences < 1:
         raise AttnprobeError(f"--sentences {sentences} is below 1: use 1 or more (default 4)")
-    texts = (read_corpus(corpus).texts if corpus else list(DEFAULT_SENTENCES))[:sentences]
+    if corpus:
+        texts = [s.text for s in itertools.islice(read_corpus(corpus).stream(), sentences)]
+    else:
+        texts = list(DEFAULT_SENTENCES)[:sentences]
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value)
     checks = run_verify(loaded, texts)
@@ -537,6 +566,200 @@ def probe(
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
+@app.command()
+@friendly_errors
+def compare(
+    out_a: Annotated[
+        Path, typer.Argument(help="Results folder A, the baseline (written by `attnprobe analyze`).", metavar="OUT_A")
+    ],
+    out_b: Annotated[Path, typer.Argument(help="Results folder B: every difference is B - A.", metavar="OUT_B")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Where compare_*.csv, compare.json and compare.png go "
+                                  "(default: OUT_B/compare).")
+    ] = None,
+    score: Annotated[str, typer.Option("--score", help="The score printed and drawn (every score is written).")] = (
+        "entropy"),
+    paired: Annotated[
+        bool | None, typer.Option("--paired/--unpaired", help="Insist on (refused unless the corpus and bootstrap "
+                                  "match) or decline the paired bootstrap; default: paired when they match.")
+    ] = None,
+    top: Annotated[int, typer.Option("--top", help="How many of the most changed heads to print.")] = 10,
+) -> None:
+    """B - A of every score of two runs, with 95% intervals: per head, or by relative depth when shapes differ."""
+    from attnprobe import io, plotting
+    from attnprobe.compare import compare as run_compare
+
+    result = run_compare(out_a, out_b, score=score, paired=paired, top=top)
+    target = out if out is not None else Path(out_b) / "compare"
+    io.check_out_dir(target)
+    files = {io.COMPARE_LAYERS_FILE: io.csv_writer(result.layers), io.COMPARE_RUN_FILE: io.json_writer(result.info)}
+    if result.heads is not None:
+        files[io.COMPARE_HEADS_FILE] = io.csv_writer(result.heads)
+    if result.types is not None:
+        files[io.COMPARE_TYPES_FILE] = io.csv_writer(result.types)
+    figure = plotting.compare_figure(result.layers, result.info, result.heads, result.types)
+    files[io.COMPARE_FIGURE] = io.figure_writer(figure)
+    stale = [name for name in (io.COMPARE_HEADS_FILE, io.COMPARE_TYPES_FILE) if name not in files]
+    written = io.write_files(target, files, remove=stale)
+    for note in result.info["notes"]:
+        err_console.print(f"Note: {note}", markup=False, soft_wrap=True)
+    print_comparison(result.info, result.types)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def print_comparison(info: dict, types) -> None:
+    """The pairing and why, the overall difference, and the heads (or depths) that changed most."""
+    score, a, b = info["score"], info["a"], info["b"]
+    out_console.print(f"A = {a['label']}, B = {b['label']}", markup=False, highlight=False)
+    out_console.print(f"{info['pairing']}: {info['pairing_reason']}", markup=False, highlight=False, soft_wrap=True)
+    out_console.print(info["matching"], markup=False, highlight=False, soft_wrap=True)
+    whole = info["overall"][score]
+    out_console.print(f"mean {score} over all heads: A {_f(whole['a'])}, B {_f(whole['b'])}, B - A "
+                      f"{_f(whole['diff'], '+')} {_ci(whole['ci'])}", markup=False, highlight=False, soft_wrap=True)
+    unit = info["changed_unit"]
+    changed = info["changed"][score]
+    if not info["top"]:
+        out_console.print(f"No {unit[:-1]}'s {score} changed: every 95% interval of B - A includes 0 "
+                          f"({info['changed_of']} {unit}).", markup=False, highlight=False)
+    else:
+        by_head = info["same_shape"]
+        table = Table(title=f"{score}: most changed {unit}", caption=f"the 95% interval of B - A excludes 0 "
+                      f"for {changed} of {info['changed_of']} {unit}")
+        for column in ("head" if by_head else "relative depth", "A", "B", "B - A", "95% interval"):
+            table.add_column(column, justify="right")
+        for row in info["top"]:
+            where = row["name"] if by_head else f"{row['depth']:.3f}"
+            table.add_row(where, _f(row["a"]), _f(row["b"]), _f(row["diff"], "+"), _ci(row["ci"]))
+        out_console.print(table)
+    moved = info.get("type_changes", [])
+    if moved:
+        shown = ", ".join(f"{m['name']} {m['a']} -> {m['b']}" for m in moved[:10])
+        more = f" and {len(moved) - 10} more" if len(moved) > 10 else ""
+        out_console.print(f"{len(moved)} head(s) changed type: {shown}{more}", markup=False, highlight=False,
+                          soft_wrap=True)
+    if types is not None:
+        table = Table(title="Head types (share of all heads)")
+        for column in ("type", "A", "B", "B - A"):
+            table.add_column(column, justify="right")
+        for _, row in types.iterrows():
+            table.add_row(row["head_type"], f"{row['fraction_a']:.3f} ({int(row['count_a'])})",
+                          f"{row['fraction_b']:.3f} ({int(row['count_b'])})", f"{row['fraction_diff']:+.3f}")
+        out_console.print(table)
+
+
+def _f(value, sign: str = "") -> str:
+    return "n/a" if value is None else f"{value:{sign}.4f}"
+
+
+def _ci(bounds) -> str:
+    return f"[{_f(bounds[0], '+')}, {_f(bounds[1], '+')}]"
+
+
+class MethodChoice(str, Enum):
+    zero = "zero"
+    mean = "mean"
+
+
+@app.command()
+@friendly_errors
+def ablate(
+    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
+    corpus: Annotated[
+        Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
+    ],
+    out: OutOption = DEFAULT_OUT,
+    method: Annotated[
+        MethodChoice, typer.Option("--method", help="zero: an ablated head outputs 0; mean: its mean over the corpus.")
+    ] = MethodChoice.zero,
+    heads: Annotated[str, typer.Option("--heads", help="all, or the heads to ablate as layer.head, e.g. 0.1,2.3.")] = (
+        "all"),
+    layers: Annotated[bool, typer.Option("--layers", help="Also ablate each whole attention layer.")] = False,
+    pruning: Annotated[
+        bool, typer.Option("--pruning/--no-pruning", help="Also remove heads cumulatively (pruning.csv).")
+    ] = True,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
+    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+    resamples: Annotated[
+        int, typer.Option("--resamples", help="Bootstrap resamples of the sentences for the 95% intervals.")
+    ] = 1000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap and the random pruning order.")] = 0,
+) -> None:
+    """Ablate each head: loss change and KL (decoders) or embedding change (encoders), gradient importance, pruning."""
+    from attnprobe import io, plotting
+    from attnprobe.ablate import ablate_loaded, check_settings, parse_heads
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+
+    check_settings(method.value, batch_size, resamples, seed)
+    chosen = parse_heads(heads)
+    io.check_out_dir(out)
+    sentences = read_corpus(corpus)
+    with err_console.status(f"Loading {model}"):
+        loaded = load_model(model, device.value, dtype.value, lm_head=True)
+    with stage_progress() as progress:
+        result = ablate_loaded(loaded, sentences, method=method.value, heads=chosen, layers=layers,
+                               batch_size=batch_size, resamples=resamples, seed=seed, pruning=pruning,
+                               progress=progress)
+    title = f"{model} on {Path(corpus).name}, {method.value} ablation"
+    written = io.write_ablation(out, result, {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(result.heads,
+                                                                                                      title)})
+    out_console.print(importance_table(result.heads, result.run))
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+@contextmanager
+def stage_progress():
+    """A progress bar per stage (mean, ablate, gradient, pruning), fed with (stage, done, total)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done)
+
+        yield update
+
+
+def importance_table(frame, run: dict) -> Table:
+    """The five most and five least important heads, with the Spearman correlation of the gradient screen."""
+    measure = run["measure"]
+    ranked = frame.sort_values("rank")
+    shown = ranked if len(ranked) <= 10 else ranked.iloc[list(range(5)) + list(range(len(ranked) - 5, len(ranked)))]
+    rho = "n/a" if run["spearman"] is None else f"{run['spearman']:.3f}"
+    table = Table(title=f"{run['model']['spec']}: {run['method']} ablation, {run['sentences']} sentences",
+                  caption=f"rank 1 = most important; Spearman(gradient, {measure}) = {rho}")
+    for column in ("rank", "layer.head", measure, "95% interval", "gradient"):
+        table.add_column(column, justify="right")
+    for _, row in shown.iterrows():
+        table.add_row(str(row["rank"]), f"{int(row['layer'])}.{int(row['head'])}", f"{row[measure]:+.4f}",
+                      f"[{row[f'{measure}_ci_low']:+.4f}, {row[f'{measure}_ci_high']:+.4f}]",
+                      f"{row['gradient_importance']:.4f}")
+    return table
+
+
+def importance_figures(out: Path, heads, types) -> dict:
+    """importance.png and importance_vs_type.png for `plot`, when `attnprobe ablate` wrote importance.csv to `out`."""
+    from attnprobe import io, plotting
+
+    if not (Path(out) / io.IMPORTANCE_FILE).exists():
+        return {}
+    measure = "loss_change" if "loss_change" in io.read_columns(out, io.IMPORTANCE_FILE) else "embedding_change"
+    columns = ["layer", "head", measure, f"{measure}_ci_low", f"{measure}_ci_high"]
+    importance = io.read_table(out, io.IMPORTANCE_FILE, columns, "attnprobe ablate")
+    if not set(zip(importance["layer"], importance["head"])) <= set(zip(heads["layer"], heads["head"])):
+        raise AttnprobeError(f"{io.IMPORTANCE_FILE} does not match heads.csv (another model): run `attnprobe ablate "
+                             f"--out {out}` again")
+    title = run_title(out, "Head ablation")
+    return {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(importance, title),
+            io.IMPORTANCE_TYPE_FIGURE: plotting.importance_vs_type_figure(importance, heads, types, title)}
+
+
 def run_title(out: Path, what: str) -> str:
     """`what: model on corpus`, from run.json when it can be read."""
     import json
@@ -546,6 +769,62 @@ def run_title(out: Path, what: str) -> str:
         return f"{what}: {run['model']['spec']} on {Path(run['corpus']['path']).name}"
     except (OSError, ValueError, KeyError, TypeError):
         return what
+
+
+@app.command()
+@friendly_errors
+def rollout(
+    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
+    corpus: Annotated[
+        Path | None, typer.Option("--corpus", "-c", help="Corpus whose example sentence (the one analyze keeps) "
+                                  "is rolled out; optional with --example.")
+    ] = None,
+    out: OutOption = DEFAULT_OUT,
+    example: Annotated[
+        list[str] | None,
+        typer.Option("--example", metavar="TEXT", help="A sentence to roll out instead; repeat for several."),
+    ] = None,
+    index: Annotated[
+        list[int] | None,
+        typer.Option("--index", metavar="N", help="Roll out the corpus's sentence N (0-based); repeatable."),
+    ] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", help="Keep each sentence's first N tokens (default 40).")
+    ] = None,
+    residual: Annotated[
+        float, typer.Option("--residual", help="Weight of the identity (residual stream): (1-r) A + r I.")
+    ] = 0.5,
+    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+) -> None:
+    """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
+    from rich.text import Text
+
+    from attnprobe import io, plotting
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+    from attnprobe.rollout import check_choice, check_residual, choose_sentences, first_token_share, rollout_loaded
+
+    check_residual(residual)
+    if max_tokens is not None and max_tokens < 1:
+        raise AttnprobeError(f"--max-tokens {max_tokens} is below 1: use 1 or more (default 40)")
+    io.check_out_dir(out)
+    sentences = read_corpus(corpus) if corpus is not None else None
+    check_choice(sentences, index, example)
+    with err_console.status(f"Loading {model}"):
+        loaded = load_model(model, device.value, dtype.value)
+    texts, indices = choose_sentences(loaded, sentences, index, example)
+    result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
+    written = io.write_rollout(out, result, plotting.rollout_figure(result, model))
+    table = Table(title=f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}",
+                  caption="mean share of the rows after the first on token 0 (a sink draws rollout to itself)")
+    for column in ("sentence", "tokens", "rollout -> first token", "last layer -> first token"):
+        table.add_column(column, justify="right" if column != "sentence" else "left")
+    for s, text in enumerate(result.sentences):
+        table.add_row(Text(text if len(text) <= 50 else text[:47] + "..."), str(len(result.tokens[s])),
+                      f"{first_token_share(result.rollout[s][-1]):.3f}", f"{first_token_share(result.raw[s]):.3f}")
+    out_console.print(table)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
 def is_usage_error(err: BaseException) -> bool:

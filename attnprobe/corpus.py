@@ -11,10 +11,12 @@ and every format is hashed in chunks, so a large corpus is never held whole as r
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,11 +45,48 @@ class Sentence:
     category: str | None  # from the nearest `# category: <name>` line above, or the row's `category`, if any
 
 
-@dataclass(frozen=True)
 class Corpus:
-    path: Path
-    sha256: str
-    sentences: tuple[Sentence, ...]
+    """A corpus file, read as a stream: `stream()` yields its sentences afresh from the file each time.
+
+    `read_corpus` checks the whole file once (sha256, number of sentences, categories) and keeps none
+    of its text, so a corpus of millions of sentences costs no memory until it is streamed. A Corpus
+    made from sentences in memory, `Corpus(path, sha256, sentences)`, streams those. `sentences` and
+    `texts` read every sentence into memory: for small corpora and tests.
+    """
+
+    def __init__(
+        self, path: str | Path, sha256: str, sentences: Iterable[Sentence] | None = None, *, split: str = "lines",
+        count: int | None = None, labels: tuple[str | None, ...] | None = None,
+    ) -> None:
+        self.path, self.sha256, self.split = Path(path), sha256, split
+        self._held = tuple(sentences) if sentences is not None else None
+        self.count = len(self._held) if self._held is not None else int(count or 0)
+        held = self._held or ()
+        # every distinct category, None included, in order of first appearance
+        self.labels = labels if labels is not None else tuple(dict.fromkeys(s.category for s in held))
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def tagged(self) -> bool:
+        """Whether any sentence has a category."""
+        return any(label is not None for label in self.labels)
+
+    def stream(self) -> Iterator[Sentence]:
+        """Every sentence, in order; a file that changed since `read_corpus` is refused when the stream ends."""
+        if self._held is not None:
+            yield from self._held
+            return
+        digest = hashlib.sha256()
+        yield from _sentences(self.path, self.split, digest)
+        if _sha256(self.path, digest) != self.sha256:
+            raise AttnprobeError(f"corpus {self.path} changed while attnprobe was reading it: run again on a "
+                                 "file nothing else writes to")
+
+    @functools.cached_property
+    def sentences(self) -> tuple[Sentence, ...]:
+        return self._held if self._held is not None else tuple(self.stream())
 
     @property
     def texts(self) -> list[str]:
@@ -55,7 +94,7 @@ class Corpus:
 
 
 def read_corpus(path: str | Path, split: str = "lines") -> Corpus:
-    """Load and validate a corpus file; raise AttnprobeError naming the problem and the fix."""
+    """Check a corpus file in one streaming pass; raise AttnprobeError naming the problem and the fix."""
     if split not in SPLITS:
         raise AttnprobeError(f"unknown --split {split!r}: use lines, paragraphs or file")
     path = Path(path)
@@ -67,35 +106,71 @@ def read_corpus(path: str | Path, split: str = "lines") -> Corpus:
                 f"per row: drop --split for {path}"
             )
         _check_file(path, f"a single {suffix} file with {_TABLE_FILES[suffix]}")
-        return _read_jsonl(path) if suffix == _JSONL else _read_parquet(path)
-    _check_file(path, f"a text file with {_UNITS[split]}")
+    else:
+        _check_file(path, f"a text file with {_UNITS[split]}")
     digest = hashlib.sha256()
-    lines, blank = _decode_lines(path, digest)
-    if blank:
+    count, labels = 0, {}
+    for sentence in _sentences(path, split, digest):
+        count += 1
+        labels.setdefault(sentence.category)
+    return Corpus(path, _sha256(path, digest), split=split, count=count, labels=tuple(labels))
+
+
+def _sentences(path: Path, split: str, digest) -> Iterator[Sentence]:
+    """The sentences of a corpus file, streamed; `digest` sees the bytes of text and .jsonl files."""
+    suffix = path.suffix.lower()
+    if suffix == _JSONL:
+        return _read_jsonl(path, digest)
+    if suffix == _PARQUET:
+        return _read_parquet(path)
+    return _read_text(path, split, digest)
+
+
+def _sha256(path: Path, digest) -> str:
+    """The file's sha256: from the digest its stream fed, or (Parquet, read by pyarrow) read afresh."""
+    if path.suffix.lower() != _PARQUET:
+        return digest.hexdigest()
+    try:
+        return file_sha256(path)
+    except OSError as err:
+        raise AttnprobeError(f"cannot read corpus {path}: {err.strerror}") from err
+
+
+def _read_text(path: Path, split: str, digest) -> Iterator[Sentence]:
+    seen = {"content": False, "sentences": False}
+
+    def lines() -> Iterator[str]:
+        for number, raw in _raw_lines(path, digest):
+            seen["content"] = seen["content"] or bool(raw.strip())
+            yield _decode(path, number, raw)
+
+    for sentence in _split(lines(), split, source=str(path)):
+        seen["sentences"] = True
+        yield sentence
+    if not seen["content"] or (not seen["sentences"] and split != "lines"):
         raise AttnprobeError(f"corpus {path} is empty: add {_UNITS[split]}")
-    sentences = tuple(_split(lines, split, source=str(path)))
-    if not sentences and split != "lines":
-        raise AttnprobeError(f"corpus {path} is empty: add {_UNITS[split]}")
-    if not sentences:
+    if not seen["sentences"]:
         raise AttnprobeError(
-            f"corpus {path} has no sentences, only blank or '#' comment lines: "
-            "add one sentence per line"
+            f"corpus {path} has no sentences, only blank or '#' comment lines: add one sentence per line"
         )
-    return Corpus(path=path, sha256=digest.hexdigest(), sentences=sentences)
 
 
-def _split(lines: list[str], split: str, source: str) -> list[Sentence]:
+def _split(lines: Iterable[str], split: str, source: str) -> Iterable[Sentence]:
     if split == "paragraphs":
-        return parse_paragraphs(lines)
+        return iter_paragraphs(lines)
     if split == "file":
         return parse_file(lines)
-    return parse_lines(lines, source=source)
+    return iter_lines(lines, source=source)
 
 
-def parse_lines(lines: list[str], source: str = "corpus") -> list[Sentence]:
+def parse_lines(lines: Iterable[str], source: str = "corpus") -> list[Sentence]:
     """Sentences from text lines; `# category: <name>` tags the sentences below it, up to the next tag."""
+    return list(iter_lines(lines, source))
+
+
+def iter_lines(lines: Iterable[str], source: str = "corpus") -> Iterator[Sentence]:
+    """`parse_lines`, one sentence at a time."""
     category: str | None = None
-    sentences = []
     for number, line in enumerate(lines, start=1):
         text = line.strip()
         if text.startswith("#"):
@@ -108,25 +183,27 @@ def parse_lines(lines: list[str], source: str = "corpus") -> list[Sentence]:
                     )
             continue
         if text:
-            sentences.append(Sentence(text=text, line=number, category=category))
-    return sentences
+            yield Sentence(text=text, line=number, category=category)
 
 
-def parse_paragraphs(lines: list[str]) -> list[Sentence]:
+def parse_paragraphs(lines: Iterable[str]) -> list[Sentence]:
     """One text per block of non-blank lines, verbatim (`#` lines included); line = the block's first line."""
-    sentences = []
+    return list(iter_paragraphs(lines))
+
+
+def iter_paragraphs(lines: Iterable[str]) -> Iterator[Sentence]:
+    """`parse_paragraphs`, one paragraph at a time."""
     block: list[str] = []
-    for number, line in enumerate([*lines, ""], start=1):
+    for number, line in enumerate(itertools.chain(lines, [""]), start=1):
         if line.strip():
             block.append(line.rstrip())
             continue
         if block:
-            sentences.append(Sentence(text="\n".join(block).strip(), line=number - len(block), category=None))
+            yield Sentence(text="\n".join(block).strip(), line=number - len(block), category=None)
             block = []
-    return sentences
 
 
-def parse_file(lines: list[str]) -> list[Sentence]:
+def parse_file(lines: Iterable[str]) -> list[Sentence]:
     """The whole text as one sentence at line 1, CRLF read as LF; none if it is only whitespace."""
     text = "\n".join(line.removesuffix("\r") for line in lines).strip()
     return [Sentence(text=text, line=1, category=None)] if text else []
@@ -170,15 +247,6 @@ def _decode(path: Path, number: int, raw: bytes) -> str:
         ) from err
 
 
-def _decode_lines(path: Path, digest) -> tuple[list[str], bool]:
-    """The decoded lines of a text file, and whether the file is only (ASCII) whitespace."""
-    lines, blank = [], True
-    for number, raw in _raw_lines(path, digest):
-        blank = blank and not raw.strip()
-        lines.append(_decode(path, number, raw))
-    return lines, blank
-
-
 def _row_sentence(path: Path, where: str, number: int, text, category) -> Sentence:
     """A Sentence from one row's `text` and `category` values, checked; `where` is "line" or "row"."""
     if not isinstance(text, str):
@@ -203,9 +271,8 @@ def _row_sentence(path: Path, where: str, number: int, text, category) -> Senten
     return Sentence(text=text.strip(), line=number, category=category)
 
 
-def _read_jsonl(path: Path) -> Corpus:
-    digest = hashlib.sha256()
-    sentences = []
+def _read_jsonl(path: Path, digest) -> Iterator[Sentence]:
+    rows = 0
     for number, raw in _raw_lines(path, digest):
         line = _decode(path, number, raw)
         if not line.strip():
@@ -228,22 +295,18 @@ def _read_jsonl(path: Path) -> Corpus:
                 f"corpus {path} line {number} has no 'text' field (fields found: {found}): "
                 "give every row a 'text' string"
             )
-        sentences.append(_row_sentence(path, "line", number, row["text"], row.get("category")))
-    if not sentences:
+        rows += 1
+        yield _row_sentence(path, "line", number, row["text"], row.get("category"))
+    if not rows:
         raise AttnprobeError(f"corpus {path} is empty: add {_TABLE_FILES[_JSONL]}")
-    return Corpus(path=path, sha256=digest.hexdigest(), sentences=tuple(sentences))
 
 
-def _read_parquet(path: Path) -> Corpus:
+def _read_parquet(path: Path) -> Iterator[Sentence]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as err:
         raise AttnprobeError(f"reading the .parquet corpus {path} needs pyarrow: pip install pyarrow") from err
-    try:
-        sha256 = file_sha256(path)
-    except OSError as err:
-        raise AttnprobeError(f"cannot read corpus {path}: {err.strerror}") from err
 
     def unreadable(err: Exception) -> AttnprobeError:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -262,19 +325,30 @@ def _read_parquet(path: Path) -> Corpus:
             f"corpus {path} has no 'text' column (columns found: {found}): name the column of sequences 'text'"
         )
     columns = ["text", "category"] if "category" in names else ["text"]
-    sentences = []
     number = 0
     try:
-        for batch in table.iter_batches(batch_size=_BATCH_ROWS, columns=columns):
+        for batch in _parquet_batches(table, columns, unreadable):
             texts = batch.column(0).to_pylist()
             categories = batch.column(1).to_pylist() if len(columns) == 2 else [None] * len(texts)
             for text, category in zip(texts, categories):
                 number += 1
-                sentences.append(_row_sentence(path, "row", number, text, category))
-    except (pa.ArrowException, OSError) as err:
-        raise unreadable(err) from err
+                yield _row_sentence(path, "row", number, text, category)
     finally:
         table.close()
-    if not sentences:
+    if not number:
         raise AttnprobeError(f"corpus {path} has no rows: add rows with {_TABLE_FILES[_PARQUET]}")
-    return Corpus(path=path, sha256=sha256, sentences=tuple(sentences))
+
+
+def _parquet_batches(table, columns: list[str], unreadable) -> Iterator:
+    """Record batches of `columns`, pyarrow's errors as one line (not those of the code consuming them)."""
+    import pyarrow as pa
+
+    batches = table.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as err:
+            raise unreadable(err) from err
+        yield batch

@@ -89,6 +89,14 @@ def merge(world: World, values: dict[str, Tensor]) -> dict[str, Tensor]:
     return merged
 
 
+def barrier(world: World) -> None:
+    """Wait until every rank gets here."""
+    import torch.distributed as dist
+
+    if world.size > 1 and dist.is_initialized():
+        dist.barrier()
+
+
 def leave(world: World) -> None:
     import torch.distributed as dist
 

@@ -18,6 +18,9 @@ HEADS_FILE = "heads.csv"
 LAYERS_FILE = "layers.csv"
 RUN_FILE = "run.json"
 EXAMPLE_FILE = "example_attention.npz"
+EXAMPLES_FILE = "examples.npz"  # up to MAX_EXAMPLES example sentences' maps, for report.html (examples_writer)
+MAX_EXAMPLES = 8
+REPORT_FILE = "report.html"  # report: the run as one self-contained page
 TYPES_FILE = "head_types.csv"
 CATEGORIES_FILE = "categories.csv"
 PROBE_FILE = "probe.csv"
@@ -27,6 +30,19 @@ CHECKPOINT_FILE = "checkpoint.npz"  # a long run's progress; removed once it com
 SENTENCES_FILE = "sentences.parquet"  # analyze --per-sentence
 KV_CACHE_FILE = "kv_cache.json"
 RESAMPLES_FILE = "resamples.npz"  # per score, the bootstrap's resampled head means [resample, layer, head]
+IMPORTANCE_FILE = "importance.csv"  # ablate: per head, what ablating it changes, and its gradient importance
+LAYER_IMPORTANCE_FILE = "layer_importance.csv"  # ablate --layers: per layer, every head ablated at once
+PRUNING_FILE = "pruning.csv"  # ablate: heads removed cumulatively, per order and percent
+ABLATE_RUN_FILE = "ablate.json"  # ablate: provenance, settings, Spearman correlation
+IMPORTANCE_FIGURE = "importance.png"
+IMPORTANCE_TYPE_FIGURE = "importance_vs_type.png"
+COMPARE_HEADS_FILE = "compare_heads.csv"  # compare: B - A per head (same shape only)
+COMPARE_LAYERS_FILE = "compare_layers.csv"  # compare: per layer, or per point of relative depth
+COMPARE_TYPES_FILE = "compare_types.csv"  # compare: head-type counts and fractions of both runs
+COMPARE_RUN_FILE = "compare.json"  # compare: both runs' provenance, pairing and why, the top changes
+COMPARE_FIGURE = "compare.png"
+ROLLOUT_FILE = "rollout.npz"  # rollout: per example sentence, tokens, rollout and head-averaged maps
+ROLLOUT_FIGURE = "rollout.png"
 
 TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
 
@@ -86,15 +102,14 @@ class SentenceWriter:
 
     ROWS_PER_GROUP = 65_536
 
-    def __init__(
-        self, out: str | Path, names: Iterable[str], lines: list[int], categories: list[str | None]
-    ) -> None:
+    def __init__(self, out: str | Path, names: Iterable[str], tagged: bool = False, part: int | None = None) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.out = check_out_dir(out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.names, self.lines, self.categories = list(names), lines, categories
+        self.names, self.tagged = list(names), tagged  # tagged: a sentence without a category is "untagged"
+        self.part = part  # under torchrun, this rank's number: commit() leaves a part for join_sentence_parts
         fields = [("sentence", pa.int64()), ("line", pa.int64()), ("category", pa.string()), ("layer", pa.int32()),
                   ("head", pa.int32())] + [(name, pa.float64()) for name in self.names]
         self.schema = pa.schema(fields)
@@ -105,17 +120,18 @@ class SentenceWriter:
         self.pending: list[Any] = []
         self.pending_rows = 0
 
-    def write(self, indices: list[int], values: dict[str, np.ndarray]) -> None:
-        """One batch: `values` per score [sentence, layer, head] for the sentences at `indices`."""
+    def write(self, indices: list[int], values: dict[str, np.ndarray], sentences: list[Any]) -> None:
+        """One batch: `values` per score [sentence, layer, head] for `sentences`, at these corpus `indices`."""
         import pyarrow as pa
 
         some = values[self.names[0]]
         n, layers, heads = some.shape
         sentence = np.repeat(np.asarray(indices, dtype=np.int64), layers * heads)
+        labels = [s.category or "untagged" if self.tagged else s.category for s in sentences]
         columns = {
             "sentence": sentence,
-            "line": np.asarray(self.lines, dtype=np.int64)[sentence],
-            "category": [self.categories[i] for i in sentence],
+            "line": np.repeat(np.asarray([s.line for s in sentences], dtype=np.int64), layers * heads),
+            "category": [label for label in labels for _ in range(layers * heads)],
             "layer": np.tile(np.repeat(np.arange(layers, dtype=np.int32), heads), n),
             "head": np.tile(np.arange(heads, dtype=np.int32), n * layers),
         }
@@ -137,7 +153,7 @@ class SentenceWriter:
         self._flush()
         self.writer.close()
         os.chmod(self.tmp, 0o666 & ~_umask())
-        final = self.out / SENTENCES_FILE
+        final = self.out / (SENTENCES_FILE if self.part is None else sentence_part(self.part))
         os.replace(self.tmp, final)
         return final
 
@@ -151,6 +167,32 @@ class SentenceWriter:
     def __exit__(self, kind: Any, *_: Any) -> None:
         if kind is not None:
             self.discard()
+
+
+def sentence_part(rank: int) -> str:
+    """One rank's rows of sentences.parquet under torchrun, before rank 0 joins them."""
+    return f".{SENTENCES_FILE}.rank{rank}.part"
+
+
+def join_sentence_parts(out: str | Path, ranks: int) -> Path:
+    """sentences.parquet from every rank's part, a row group at a time (temp + rename); the parts go."""
+    import pyarrow.parquet as pq
+
+    out = Path(out)
+    parts = [out / sentence_part(rank) for rank in range(ranks)]
+    schema = pq.read_schema(parts[0])
+
+    def write(path: Path) -> None:
+        with pq.ParquetWriter(path, schema) as writer:
+            for part in parts:
+                with pq.ParquetFile(part) as table:
+                    for group in range(table.num_row_groups):
+                        writer.write_table(table.read_row_group(group))
+
+    written = write_files(out, {SENTENCES_FILE: write})
+    for part in parts:
+        part.unlink(missing_ok=True)
+    return written[0]
 
 
 def read_sentences(out: str | Path) -> Any:
@@ -206,7 +248,7 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
             f"{path} has values that are not numbers in {', '.join(not_numbers)}: run `{made_by}` again"
         )
     key = [c for c in ("category", "layer", "head", "bin") if c in columns]
-    if frame.duplicated(key).any():
+    if key and frame.duplicated(key).any():
         raise AttnprobeError(f"{path} repeats a ({', '.join(key)}) row: run `{made_by}` again")
     return frame
 
@@ -256,13 +298,28 @@ def read_run(out: str | Path) -> dict[str, Any]:
     return run
 
 
-def read_checkpoint(out: str | Path) -> Any:
-    """The checkpoint `analyze` left in `out`, as a resume.State."""
+def checkpoint_name(rank: int = 0, size: int = 1) -> str:
+    """A process's checkpoint: checkpoint.npz, or under torchrun one per rank (checkpoint-rank1-of-2.npz)."""
+    return CHECKPOINT_FILE if size == 1 else f"checkpoint-rank{rank}-of-{size}.npz"
+
+
+def checkpoint_files(out: str | Path) -> list[str]:
+    """Every checkpoint in `out`, of one process or of every rank."""
+    folder = Path(out)
+    return sorted(p.name for p in folder.glob("checkpoint*.npz")) if folder.is_dir() else []
+
+
+def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
+    """The checkpoint `analyze` left in `out` (this rank's `name` under torchrun), as a resume.State."""
     from attnprobe.resume import State
 
-    path = Path(out) / CHECKPOINT_FILE
+    path = Path(out) / name
     if not path.is_file():
-        raise AttnprobeError(f"no {CHECKPOINT_FILE} in {out}: nothing to resume; run without --resume")
+        others = checkpoint_files(out)
+        if others:
+            raise AttnprobeError(f"no {name} in {out}, but {', '.join(others)}: resume with as many processes as "
+                                 "the stopped run (checkpoint.npz: one; checkpoint-rankR-of-N.npz: torchrun N)")
+        raise AttnprobeError(f"no {name} in {out}: nothing to resume; run without --resume")
     try:
         with np.load(path, allow_pickle=False) as data:
             return State.from_arrays({key: data[key] for key in data.files})
@@ -284,6 +341,68 @@ def read_example(out: str | Path) -> dict[str, Any] | None:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
 
 
+def examples_writer(examples: list[dict[str, Any]]) -> Writer:
+    """examples.npz: several example sentences' maps, each with the layout of example_attention.npz.
+
+    Each example is a dict with `maps` [layer, head, query, key] (float32 or float16; n x n for its first
+    n tokens), `tokens` (n strings), `sentence`, and optionally `total_tokens` (before the cut; default n),
+    `category` ("" for none), `index` (0-based in the corpus) and `line` (-1: unknown). The file holds
+    `count` and, per example i, `maps_{i}`, `tokens_{i}`, `sentence_{i}`, `total_tokens_{i}`, `category_{i}`,
+    `index_{i}` and `line_{i}`: no pickles, so `np.load(..., allow_pickle=False)` reads it.
+    """
+    if not 1 <= len(examples) <= MAX_EXAMPLES:
+        raise ValueError(f"examples.npz holds 1 to {MAX_EXAMPLES} examples, not {len(examples)}")
+    arrays: dict[str, np.ndarray] = {"count": np.asarray(len(examples), dtype=np.int64)}
+    for i, example in enumerate(examples):
+        maps, tokens = np.asarray(example["maps"]), [str(t) for t in example["tokens"]]
+        n = len(tokens)
+        if maps.ndim != 4 or maps.shape[2:] != (n, n):
+            raise ValueError(f"example {i}: maps {maps.shape} is not [layer, head, {n}, {n}] for {n} tokens")
+        arrays[f"maps_{i}"] = maps if maps.dtype in (np.float16, np.float32) else maps.astype(np.float32)
+        arrays[f"tokens_{i}"] = np.asarray(tokens, dtype=str)
+        arrays[f"sentence_{i}"] = np.asarray(str(example["sentence"]))
+        arrays[f"total_tokens_{i}"] = np.asarray(int(example.get("total_tokens", n)), dtype=np.int64)
+        arrays[f"category_{i}"] = np.asarray(str(example.get("category") or ""))
+        arrays[f"index_{i}"] = np.asarray(int(example.get("index", -1)), dtype=np.int64)
+        arrays[f"line_{i}"] = np.asarray(int(example.get("line", -1)), dtype=np.int64)
+    return npz_writer(**arrays)
+
+
+def read_examples(out: str | Path) -> list[dict[str, Any]]:
+    """The example sentences' maps: examples.npz when `analyze` wrote one, else example_attention.npz's one
+    example, else []. Each is a dict as `examples_writer` takes (maps as float32)."""
+    path = Path(out) / EXAMPLES_FILE
+    if not path.is_file():
+        one = read_example(out)
+        if one is None:
+            return []
+        return [{**one, "maps": np.asarray(one["maps"], dtype=np.float32), "category": "", "index": -1, "line": -1}]
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            examples = []
+            for i in range(int(data["count"])):
+                tokens = [str(t) for t in data[f"tokens_{i}"]]
+                maps = np.asarray(data[f"maps_{i}"], dtype=np.float32)
+                if maps.ndim != 4 or maps.shape[2:] != (len(tokens), len(tokens)):
+                    raise ValueError(f"maps_{i} {maps.shape} does not fit its {len(tokens)} tokens")
+                optional = {key: data[f"{key}_{i}"] for key in ("total_tokens", "category", "index", "line")
+                            if f"{key}_{i}" in data}
+                examples.append({
+                    "maps": maps, "tokens": tokens, "sentence": str(data[f"sentence_{i}"]),
+                    "total_tokens": int(optional.get("total_tokens", len(tokens))),
+                    "category": str(optional.get("category", "")), "index": int(optional.get("index", -1)),
+                    "line": int(optional.get("line", -1)),
+                })
+            return examples
+    except (OSError, KeyError, ValueError) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+
+
+def write_report(out: str | Path, html: str) -> Path:
+    """report.html (temporary name, then renamed)."""
+    return write_files(out, {REPORT_FILE: lambda path: path.write_text(html, encoding="utf-8")})[0]
+
+
 def read_resamples(out: str | Path) -> dict[str, np.ndarray]:
     """The bootstrap's resampled head means `analyze` saved: per score [resample, layer, head]."""
     path = Path(out) / RESAMPLES_FILE
@@ -294,6 +413,68 @@ def read_resamples(out: str | Path) -> dict[str, np.ndarray]:
             return {key: data[key] for key in data.files}
     except (OSError, ValueError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+
+
+def read_compare(out: str | Path) -> tuple[dict[str, Any], pd.DataFrame | None, pd.DataFrame, pd.DataFrame | None]:
+    """What `attnprobe compare` wrote into `out`: compare.json, and the heads (or None), layers and types tables."""
+    path = Path(out) / COMPARE_RUN_FILE
+    made_by = "attnprobe compare OUT_A OUT_B"
+    if not path.is_file():
+        raise AttnprobeError(f"no {COMPARE_RUN_FILE} in {out}: run `{made_by} --out {out}` first")
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}); run `{made_by}` again") from err
+    if not isinstance(info, dict) or "pairing" not in info or "same_shape" not in info:
+        raise AttnprobeError(f"{path} was not made by `{made_by}`: run it again")
+    score = info.get("score", "entropy")
+    heads = read_table(out, COMPARE_HEADS_FILE, ["layer", "head", f"{score}_diff"], made_by) \
+        if info["same_shape"] else None
+    layers = read_table(out, COMPARE_LAYERS_FILE, ["depth", f"{score}_diff"], made_by)
+    types = read_table(out, COMPARE_TYPES_FILE, ["head_type", "fraction_a", "fraction_b"], made_by) \
+        if (Path(out) / COMPARE_TYPES_FILE).is_file() else None
+    return info, heads, layers, types
+
+
+def write_ablation(out: str | Path, ablation: Any, figures: dict[str, Any]) -> list[Path]:
+    """What `attnprobe ablate` writes (an ablate.Ablation and its figures), each to a temporary name, then renamed.
+
+    A layer_importance.csv or pruning.csv of an earlier run that this one did not make is removed.
+    """
+    files: dict[str, Writer] = {IMPORTANCE_FILE: csv_writer(ablation.heads), ABLATE_RUN_FILE: json_writer(ablation.run)}
+    stale = []
+    for name, frame in ((LAYER_IMPORTANCE_FILE, ablation.layers), (PRUNING_FILE, ablation.pruning)):
+        if frame is None:
+            stale.append(name)
+        else:
+            files[name] = csv_writer(frame)
+    files.update({name: figure_writer(figure) for name, figure in figures.items()})
+    return write_files(out, files, remove=stale)
+
+
+def write_rollout(out: str | Path, rollout: Any, figure: Any) -> list[Path]:
+    """rollout.npz and rollout.png for `attnprobe rollout` (a rollout.Rollout), each to a temporary name, then renamed.
+
+    Sentences differ in length, so every per-sentence array has a leading [sentence] axis and is
+    padded to the longest: maps with NaN, tokens with "". `lengths` gives each sentence's tokens kept.
+    """
+    lengths = [len(tokens) for tokens in rollout.tokens]
+    n, layers = max(lengths), rollout.rollout[0].shape[0]
+    padded = np.full((len(lengths), layers, n, n), np.nan, dtype=np.float32)  # [sentence, layer, query, key]
+    cumulative, attention = padded.copy(), padded.copy()  # [sentence, layer, query, key] each
+    tokens = np.full((len(lengths), n), "", dtype=object)  # [sentence, token]
+    for s, size in enumerate(lengths):
+        cumulative[s, :, :size, :size] = rollout.rollout[s]  # [layer, query, key]
+        attention[s, :, :size, :size] = rollout.attention[s]  # [layer, query, key]
+        tokens[s, :size] = rollout.tokens[s]
+    arrays = {
+        "rollout": cumulative, "attention": attention, "raw": attention[:, -1],  # raw: [sentence, query, key]
+        "tokens": tokens.astype(str), "lengths": np.asarray(lengths, dtype=np.int64),
+        "total_tokens": np.asarray(rollout.total_tokens, dtype=np.int64),
+        "sentence": np.asarray(rollout.sentences, dtype=str), "index": np.asarray(rollout.indices, dtype=np.int64),
+        "residual": np.float64(rollout.residual), "model": np.asarray(str(rollout.info.get("model", ""))),
+    }
+    return write_files(out, {ROLLOUT_FILE: npz_writer(**arrays), ROLLOUT_FIGURE: figure_writer(figure)})
 
 
 def _umask() -> int:

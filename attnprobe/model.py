@@ -36,6 +36,7 @@ class LoadedModel:
     causal: bool
     max_length: int  # longest input the model accepts, in tokens
     dtype: str = "float32"  # the model's weights and activations; statistics are always float32
+    lm_head: nn.Module | None = None  # the causal-LM head, when loaded with lm_head=True (decoders only)
 
     @property
     def num_layers(self) -> int:
@@ -104,9 +105,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(
     spec: str, device: str = "auto", dtype: str = "float32", device_map: str | dict | None = None,
-    max_memory: dict | None = None, offload_folder: str | None = None,
+    max_memory: dict | None = None, offload_folder: str | None = None, lm_head: bool = False,
 ) -> LoadedModel:
     """Load the base model and tokenizer from a local folder or a hub id, with eager attention.
+
+    `lm_head=True` loads a decoder's causal-LM class and keeps its head as `LoadedModel.lm_head`
+    (`model` is still the base model); an encoder is loaded as usual, without a head.
 
     `device_map` ("auto", or a module -> device dict) spreads a model too large for one device over
     several GPUs, the CPU and the disk with accelerate's big-model loading; `max_memory` caps each
@@ -121,13 +125,14 @@ def load_model(
     resolved = resolve(spec)
     source = resolved.location
     from safetensors import SafetensorError
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     with quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
+            with_head = lm_head and not _is_encoder(AutoConfig.from_pretrained(source))
             # weights_only: a pickled checkpoint is read by torch's safe loader, never unpickled freely
-            model = AutoModel.from_pretrained(
+            model = (AutoModelForCausalLM if with_head else AutoModel).from_pretrained(
                 source, attn_implementation="eager", dtype=torch_dtype, weights_only=True, **placement
             )
         except (SafetensorError, pickle.UnpicklingError, EOFError) as err:
@@ -149,6 +154,8 @@ def load_model(
         torch_device = model.get_input_embeddings().weight.device  # where the inputs go
         if torch_device.type == "meta":  # the embeddings themselves were offloaded
             torch_device = torch.device("cpu")
+    head = model.get_output_embeddings() if with_head else None
+    model = model.base_model if with_head else model
     modules = attention_modules(model)
     if not modules:
         raise AttnprobeError(
@@ -166,6 +173,7 @@ def load_model(
         and getattr(model.config, "is_causal", None) is not False,  # a config may ask for a bidirectional mask
         max_length=_max_length(model.config, tokenizer),
         dtype=dtype,
+        lm_head=head,
     )
 
 

@@ -9,8 +9,9 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.cm import ScalarMappable
-from matplotlib.colors import Normalize
+from matplotlib.colors import Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from attnprobe.classify import ALL_TYPES, counts_per_layer
@@ -224,4 +225,229 @@ def position_profile_figure(positions: pd.DataFrame, title: str | None = None) -
     bar.update_ticks()
     if title is not None:
         figure.suptitle(title)
+    return figure
+
+
+DIFF_CMAP = "RdBu_r"  # B - A: blue where B is lower, red where higher, white at 0
+
+
+def difference_norm(values: np.ndarray) -> TwoSlopeNorm:
+    """Centred on 0 and symmetric, so equal colours mean equal changes either way (all zeros too)."""
+    largest = float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 0.0
+    largest = largest if largest > 0 else 1e-9
+    return TwoSlopeNorm(vcenter=0.0, vmin=-largest, vmax=largest)
+
+
+def draw_difference_grid(ax: Axes, heads: pd.DataFrame, score: str) -> Any:
+    """B - A of one score per head (compare_heads.csv), a box around heads whose interval excludes 0."""
+    values = grid(heads, f"{score}_diff")  # [layer, head]
+    changed = (grid(heads, f"{score}_diff_ci_low") > 0) | (grid(heads, f"{score}_diff_ci_high") < 0)  # [layer, head]
+    norm = difference_norm(values)
+    image = ax.imshow(values, cmap=DIFF_CMAP, norm=norm, aspect="auto", interpolation="nearest")
+    n_layers, n_heads = values.shape
+    ax.set_xticks(range(n_heads))
+    ax.set_yticks(range(n_layers))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"B - A: {score} per head (boxed: 95% interval excludes 0)", fontsize=10)
+    for (layer, head), flag in np.ndenumerate(changed):
+        if flag:
+            ax.add_patch(Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=1.4))
+    if values.size <= MAX_ANNOTATED_CELLS:
+        digits = 2 if norm.vmax >= 0.5 else 3
+        size = 7 if values.size <= 160 else 5
+        for (layer, head), value in np.ndenumerate(values):
+            color = "white" if abs(value) > 0.6 * norm.vmax else "black"
+            ax.text(head, layer, f"{value:+.{digits}f}", ha="center", va="center", fontsize=size, color=color)
+    return image
+
+
+def draw_compared_layers(ax: Axes, layers: pd.DataFrame, score: str, labels: tuple[str, str], x: str) -> None:
+    """Both runs' mean over heads per layer (x = `layer`) or per relative depth (x = `depth`), with intervals."""
+    for side, label, color in (("a", labels[0], "#4d4d4d"), ("b", labels[1], "#d6604d")):
+        ax.fill_between(layers[x], layers[f"{score}_{side}_ci_low"], layers[f"{score}_{side}_ci_high"], color=color,
+                        alpha=0.2, linewidth=0)
+        ax.plot(layers[x], layers[f"{score}_{side}"], marker="o" if x == "layer" else None, markersize=3, color=color,
+                label=f"{side.upper()}: {label}")  # a depth grid interpolates between layers: no markers
+    ax.set_xlabel("relative depth, layer / (layers - 1)" if x == "depth" else "layer")
+    ax.set_ylabel(f"{score}, mean over the layer's heads")
+    ax.set_title(f"{score} by {'relative depth' if x == 'depth' else 'layer'} (bands: 95% intervals)", fontsize=10)
+    ax.legend(loc="best", fontsize=8)
+    if x == "layer":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def draw_type_fractions(ax: Axes, types: pd.DataFrame | None, labels: tuple[str, str]) -> None:
+    """Share of heads of each type in A and B, side by side."""
+    ax.set_title("Head types (share of all heads)", fontsize=10)
+    if types is None:
+        ax.text(0.5, 0.5, "head types not comparable\n(different classify schemes)", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    x = np.arange(len(types))
+    for offset, side, label, color in ((-0.2, "a", labels[0], "#4d4d4d"), (0.2, "b", labels[1], "#d6604d")):
+        ax.bar(x + offset, types[f"fraction_{side}"], width=0.4, color=color, label=f"{side.upper()}: {label}")
+    ax.set_xticks(x, types["head_type"])
+    ax.set_ylabel("fraction of heads")
+    ax.legend(loc="best", fontsize=8)
+
+
+def draw_layer_difference(ax: Axes, layers: pd.DataFrame, score: str, x: str) -> None:
+    """B - A of the layer means per layer or per relative depth, with its 95% interval and a line at 0."""
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.fill_between(layers[x], layers[f"{score}_diff_ci_low"], layers[f"{score}_diff_ci_high"], color="#d6604d",
+                    alpha=0.25, linewidth=0, label="95% interval")
+    ax.plot(layers[x], layers[f"{score}_diff"], marker="o" if x == "layer" else None, markersize=3, color="#b2182b",
+            label="B - A")
+    ax.set_xlabel("relative depth, layer / (layers - 1)" if x == "depth" else "layer")
+    ax.set_ylabel(f"B - A ({score})")
+    ax.set_title(f"B - A of the layer means of {score}", fontsize=10)
+    ax.legend(loc="best", fontsize=8)
+    if x == "layer":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def compare_figure(
+    layers: pd.DataFrame, info: dict[str, Any], heads: pd.DataFrame | None = None, types: pd.DataFrame | None = None,
+    score: str | None = None,
+) -> Figure:
+    """compare.png. Same shape: the B - A heatmap, both layer gradients and their difference.
+    Different shapes: both curves and their difference by relative depth, and the head-type shares."""
+    score = score or info["score"]
+    labels = (info["a"]["label"], info["b"]["label"])
+    if heads is not None:
+        n_layers, n_heads = grid(heads, f"{score}_diff").shape
+        width, height = max(6.0, 0.6 * n_heads + 2.5), max(7.0, 0.4 * n_layers + 1.5)
+        figure = Figure(figsize=(width + 6.5, height), layout="constrained")
+        spec = figure.add_gridspec(2, 2, width_ratios=[width, 6.5])
+        heatmap = figure.add_subplot(spec[:, 0])
+        figure.colorbar(draw_difference_grid(heatmap, heads, score), ax=heatmap, label=f"B - A ({score})")
+        draw_compared_layers(figure.add_subplot(spec[0, 1]), layers, score, labels, "layer")
+        draw_layer_difference(figure.add_subplot(spec[1, 1]), layers, score, "layer")
+    else:
+        figure = Figure(figsize=(18.0, 4.8), layout="constrained")
+        curves, difference, shares = figure.subplots(1, 3)
+        draw_compared_layers(curves, layers, score, labels, "depth")
+        draw_layer_difference(difference, layers, score, "depth")
+        draw_type_fractions(shares, types, labels)
+    matched = "heads matched by position" if heads is not None else "heads not matched (different shapes)"
+    figure.suptitle(f"B - A, {info['pairing']} bootstrap over sentences; {matched}", fontsize=11)
+    return figure
+
+
+IMPORTANCE_LABELS = {  # ablate's ranking measure: decoders, encoders
+    "loss_change": "loss change when ablated (nats/token)",
+    "embedding_change": "embedding change when ablated (1 - cosine)",
+}
+
+
+def importance_measure(importance: pd.DataFrame) -> str:
+    """The column of importance.csv that ranks heads: loss_change (decoders) or embedding_change (encoders)."""
+    return "loss_change" if "loss_change" in importance.columns else "embedding_change"
+
+
+def full_grid(frame: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Every (layer, head) up to the largest of each, NaN where `frame` has no row (ablate --heads)."""
+    layers, heads = int(frame["layer"].max()) + 1, int(frame["head"].max()) + 1
+    index = pd.MultiIndex.from_product([range(layers), range(heads)], names=["layer", "head"])
+    values = frame.set_index(["layer", "head"])[column].reindex(index)
+    return values.reset_index()
+
+
+def importance_heatmap_figure(importance: pd.DataFrame, title: str | None = None) -> Figure:
+    """A layers x heads grid of the ranking measure: red = the model loses most without the head."""
+    column = importance_measure(importance)
+    cells = full_grid(importance, column)
+    n_layers, n_heads = grid(cells, column).shape
+    largest = float(np.nanmax(np.abs(cells[column]))) if cells[column].notna().any() else 0.0
+    largest = largest if largest > 0 else 1e-9
+    figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)))
+    ax = figure.add_subplot()
+    heading = "Ablating one head: " + IMPORTANCE_LABELS[column]
+    image = draw_head_grid(ax, cells, column, heading, "RdBu_r", vmin=-largest, vmax=largest)
+    figure.colorbar(image, ax=ax, label=IMPORTANCE_LABELS[column])
+    if title is not None:
+        figure.suptitle(title)
+    return figure
+
+
+def draw_importance_vs_entropy(ax: Axes, merged: pd.DataFrame, column: str) -> None:
+    """One dot per head: entropy (x) against the ablation measure (y), with its 95% interval, coloured by type."""
+    ax.errorbar(merged["entropy"], merged[column],
+                yerr=[merged[column] - merged[f"{column}_ci_low"], merged[f"{column}_ci_high"] - merged[column]],
+                fmt="none", ecolor="#bbbbbb", elinewidth=0.6, zorder=1)
+    for kind, group in merged.groupby("head_type", sort=False):
+        ax.scatter(group["entropy"], group[column], s=14, color=TYPE_COLORS.get(str(kind), "#333333"),
+                   label=f"{kind} ({len(group)})", zorder=2)
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_xlabel("mean attention entropy (nats, heads.csv)")
+    ax.set_ylabel(IMPORTANCE_LABELS[column])
+    ax.set_title("Do sharp heads matter more?")
+    ax.legend(loc="best", fontsize=8, title="head type")
+
+
+def draw_importance_by_type(ax: Axes, merged: pd.DataFrame, column: str) -> None:
+    """The ablation measure of every head of each type, jittered, with the type's median as a bar."""
+    kinds = [k for k in ALL_TYPES if k in set(merged["head_type"])]
+    kinds += sorted(set(merged["head_type"]) - set(kinds))
+    jitter = np.random.default_rng(0)
+    for x, kind in enumerate(kinds):
+        values = merged.loc[merged["head_type"] == kind, column].dropna().to_numpy()
+        ax.scatter(x + jitter.uniform(-0.2, 0.2, len(values)), values, s=12,
+                   color=TYPE_COLORS.get(kind, "#333333"), alpha=0.8)
+        if len(values):
+            ax.hlines(np.median(values), x - 0.3, x + 0.3, color="black", linewidth=1.5)
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_xlabel("head type (bar: median)")
+    ax.set_ylabel(IMPORTANCE_LABELS[column])
+    ax.set_title("Ablation by head type")
+
+
+def importance_vs_type_figure(
+    importance: pd.DataFrame, heads: pd.DataFrame, types: pd.DataFrame | None = None, title: str | None = None
+) -> Figure:
+    """Left: ablation measure against entropy, coloured by head type; right: the measure per type."""
+    column = importance_measure(importance)
+    merged = importance.merge(heads[["layer", "head", "entropy"]], on=["layer", "head"])
+    if types is not None:
+        merged = merged.merge(types[["layer", "head", "head_type"]], on=["layer", "head"], how="left")
+        merged["head_type"] = merged["head_type"].fillna("unknown")
+    else:
+        merged["head_type"] = "all heads"
+    figure = Figure(figsize=(13.0, 4.8), layout="constrained")
+    left, right = figure.subplots(1, 2, sharey=True)
+    draw_importance_vs_entropy(left, merged, column)
+    draw_importance_by_type(right, merged, column)
+    if title is not None:
+        figure.suptitle(title)
+    return figure
+
+
+def short_text(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def rollout_figure(rollout: Any, model: str) -> Figure:
+    """Per example sentence (one row each): the rollout through every layer beside the last layer's raw map.
+
+    `rollout` is a rollout.Rollout; both panels are head-averaged, on the same 0-1 scale.
+    """
+    rows = len(rollout.tokens)
+    n = max(len(tokens) for tokens in rollout.tokens)
+    side = min(7.0, max(3.5, 0.18 * n + 1.5))  # inches per panel
+    figure = Figure(figsize=(2 * side + 1.2, rows * (side + 0.6) + 0.6), layout="constrained")
+    axes = np.atleast_2d(figure.subplots(rows, 2, squeeze=False))  # [sentence, panel]
+    image = None
+    for s, tokens in enumerate(rollout.tokens):
+        layers = rollout.rollout[s].shape[0]
+        total = rollout.total_tokens[s]
+        cut = f" (first {len(tokens)} of {total} tokens)" if total > len(tokens) else ""
+        draw_pattern(axes[s, 0], rollout.rollout[s][-1], tokens,
+                     f"rollout through {layers} layers{cut}\n{short_text(rollout.sentences[s])}")
+        image = draw_pattern(axes[s, 1], rollout.raw[s], tokens, f"raw attention, last layer (layer {layers - 1})")
+    figure.colorbar(image, ax=list(axes.ravel()), label="share of the row (heads averaged)", shrink=0.6)
+    figure.suptitle(f"Attention rollout of {model}: heads averaged, residual as identity with weight "
+                    f"{rollout.residual:g}")
     return figure

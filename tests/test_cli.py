@@ -79,6 +79,8 @@ def test_resamples_file_gives_the_intervals(results):
                               "distance", "diagonal_excess", "sink_window", "entropy_unforced",
                               "diagonal_unforced", "first_token_unforced"}
     assert resampled["entropy"].shape == (1000, 3, 4) and resampled["entropy"].dtype == np.float32
+    examples = io.read_examples(out)  # examples.npz: the plot's example first, then others (report.html)
+    assert 1 <= len(examples) <= 3 and examples[0]["sentence"] == "The cat sat on the mat."
     low, high = np.nanpercentile(resampled["entropy"].astype(np.float64), [2.5, 97.5], axis=0)
     assert low.ravel() == pytest.approx(heads["entropy_ci_low"].to_numpy(), abs=1e-6)
     assert high.ravel() == pytest.approx(heads["entropy_ci_high"].to_numpy(), abs=1e-6)

@@ -6,6 +6,7 @@ from conftest import SENTENCES
 from test_cli import run
 
 from attnprobe.analysis import analyze
+from attnprobe.corpus import Sentence
 from attnprobe.io import SentenceWriter, read_sentences
 
 
@@ -34,8 +35,8 @@ def test_per_sentence_parquet_round_trip(gpt2_dir, tmp_path):
 
 def test_an_interrupted_writer_leaves_nothing(tmp_path):
     try:
-        with SentenceWriter(tmp_path, ["entropy"], [1, 2], [None, None]) as writer:
-            writer.write([0, 1], {"entropy": np.zeros((2, 1, 1))})
+        with SentenceWriter(tmp_path, ["entropy"]) as writer:
+            writer.write([0, 1], {"entropy": np.zeros((2, 1, 1))}, [Sentence("A.", 1, None), Sentence("B.", 2, None)])
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         pass

@@ -1,0 +1,400 @@
+"""report.html: one self-contained page to explore a results folder, made from its files without a model.
+
+Everything the page needs is inline: the data as JSON (attention maps as base64 uint8 fixed point), the
+script and the style, from the files in `report_assets/`. The page makes no network request: its
+Content-Security-Policy allows nothing but inline script, inline style and data: images.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from attnprobe import io
+from attnprobe.errors import AttnprobeError
+
+MAP_LEVELS = 255  # a weight p is stored as round(p * 255) in one byte: at most 1/510 off
+MAP_BUDGET = 20_000_000  # base64 characters of maps at most: a large model keeps fewer examples (with a note)
+# Scores shown in the grid, in this order when present: (label, what it measures).
+HEAD_SCORES: dict[str, tuple[str, str]] = {
+    "entropy": ("entropy (nats)", "mean row entropy: low = sharp, high = diffuse"),
+    "entropy_norm": ("normalized entropy", "entropy / ln(number of keys), 0..1"),
+    "diagonal": ("diagonal", "attention within ±2 tokens of the query"),
+    "first_token": ("first token", "attention on the first token (the sink)"),
+    "previous_token": ("previous token", "attention on token i-1"),
+    "sink_window": ("sink + window", "attention on the first S and the W most recent keys (rows i >= S + W)"),
+    "self": ("self", "attention on the query's own token"),
+    "distance": ("distance (tokens)", "mean attention distance |i - j|"),
+    "diagonal_excess": ("diagonal excess", "diagonal minus what a uniform row scores; 0 = chance"),
+    "special_tokens": ("special tokens", "attention on the special tokens the tokenizer adds"),
+    "entropy_unforced": ("entropy, unforced", "entropy over rows with 2+ keys (the rule reads it)"),
+    "diagonal_unforced": ("diagonal, unforced", "diagonal over rows with keys outside ±2"),
+    "first_token_unforced": ("first token, unforced", "first-token mass over rows with 2+ keys"),
+}
+IMPORTANCE_SCORES: dict[str, tuple[str, str]] = {
+    "loss_change": ("importance: loss change", "ablate: loss change when the head is ablated (nats per token)"),
+    "kl": ("importance: KL", "ablate: KL divergence of the next-token distribution when the head is ablated"),
+    "embedding_change": ("importance: embedding change", "ablate: change of the sentence embedding"),
+    "gradient_importance": ("importance: gradient", "ablate: gradient estimate of the head's importance"),
+}
+PROBE_SCORES: dict[str, tuple[str, str]] = {
+    "induction": ("probe: induction", "probe: attention to the token after the earlier copy (r r sequences)"),
+    "duplicate": ("probe: duplicate", "probe: attention to the earlier copy of the token"),
+    "previous": ("probe: previous", "probe: attention to the previous token on random sequences"),
+}
+POSITION_SCORES = ("entropy", "entropy_norm", "first_token", "diagonal", "distance", "sink_window")
+TYPE_LETTERS = {"local": "L", "copy": "C", "broad": "B", "mixed": "M", "previous": "P", "sink": "S",
+                "streaming": "S", "retrieval": "R"}
+TYPE_MEANING = {
+    "local": "most attention within ±2 tokens", "copy": "locks onto one or two tokens",
+    "broad": "spreads widely", "mixed": "none of the above", "previous": "a local head on token i-1",
+    "sink": "a copy head on the first token", "streaming": "fits a sink + recent-window KV cache",
+    "retrieval": "needs keys outside the sinks and the window",
+}
+_PLACEHOLDER = re.compile(r"/\*@(TITLE|CSS|JS|DATA|HEADER|SECTIONS|PROVENANCE)@\*/")
+
+
+@dataclass
+class Section:
+    """An extra section of the page (e.g. a comparison): `html` is trusted markup made by attnprobe itself.
+
+    It must be self-contained too: inline SVG or data: images, no external src or href.
+    """
+
+    id: str
+    title: str
+    html: str
+
+
+def image_section(id: str, title: str, png: bytes, text: str = "", alt: str = "") -> Section:
+    """A Section showing a PNG (inline, as a data: URI) under an optional paragraph of plain `text`."""
+    source = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+    paragraph = f"<p>{html.escape(text)}</p>" if text else ""
+    return Section(id, title, f'{paragraph}<img src="{source}" alt="{html.escape(alt or title)}">')
+
+
+@dataclass
+class Report:
+    html: str
+    notes: list[str] = field(default_factory=list)  # what was left out, and why
+    examples: int = 0
+
+
+def build_report(out: str | Path, sections: list[Section] | tuple[Section, ...] = ()) -> Report:
+    """The page for the results folder `out`: heads.csv, layers.csv and run.json are needed, the rest is used
+    when present (head_types.csv, categories.csv, positions.csv, examples.npz or example_attention.npz,
+    importance.csv, probe.csv)."""
+    data, notes = report_data(out)
+    return Report(render(data, sections), notes, len(data["examples"]))
+
+
+def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
+    """Everything the page shows, as plain JSON-ready data, and notes on what was left out."""
+    out = Path(out)
+    if not out.is_dir():
+        raise AttnprobeError(f"--out {out} is not a results folder: run `attnprobe analyze --out {out}` first")
+    made_by = f"attnprobe analyze --out {out}"
+    heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", "entropy"], "attnprobe analyze")
+    run = io.read_run(out)
+    layers_table = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy"], "attnprobe analyze")
+    n_layers, n_heads = int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1
+    if len(heads) != n_layers * n_heads or (run["model"]["layers"], run["model"]["heads"]) != (n_layers, n_heads):
+        raise AttnprobeError(f"{io.HEADS_FILE} does not hold every head of the {run['model']['layers']} x "
+                             f"{run['model']['heads']} model in {io.RUN_FILE}: run `{made_by}` again")
+    heads = heads.sort_values(["layer", "head"]).reset_index(drop=True)
+    notes: list[str] = []
+    scores, values, low, high = [], {}, {}, {}
+
+    def add(frame: pd.DataFrame, catalogue: dict[str, tuple[str, str]], source: str) -> None:
+        for key, (label, meaning) in catalogue.items():
+            if key not in frame.columns or key in values:
+                continue
+            column = pd.to_numeric(frame[key], errors="coerce")
+            if column.isna().all():  # e.g. sink_window when no sequence is longer than S + W
+                continue
+            scores.append({"key": key, "label": label, "meaning": meaning, "source": source})
+            values[key] = _numbers(column)
+            if f"{key}_ci_low" in frame.columns and f"{key}_ci_high" in frame.columns:
+                low[key], high[key] = _numbers(frame[f"{key}_ci_low"]), _numbers(frame[f"{key}_ci_high"])
+
+    add(heads, HEAD_SCORES, io.HEADS_FILE)
+    for name, catalogue, made in ((io.IMPORTANCE_FILE, IMPORTANCE_SCORES, "ablate"),
+                                  (io.PROBE_FILE, PROBE_SCORES, "probe")):
+        extra = _optional_grid(out, name, catalogue, heads, run, made, notes)
+        if extra is not None:
+            add(extra, catalogue, name)
+    types, scheme = _types(out, heads, notes)
+    examples, stored = [], 0
+    found = io.read_examples(out)[:io.MAX_EXAMPLES]
+    for i, example in enumerate(found):
+        if example["maps"].shape[:2] != (n_layers, n_heads):
+            raise AttnprobeError(f"example {i} of {out} has maps for {example['maps'].shape[:2]} heads, not "
+                                 f"{n_layers} x {n_heads} as in {io.HEADS_FILE}: run `{made_by}` again")
+        encoded, triangular = encode_maps(example["maps"])
+        stored += len(encoded)
+        if examples and stored > MAP_BUDGET:
+            notes.append(f"only {len(examples)} of {len(found)} example sentences are shown: the maps of this "
+                         f"{n_layers} x {n_heads} model would make the page too large")
+            break
+        examples.append({"sentence": example["sentence"], "tokens": example["tokens"],
+                         "total": example["total_tokens"], "category": example["category"] or None,
+                         "tri": triangular, "maps": encoded})
+    if not examples:
+        notes.append(f"no {io.EXAMPLES_FILE} or {io.EXAMPLE_FILE}: no attention patterns to show")
+    data = {
+        "layers": n_layers, "heads": n_heads, "model": run["model"]["spec"], "causal": run["model"].get("causal"),
+        "scores": scores, "values": values, "low": low, "high": high,
+        "types": types, "scheme": scheme,
+        "typeLetters": TYPE_LETTERS, "typeMeaning": TYPE_MEANING,
+        "layerScores": _layer_scores(layers_table, n_layers),
+        "categories": _categories(out, n_layers),
+        "positions": _positions(out, heads, n_layers, n_heads),
+        "examples": examples, "levels": MAP_LEVELS,
+        "initial": _initial_head(heads),
+        "summary": summary_sentence(run),
+        "typesSummary": types_sentence(types, scheme),
+        "provenance": provenance(run, out),
+        "notes": notes,
+    }
+    return data, notes
+
+
+def encode_maps(maps: np.ndarray) -> tuple[str, bool]:
+    """[layer, head, query, key] weights as base64 bytes of round(p * 255): row by row, only the keys up to the
+    query (a lower triangle) when nothing lies above the diagonal (a causal model), else every key."""
+    weights = np.clip(np.nan_to_num(np.asarray(maps, dtype=np.float32), nan=0.0), 0.0, 1.0)
+    n = weights.shape[-1]
+    quantized = np.rint(weights * MAP_LEVELS).astype(np.uint8)
+    triangular = bool(n > 1 and not np.any(np.triu(quantized, 1)))
+    if triangular:
+        rows, cols = np.tril_indices(n)
+        quantized = quantized[..., rows, cols]  # [layer, head, n(n+1)/2]: row i starts at i(i+1)/2
+    return base64.b64encode(np.ascontiguousarray(quantized).tobytes()).decode("ascii"), triangular
+
+
+def decode_maps(encoded: str, triangular: bool, layers: int, heads: int, n: int) -> np.ndarray:
+    """The inverse of encode_maps (for tests and Python readers): [layer, head, query, key] float32."""
+    raw = np.frombuffer(base64.b64decode(encoded), dtype=np.uint8).astype(np.float32) / MAP_LEVELS
+    if not triangular:
+        return raw.reshape(layers, heads, n, n)
+    maps = np.zeros((layers, heads, n, n), dtype=np.float32)
+    rows, cols = np.tril_indices(n)
+    maps[..., rows, cols] = raw.reshape(layers, heads, -1)
+    return maps
+
+
+def summary_sentence(run: dict[str, Any]) -> str:
+    """The run's early-vs-late entropy summary, as one sentence."""
+    s = run.get("summary") or {}
+    try:
+        early, late, diff = s["early_entropy"], s["late_entropy"], s["difference"]
+        (e0, e1), (l0, l1) = s["early_layers"], s["late_layers"]
+    except (KeyError, TypeError, ValueError):
+        return "run.json holds no early/late summary."
+
+    def ci(key: str, sign: str = "") -> str:
+        bounds = s.get(f"{key}_ci")
+        if not bounds or any(b is None for b in bounds):
+            return ""
+        return f" [{bounds[0]:{sign}.3f}, {bounds[1]:{sign}.3f}]"
+
+    verb = "falls" if late < early else "rises" if late > early else "stays"
+
+    def span(a: int, b: int) -> str:
+        return f"layer {a}" if a == b else f"layers {a}-{b}"
+
+    bounds = s.get("difference_ci") or [None, None]
+    if None in bounds:
+        verdict = ""
+    elif bounds[0] > 0 or bounds[1] < 0:
+        verdict = ": the interval excludes 0, so the gradient would survive another sample of sentences"
+    else:
+        verdict = ": the interval includes 0, so this sample does not show a gradient"
+    return (f"Mean attention entropy {verb} from {early:.3f}{ci('early_entropy')} nats in {span(e0, e1)} "
+            f"to {late:.3f}{ci('late_entropy')} in {span(l0, l1)}; early - late = {diff:+.3f}"
+            f"{ci('difference', '+')} (95% bootstrap intervals over {run.get('sentences', '?')} sentences)"
+            f"{verdict}.")
+
+
+def types_sentence(types: list[str | None], scheme: str | None) -> str:
+    counts = pd.Series([t for t in types if t]).value_counts()
+    if counts.empty:
+        return ""
+    parts = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    return f"Head types ({scheme} scheme): {parts} of {len(types)} heads."
+
+
+def provenance(run: dict[str, Any], out: Path) -> list[list[str]]:
+    """(label, value) rows: model, corpus, settings, versions."""
+    model, corpus = run.get("model", {}), run.get("corpus", {})
+    attention, boot, versions = run.get("attention", {}), run.get("bootstrap", {}), run.get("versions", {})
+    shape = f"{model.get('layers')} layers x {model.get('heads')} heads"
+    if model.get("kv_heads") not in (None, model.get("heads")):
+        shape += f" ({model['kv_heads']} KV heads)"
+    shape += f", head_dim {model.get('head_dim')}, " + ("causal (decoder)" if model.get("causal", True) else "encoder")
+    rows = [
+        ("model", model.get("spec")), ("architecture", model.get("architecture")), ("shape", shape),
+        ("source", model.get("source")), ("package", model.get("package")),
+        ("GGUF sha256", model.get("gguf_sha256")), ("revision", model.get("revision")),
+        ("corpus", corpus.get("path")), ("corpus sha256", corpus.get("sha256")),
+        ("sentences / tokens", f"{run.get('sentences')} / {run.get('tokens')} (longest {run.get('longest_sequence')}"
+                               f", truncated {run.get('truncated_sentences', 0)})"),
+        ("device / dtype / batch size", f"{run.get('device')} / {run.get('dtype')} / {run.get('batch_size')}"),
+        ("attention", f"{attention.get('path')} (asked: {attention.get('requested')}), sink_window S = "
+                      f"{attention.get('sink_tokens')}, W = {attention.get('window')}"),
+        ("bootstrap", f"{boot.get('resamples')} resamples over {boot.get('over', 'sentences')}, seed "
+                      f"{boot.get('seed')}, {boot.get('confidence', 0.95):.0%} intervals"),
+        ("processes", (run.get("distributed") or {}).get("world_size")),
+        ("versions", ", ".join([f"attnprobe {run.get('attnprobe_version', '?')}",
+                                *(f"{k} {v}" for k, v in versions.items())])),
+        ("created", run.get("created")),
+        ("wall time", f"{run['wall_seconds']:.1f} s" if "wall_seconds" in run else None),
+        ("results folder", str(out.resolve())),
+    ]
+    return [[label, str(value)] for label, value in rows if value not in (None, "")]
+
+
+def render(data: dict[str, Any], sections: list[Section] | tuple[Section, ...] = ()) -> str:
+    assets = resources.files("attnprobe") / "report_assets"
+    template = (assets / "template.html").read_text(encoding="utf-8")
+    title = f"attnprobe report: {data['model']}"
+    parts = {
+        "TITLE": html.escape(title),
+        "CSS": (assets / "report.css").read_text(encoding="utf-8"),
+        "JS": (assets / "report.js").read_text(encoding="utf-8"),
+        "DATA": _script_json(data),
+        "HEADER": _header(title, data),
+        "SECTIONS": "".join(f'<section id="{html.escape(s.id)}" class="extra"><h2>{html.escape(s.title)}</h2>'
+                            f"{s.html}</section>" for s in sections),
+        "PROVENANCE": "".join(f"<tr><th scope=\"row\">{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                              for k, v in data["provenance"]),
+    }
+    return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], template)
+
+
+def _header(title: str, data: dict[str, Any]) -> str:
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in data["notes"])
+    return (f"<h1>{html.escape(title)}</h1><p class=\"summary\" id=\"summary\">{html.escape(data['summary'])}</p>"
+            f"<p class=\"summary\">{html.escape(data['typesSummary'])}</p>"
+            + (f"<details class=\"notes\"><summary>Notes</summary><ul>{notes}</ul></details>" if notes else ""))
+
+
+def _script_json(data: dict[str, Any]) -> str:
+    """JSON that is safe inside <script type="application/json">: no `<`, `>` or `&` as such."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _numbers(column: pd.Series, digits: int = 5) -> list[float | None]:
+    """Floats rounded to `digits` significant digits; NaN as None (JSON has no NaN)."""
+    result: list[float | None] = []
+    for value in pd.to_numeric(column, errors="coerce").to_numpy(dtype=float):
+        result.append(None if not math.isfinite(value) else float(f"{value:.{digits}g}"))
+    return result
+
+
+def _optional_grid(out: Path, name: str, catalogue: dict[str, tuple[str, str]], heads: pd.DataFrame,
+                   run: dict[str, Any], made: str, notes: list[str]) -> pd.DataFrame | None:
+    """importance.csv or probe.csv aligned to heads.csv's rows, or None (absent, or from another model: noted)."""
+    if not (out / name).is_file():
+        return None
+    present = [c for c in catalogue if c in io.read_columns(out, name)]
+    if not present:
+        notes.append(f"{name} holds none of {', '.join(catalogue)}: not shown")
+        return None
+    frame = io.read_table(out, name, ["layer", "head", *present], f"attnprobe {made}")
+    info_file = io.ABLATE_RUN_FILE if made == "ablate" else io.PROBE_RUN_FILE
+    try:
+        spec = json.loads((out / info_file).read_text(encoding="utf-8"))["model"]["spec"]
+    except (OSError, ValueError, KeyError, TypeError):
+        spec = None
+    if spec is not None and spec != run["model"]["spec"]:
+        notes.append(f"{name} is from another model ({spec}, not {run['model']['spec']}): not shown")
+        return None
+    if not set(zip(frame["layer"], frame["head"])) <= set(zip(heads["layer"], heads["head"])):
+        notes.append(f"{name} does not fit this model's heads: not shown")
+        return None
+    return heads[["layer", "head"]].merge(frame, on=["layer", "head"], how="left")
+
+
+def _types(out: Path, heads: pd.DataFrame, notes: list[str]) -> tuple[list[str | None], str]:
+    from attnprobe.classify import RULE_COLUMNS, classify
+
+    if (out / io.TYPES_FILE).is_file():
+        columns = io.read_columns(out, io.TYPES_FILE)
+        types = io.read_table(out, io.TYPES_FILE, ["layer", "head", "head_type"], "attnprobe classify")
+        io.check_same_heads(heads, types, io.TYPES_FILE, f"attnprobe classify --out {out}")
+        scheme = "kv" if "kv_head" in columns else "extended" if "previous_token" in columns else "default"
+    elif all(c in heads.columns for c in RULE_COLUMNS):
+        types, scheme = classify(heads), "default"
+        notes.append("no head_types.csv: head types from the default thresholds (run `attnprobe classify`)")
+    else:
+        return [None] * len(heads), "none"
+    merged = heads[["layer", "head"]].merge(types[["layer", "head", "head_type"]], on=["layer", "head"], how="left")
+    return [t if isinstance(t, str) else None for t in merged["head_type"]], scheme
+
+
+def _layer_scores(layers: pd.DataFrame, n_layers: int) -> dict[str, dict[str, list[float | None]]]:
+    layers = layers.set_index("layer").reindex(range(n_layers))
+    result = {}
+    for key in [*HEAD_SCORES, *[c for c in layers.columns if c.startswith("entropy_head_")]]:
+        if key in layers.columns and not layers[key].isna().all():
+            entry = {"mean": _numbers(layers[key])}
+            if f"{key}_ci_low" in layers.columns:
+                entry["low"], entry["high"] = _numbers(layers[f"{key}_ci_low"]), _numbers(layers[f"{key}_ci_high"])
+            result[key] = entry
+    return result
+
+
+def _categories(out: Path, n_layers: int) -> dict[str, Any] | None:
+    if not (out / io.CATEGORIES_FILE).is_file():
+        return None
+    frame = io.read_table(out, io.CATEGORIES_FILE, ["category", "layer", "entropy"], "attnprobe analyze")
+    lines = []
+    for name, group in frame.groupby("category", sort=False):
+        group = group.set_index("layer").reindex(range(n_layers))
+        line = {"name": str(name), "mean": _numbers(group["entropy"])}
+        if "entropy_ci_low" in group.columns:
+            line["low"], line["high"] = _numbers(group["entropy_ci_low"]), _numbers(group["entropy_ci_high"])
+        if "sentences" in group.columns and group["sentences"].notna().any():
+            line["sentences"] = int(group["sentences"].max())
+        lines.append(line)
+    return {"score": "entropy", "lines": lines}
+
+
+def _positions(out: Path, heads: pd.DataFrame, n_layers: int, n_heads: int) -> dict[str, Any] | None:
+    """Per score, [layer * heads + head][bin] means, and the bins' position ranges."""
+    if not (out / io.POSITIONS_FILE).is_file():
+        return None
+    frame = io.read_table(out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max"],
+                          "attnprobe analyze")
+    bins = frame.drop_duplicates("bin").sort_values("bin")
+    labels = [f"{int(a)}" if a == b else f"{int(a)}-{int(b)}" for a, b in zip(bins["position_min"],
+                                                                              bins["position_max"])]
+    index = pd.MultiIndex.from_product([range(n_layers), range(n_heads), bins["bin"].tolist()])
+    frame = frame.set_index(["layer", "head", "bin"]).reindex(index)
+    values = {}
+    for key in POSITION_SCORES:
+        if key in frame.columns and not frame[key].isna().all():
+            flat = _numbers(frame[key], 4)
+            values[key] = [flat[i:i + len(labels)] for i in range(0, len(flat), len(labels))]
+    return {"bins": labels, "values": values} if values else None
+
+
+def _initial_head(heads: pd.DataFrame) -> list[int]:
+    """The head selected when the page opens: the clearest previous-token head, else the sharpest head."""
+    if "previous_token" in heads.columns and heads["previous_token"].notna().any():
+        row = heads.loc[heads["previous_token"].idxmax()]
+    else:
+        row = heads.loc[heads["entropy"].idxmin()]
+    return [int(row["layer"]), int(row["head"])]

@@ -1,0 +1,361 @@
+"""report.html: one self-contained page from a results folder, checked as data and in a real browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import SENTENCES
+from typer.testing import CliRunner
+
+from attnprobe import io
+from attnprobe.cli import app
+from attnprobe.report import MAP_LEVELS, build_report, decode_maps, encode_maps
+
+runner = CliRunner()
+STEP = 1 / (2 * MAP_LEVELS)  # a stored weight is at most half a step of 1/255 off
+# Where the browser test leaves its screenshot (gitignored); ATTNPROBE_ARTIFACTS moves it.
+ARTIFACTS = Path(os.environ.get("ATTNPROBE_ARTIFACTS", Path(__file__).resolve().parent / "artifacts"))
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def page_data(html: str) -> dict:
+    match = re.search(r'<script type="application/json" id="attnprobe-data">(.*?)</script>', html, re.S)
+    assert match, "no inline data"
+    return json.loads(match.group(1))
+
+
+def softmax_maps(rng, layers: int, heads: int, n: int, causal: bool) -> np.ndarray:
+    scores = rng.normal(0, 2, (layers, heads, n, n))
+    if causal:
+        scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return (weights / weights.sum(-1, keepdims=True)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, gpt2_dir) -> Path:
+    """A tiny GPT-2 run over a tagged corpus: analyze, then classify --scheme extended."""
+    corpus = tmp_path_factory.mktemp("corpus") / "tagged.txt"
+    corpus.write_text("# category: short\n" + "\n".join(SENTENCES[:4]) + "\n# category: long\n"
+                      + "\n".join(SENTENCES[4:]) + "\n", encoding="utf-8")
+    out = tmp_path_factory.mktemp("report") / "run"
+    analyzed = run("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", out, "--device", "cpu",
+                   "--resamples", "200")
+    assert analyzed.exit_code == 0, analyzed.output
+    classified = run("classify", "--out", out, "--scheme", "extended")
+    assert classified.exit_code == 0, classified.output
+    return out
+
+
+@pytest.fixture()
+def copy_of(run_dir, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def with_examples(folder: Path, count: int = 3) -> list[dict]:
+    """Add examples.npz: the run's own example, then synthetic ones of other lengths (the third one full, as an
+    encoder's: every key for every query)."""
+    rng = np.random.default_rng(1)
+    own = io.read_example(folder)
+    layers, heads = own["maps"].shape[:2]
+    examples = [{**own, "category": "short", "index": 0, "line": 2}]
+    for i in range(1, count):
+        n = 3 + 5 * i
+        examples.append({"maps": softmax_maps(rng, layers, heads, n, causal=i != 2),
+                         "tokens": [f" w{j}" for j in range(n)], "sentence": f"synthetic sentence {i}",
+                         "total_tokens": n + i, "category": "long", "index": i, "line": 10 + i})
+    io.write_files(folder, {io.EXAMPLES_FILE: io.examples_writer(examples)})
+    return examples
+
+
+def test_report_command_writes_one_self_contained_page(run_dir):
+    result = run("report", "--out", run_dir)
+    assert result.exit_code == 0, result.output
+    path = run_dir / io.REPORT_FILE
+    assert str(path) in result.stdout
+    html = path.read_text(encoding="utf-8")
+    # nothing is fetched: no external src/href/url()/@import, and a policy that forbids any request
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)
+    assert not re.search(r"""url\(\s*["']?\s*(?:https?:)?//""", html, re.I)
+    assert "@import" not in html
+    assert "default-src 'none'" in html
+    assert "<script src" not in html and "<link rel=\"stylesheet\"" not in html
+    data = page_data(html)
+    assert (data["layers"], data["heads"]) == (3, 4)
+    keys = [s["key"] for s in data["scores"]]
+    assert keys[:5] == ["entropy", "entropy_norm", "diagonal", "first_token", "previous_token"]
+    assert "sink_window" not in keys  # no sentence is longer than S + W: the column is empty
+    heads = pd.read_csv(run_dir / io.HEADS_FILE)
+    assert data["values"]["entropy"] == pytest.approx(heads["entropy"].tolist(), rel=1e-4)
+    assert data["low"]["entropy"] == pytest.approx(heads["entropy_ci_low"].tolist(), rel=1e-4)
+    assert data["types"] == pd.read_csv(run_dir / io.TYPES_FILE)["head_type"].tolist()
+    assert data["scheme"] == "extended"
+    assert [line["name"] for line in data["categories"]["lines"]] == ["short", "long"]
+    assert data["positions"]["bins"][:3] == ["0", "1", "2-3"]
+    run_info = json.loads((run_dir / io.RUN_FILE).read_text())
+    provenance = dict(data["provenance"])
+    assert provenance["corpus sha256"] == run_info["corpus"]["sha256"]
+    assert "transformers" in provenance["versions"] and "torch" in provenance["versions"]
+    assert "early - late" in data["summary"] and "95% bootstrap intervals over 8 sentences" in data["summary"]
+    assert data["summary"] in html  # the summary sentence is in the page itself, not only in the data
+    example = io.read_example(run_dir)
+    assert len(data["examples"]) == 1 and data["examples"][0]["tokens"] == example["tokens"]
+    assert data["examples"][0]["tri"]  # a causal model: only the lower triangle is stored
+    n = len(example["tokens"])
+    decoded = decode_maps(data["examples"][0]["maps"], True, 3, 4, n)
+    np.testing.assert_allclose(decoded, example["maps"], atol=STEP + 1e-7)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_maps_round_trip_within_half_a_step(causal):
+    maps = softmax_maps(np.random.default_rng(0), 2, 3, 7, causal)
+    encoded, triangular = encode_maps(maps)
+    assert triangular is causal
+    np.testing.assert_allclose(decode_maps(encoded, triangular, 2, 3, 7), maps, atol=STEP + 1e-7)
+    assert len(encoded) == 4 * -(-(2 * 3 * (28 if causal else 49)) // 3)  # one byte per stored weight, base64
+
+
+def test_examples_file_round_trip_and_fallback(copy_of):
+    only = io.read_examples(copy_of)  # no examples.npz yet: the one example_attention.npz
+    assert len(only) == 1 and only[0]["tokens"] == io.read_example(copy_of)["tokens"] and only[0]["category"] == ""
+    written = with_examples(copy_of, 3)
+    read = io.read_examples(copy_of)
+    assert [e["sentence"] for e in read] == [e["sentence"] for e in written]
+    assert [e["total_tokens"] for e in read] == [len(written[0]["tokens"]), 9, 15]
+    assert [(e["category"], e["index"], e["line"]) for e in read] == [("short", 0, 2), ("long", 1, 11),
+                                                                      ("long", 2, 12)]
+    np.testing.assert_allclose(read[2]["maps"], written[2]["maps"])
+    with np.load(copy_of / io.EXAMPLES_FILE, allow_pickle=False) as raw:  # no pickles needed to read it
+        assert int(raw["count"]) == 3 and raw["maps_1"].shape == (3, 4, 8, 8)
+    with pytest.raises(ValueError, match="not \\[layer, head, 2, 2\\]"):
+        io.examples_writer([{"maps": np.zeros((1, 1, 3, 3)), "tokens": ["a", "b"], "sentence": "a b"}])
+    with pytest.raises(ValueError, match="1 to 8"):
+        io.examples_writer([])
+
+
+def test_several_examples_are_shown(copy_of):
+    written = with_examples(copy_of, 3)
+    data = page_data(build_report(copy_of).html)
+    assert [e["sentence"] for e in data["examples"]] == [e["sentence"] for e in written]
+    assert [e["category"] for e in data["examples"]] == ["short", "long", "long"]
+    assert data["examples"][2]["total"] == 15
+    assert [e["tri"] for e in data["examples"]] == [True, True, False]  # the third is full, as an encoder's
+    decoded = decode_maps(data["examples"][2]["maps"], data["examples"][2]["tri"], 3, 4, 13)
+    np.testing.assert_allclose(decoded, written[2]["maps"], atol=STEP + 1e-7)
+
+
+def synthetic_run(template: Path, folder: Path, layers: int, heads: int, examples: int, n: int, causal: bool) -> Path:
+    """A results folder of a layers x heads model with every table, from the tiny run's columns."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    columns = pd.read_csv(template / io.HEADS_FILE).columns
+    grid = pd.MultiIndex.from_product([range(layers), range(heads)], names=["layer", "head"]).to_frame(index=False)
+    table = grid.copy()
+    for c in columns.drop(["layer", "head"]):
+        table[c] = rng.uniform(0, 2, len(grid))
+    table.to_csv(folder / io.HEADS_FILE, index=False)
+    layer_columns = pd.read_csv(template / io.LAYERS_FILE).columns
+    pd.DataFrame({c: range(layers) if c == "layer" else rng.uniform(0, 2, layers) for c in layer_columns}).to_csv(
+        folder / io.LAYERS_FILE, index=False)
+    positions = pd.read_csv(template / io.POSITIONS_FILE)
+    bins = pd.DataFrame({"bin": range(7), "position_min": [0, 1, 2, 4, 8, 16, 32],
+                         "position_max": [0, 1, 3, 7, 15, 31, 39]})
+    frame = grid.merge(bins, how="cross")
+    for c in positions.columns:
+        if c not in frame.columns:
+            frame[c] = rng.uniform(0, 2, len(frame))
+    frame[positions.columns].to_csv(folder / io.POSITIONS_FILE, index=False)
+    pd.DataFrame([{"category": f"c{k}", "layer": layer, "entropy": 1.0, "entropy_ci_low": 0.9, "entropy_ci_high": 1.1,
+                   "sentences": 10} for k in range(6) for layer in range(layers)]).to_csv(
+        folder / io.CATEGORIES_FILE, index=False)
+    run_info = json.loads((template / io.RUN_FILE).read_text())
+    run_info["model"].update(layers=layers, heads=heads, kv_heads=heads, causal=causal)
+    (folder / io.RUN_FILE).write_text(json.dumps(run_info))
+    io.write_files(folder, {io.EXAMPLES_FILE: io.examples_writer([
+        {"maps": softmax_maps(rng, layers, heads, n, causal), "tokens": [f" token{j}" for j in range(n)],
+         "sentence": "x " * n, "category": "c0"} for _ in range(examples)])})
+    return folder
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["decoder", "encoder"])
+def test_a_30_by_9_model_with_8_examples_of_40_tokens_stays_under_5_mb(run_dir, tmp_path, causal):
+    folder = synthetic_run(run_dir, tmp_path / "big", 30, 9, io.MAX_EXAMPLES, 40, causal)
+    page = build_report(folder)
+    size = len(page.html.encode("utf-8"))
+    assert size < 5_000_000, size
+    assert page.examples == 8
+    if causal:
+        assert size < 3_000_000, size  # only the lower triangle of each map is stored
+    assert page_data(page.html)["examples"][0]["tri"] is causal
+
+
+def test_importance_and_probe_scores_join_the_grid(copy_of):
+    heads = pd.read_csv(copy_of / io.HEADS_FILE)[["layer", "head"]]
+    rng = np.random.default_rng(2)
+    importance = heads.assign(loss_change=rng.normal(0, 0.1, len(heads)))
+    importance["loss_change_ci_low"] = importance["loss_change"] - 0.05
+    importance["loss_change_ci_high"] = importance["loss_change"] + 0.05
+    importance.to_csv(copy_of / io.IMPORTANCE_FILE, index=False)
+    spec = json.loads((copy_of / io.RUN_FILE).read_text())["model"]["spec"]
+    (copy_of / io.ABLATE_RUN_FILE).write_text(json.dumps({"model": {"spec": spec}}))
+    heads.assign(induction=0.5, induction_ci_low=0.4, induction_ci_high=0.6).to_csv(copy_of / io.PROBE_FILE,
+                                                                                    index=False)
+    (copy_of / io.PROBE_RUN_FILE).write_text(json.dumps({"model": {"spec": "another-model"}}))
+    page = build_report(copy_of)
+    data = page_data(page.html)
+    keys = [s["key"] for s in data["scores"]]
+    assert "loss_change" in keys and "induction" not in keys
+    assert data["values"]["loss_change"] == pytest.approx(importance["loss_change"].tolist(), rel=1e-4)
+    assert any("probe.csv is from another model (another-model" in note for note in page.notes)
+    (copy_of / io.PROBE_RUN_FILE).write_text(json.dumps({"model": {"spec": spec}}))
+    assert "induction" in [s["key"] for s in page_data(build_report(copy_of).html)["scores"]]
+
+
+def test_without_head_types_the_default_rule_applies(copy_of):
+    (copy_of / io.TYPES_FILE).unlink()
+    page = build_report(copy_of)
+    assert page_data(page.html)["scheme"] == "default"
+    assert any("no head_types.csv" in note for note in page.notes)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_bad_folders_get_one_line(tmp_path, copy_of):
+    assert_one_line_error(run("report", "--out", tmp_path / "missing"), "not a results folder", "attnprobe analyze")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run("report", "--out", tmp_path / "empty"), "no heads.csv")
+    assert not (tmp_path / "empty" / io.REPORT_FILE).exists()
+    maps = np.zeros((2, 2, 3, 3), dtype=np.float32)
+    io.write_files(copy_of, {io.EXAMPLES_FILE: io.examples_writer([{"maps": maps, "tokens": list("abc"),
+                                                                     "sentence": "abc"}])})
+    assert_one_line_error(run("report", "--out", copy_of), "example 0", "heads.csv")
+    (copy_of / io.EXAMPLES_FILE).write_bytes(b"not an npz")
+    assert_one_line_error(run("report", "--out", copy_of), "examples.npz is unreadable")
+
+
+# ---------- in a real browser ----------
+
+def find_chromium() -> str | None:
+    for candidate in (os.environ.get("ATTNPROBE_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip("no Chromium on PATH (Debian: `apt-get install chromium`; `make test` installs it as root; "
+                    "or set ATTNPROBE_CHROMIUM): the report's browser test needs one")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("the playwright package is missing: pip install -e '.[dev]'")
+    with sync_playwright() as driver:
+        try:
+            chromium = driver.chromium.launch(executable_path=executable)
+        except Exception as err:  # a browser that cannot start here (libraries, sandbox): not the report's fault
+            pytest.skip(f"{executable} does not start under playwright: {str(err).splitlines()[0]}")
+        yield chromium
+        chromium.close()
+
+
+def test_report_in_chromium(browser, copy_of):
+    examples = with_examples(copy_of, 3)
+    assert run("report", "--out", copy_of).exit_code == 0
+    path = (copy_of / io.REPORT_FILE).resolve()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    problems, requests = [], []
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning")
+            else None)
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+    page.on("request", lambda r: requests.append(r.url))
+    page.goto(path.as_uri())
+    page.wait_for_selector("body[data-ready='true']")
+    assert page.locator("table.grid td[data-l]").count() == 12
+
+    # click a head: the pattern panel shows that head's weights on every example
+    page.click("td[data-name='L1H2']")
+    page.wait_for_selector("#pattern[data-name='L1H2']")
+    assert "L1H2" in page.inner_text("#pattern-title")
+    assert page.locator("svg.heatmap").count() == 3
+    for i, example in enumerate(examples):
+        n = len(example["tokens"])
+        shown = page.eval_on_selector_all(f"svg.heatmap[data-example='{i}'] rect.cell",
+                                          "cells => cells.map(c => [+c.dataset.q, +c.dataset.k, +c.dataset.v])")
+        causal = not np.triu(example["maps"], 1).any()
+        assert len(shown) == (n * (n + 1) // 2 if causal else n * n)  # causal: every key up to the query
+        for q, k, v in shown:
+            assert abs(v - example["maps"][1, 2, q, k]) <= STEP + 5e-4, (i, q, k)
+
+    # the arcs: from the last token by default, one per weight at or above the threshold
+    row = examples[0]["maps"][1, 2, len(examples[0]["tokens"]) - 1]
+    arcs = page.locator(".example[data-example='0'] .arc")
+    assert arcs.count() == int((np.rint(row * MAP_LEVELS) / MAP_LEVELS >= 0.05).sum())
+    page.fill("#threshold", "0")
+    page.dispatch_event("#threshold", "input")
+    assert arcs.count() == int((np.rint(row * MAP_LEVELS) > 0).sum())
+    page.click(".example[data-example='0'] .tok[data-t='1']")  # another token: its row
+    assert arcs.count() == int((np.rint(examples[0]["maps"][1, 2, 1] * MAP_LEVELS) > 0).sum())
+
+    # keyboard: focus shows the value and interval, arrows move, Enter selects
+    page.focus("td[data-name='L1H2']")
+    page.keyboard.press("ArrowDown")
+    status = page.inner_text("#grid-status")
+    heads = pd.read_csv(copy_of / io.HEADS_FILE).set_index(["layer", "head"])
+    assert status.startswith("L2H2") and f"{heads.loc[(2, 2), 'entropy']:.3f}" in status
+    assert f"[{heads.loc[(2, 2), 'entropy_ci_low']:.3f}, {heads.loc[(2, 2), 'entropy_ci_high']:.3f}]" in status
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#pattern[data-name='L2H2']")
+    page.select_option("#score-select", "diagonal")
+    assert page.get_attribute("td[data-name='L0H0']", "data-value") != ""
+    assert "diagonal" in page.inner_text("#gradient-caption")
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+    page.emulate_media(media="print")  # printable: the print style applies without errors
+    page.pdf(path=str(ARTIFACTS / "report.pdf"))
+    page.close()
+    assert problems == []
+    assert requests == [path.as_uri()]  # the file itself, nothing else
+
+
+def test_extra_sections_are_inline(copy_of):
+    from attnprobe.report import Section, image_section
+
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+    html = build_report(copy_of, [image_section("compare", "Compared with run A", png, "B - A <per head>"),
+                                  Section("notes", "More", "<p>plain</p>")]).html
+    assert '<section id="compare" class="extra"><h2>Compared with run A</h2>' in html
+    assert "B - A &lt;per head&gt;" in html and 'src="data:image/png;base64,' in html
+    assert html.index('id="compare"') < html.index('id="notes"') < html.index('id="provenance"')
+
+
+def test_a_model_too_large_for_every_example_keeps_fewer(copy_of, monkeypatch):
+    from attnprobe import report
+
+    with_examples(copy_of, 3)
+    monkeypatch.setattr(report, "MAP_BUDGET", 1)  # room for the first example only (one is always kept)
+    page = build_report(copy_of)
+    assert page.examples == 1
+    assert any("only 1 of 3 example sentences" in note for note in page.notes)

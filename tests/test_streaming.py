@@ -1,0 +1,124 @@
+"""The corpus streams: read_corpus holds no text, a run holds one window of sentences at a time.
+
+Windows of WINDOW_SENTENCES sentences are tokenized, sorted by length and batched on their own; with
+tiny windows (monkeypatched) a run must give the results of one window holding the whole corpus, and a
+stopped run must still resume to identical results.
+"""
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import SENTENCES
+from test_cli import run
+
+from attnprobe import analysis, distributed
+from attnprobe.analysis import analyze_loaded, batch_count, windows
+from attnprobe.corpus import Sentence, read_corpus
+from attnprobe.errors import AttnprobeError
+from attnprobe.model import load_model
+from attnprobe.resume import Checkpointing, Stopped
+
+
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stream") / "c.txt"
+    path.write_text("Untagged first.\n# category: a\n" + "\n".join(SENTENCES[:4]) + "\n# category: b\n"
+                    + "\n".join(SENTENCES[4:]) + "\n", encoding="utf-8")
+    return path
+
+
+def test_read_corpus_holds_no_sentences_and_streams_them_again(tagged):
+    corpus = read_corpus(tagged)
+    assert corpus._held is None and "sentences" not in vars(corpus)  # nothing read into memory yet
+    assert len(corpus) == 1 + len(SENTENCES) and corpus.tagged and corpus.labels == (None, "a", "b")
+    first, second = list(corpus.stream()), list(corpus.stream())
+    assert first == second and first[0] == Sentence("Untagged first.", 1, None) and first[1].category == "a"
+
+
+def test_a_file_changed_while_streaming_is_refused(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("One.\nTwo.\n", encoding="utf-8")
+    corpus = read_corpus(path)
+    path.write_text("One.\nTwo!\n", encoding="utf-8")
+    with pytest.raises(AttnprobeError, match="changed while attnprobe was reading it"):
+        list(corpus.stream())
+
+
+def test_windows_cover_the_stream_in_order():
+    items = [Sentence(str(i), i + 1, None) for i in range(7)]
+    got = list(windows(iter(items), 3))
+    assert [(first, [s.text for s in w]) for first, w in got] == [(0, ["0", "1", "2"]), (3, ["3", "4", "5"]),
+                                                                   (6, ["6"])]
+
+
+@pytest.mark.parametrize("size,rank,world_size,window,expected", [
+    (10, 0, 1, 4, 2 + 2 + 1),  # windows of 4, 4, 2 sentences in batches of 2
+    (10, 0, 2, 4, 1 + 1 + 1),  # rank 0 gets indices 0, 2 | 4, 6 | 8
+    (10, 1, 2, 3, 1 + 1 + 1 + 1),  # rank 1: 1 | 3, 5 | 7 | 9
+])
+def test_batch_count(monkeypatch, size, rank, world_size, window, expected):
+    monkeypatch.setattr(analysis, "WINDOW_SENTENCES", window)
+    world = distributed.World(rank=rank, size=world_size, local_rank=rank)
+    assert batch_count(size, 2, world) == expected
+
+
+def test_small_windows_give_the_results_of_one_window(gpt2_dir, tagged, monkeypatch):
+    loaded = load_model(str(gpt2_dir), "cpu")
+    corpus = read_corpus(tagged)
+    whole = analyze_loaded(loaded, corpus, batch_size=2, resamples=50, keep_per_sentence=True)
+    monkeypatch.setattr(analysis, "WINDOW_SENTENCES", 3)
+    windowed = analyze_loaded(loaded, corpus, batch_size=2, resamples=50, keep_per_sentence=True)
+    # the same sentences' values: batches differ only in padding, so equal to float32 rounding
+    np.testing.assert_allclose(windowed.per_sentence["entropy"], whole.per_sentence["entropy"], atol=1e-6)
+    pd.testing.assert_frame_equal(windowed.heads, whole.heads, atol=1e-6)
+    pd.testing.assert_frame_equal(windowed.categories, whole.categories, atol=1e-6)
+    pd.testing.assert_frame_equal(windowed.positions, whole.positions, atol=1e-6)
+    np.testing.assert_allclose(windowed.example["maps"], whole.example["maps"], atol=1e-6)
+    assert windowed.run["example_sentence"] == whole.run["example_sentence"]
+    assert windowed.run["tokens"] == whole.run["tokens"] and windowed.run["sentences"] == len(corpus)
+
+
+def test_a_run_over_many_windows_resumes_to_identical_results(gpt2_dir, tagged, monkeypatch):
+    monkeypatch.setattr(analysis, "WINDOW_SENTENCES", 3)
+    loaded = load_model(str(gpt2_dir), "cpu")
+    corpus = read_corpus(tagged)
+    whole = analyze_loaded(loaded, corpus, batch_size=2, resamples=50)
+    saved = []
+    calls = iter(range(100))  # stop after the 4th batch: inside the second window of 3 sentences
+    stopping = Checkpointing(save=saved.append, every_seconds=1e9, should_stop=lambda: next(calls) >= 3)
+    with pytest.raises(Stopped, match="stopped after 4 of 6 batches"):
+        analyze_loaded(loaded, corpus, batch_size=2, resamples=50, checkpointing=stopping)
+    resumed = analyze_loaded(loaded, corpus, batch_size=2, resamples=50,
+                             checkpointing=Checkpointing(save=saved.append, resume_from=saved[0]))
+    for name in ("heads", "layers", "positions", "categories"):
+        pd.testing.assert_frame_equal(getattr(resumed, name), getattr(whole, name), check_exact=True)
+    np.testing.assert_array_equal(resumed.example["maps"], whole.example["maps"])
+
+
+def test_the_truncation_warning_names_the_lines(tmp_path):
+    from conftest import make_gpt2
+
+    model = make_gpt2(tmp_path / "short", n_positions=8)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join([SENTENCES[2], SENTENCES[0], SENTENCES[1]]) + "\n", encoding="utf-8")  # 3, 7, 14
+    result = run("analyze", "--model", model, "--corpus", corpus, "--out", tmp_path / "out", "--device", "cpu",
+                 "--resamples", "5")
+    assert result.exit_code == 0, result.output
+    assert "1 sentence(s) were longer than the model's 8 tokens and were truncated: line 3 (-6 tokens)" \
+        in " ".join(result.stderr.split())
+
+
+def test_examples_span_categories_and_lengths_and_match_each_sentence_alone(gpt2_dir, tagged, tmp_path):
+    loaded = load_model(str(gpt2_dir), "cpu")
+    result = analyze_loaded(loaded, read_corpus(tagged), batch_size=2, resamples=5)
+    examples = result.examples
+    assert 2 <= len(examples) <= analysis.EXAMPLES
+    assert examples[0]["index"] == result.run["example_sentence"]["index"]  # the plot's example comes first
+    assert len({e["index"] for e in examples}) == len(examples)
+    assert {"a", "b"} <= {e["category"] for e in examples}  # each category has one
+    for example in examples:
+        alone = tmp_path / f"alone{example['index']}.txt"
+        alone.write_text(example["sentence"] + "\n", encoding="utf-8")
+        single = analyze_loaded(loaded, read_corpus(alone), batch_size=1, resamples=5)
+        np.testing.assert_allclose(example["maps"], single.example["maps"], atol=1e-6)
+        assert example["tokens"] == single.example["tokens"]
