@@ -604,7 +604,19 @@ def compare(
     for note in result.info["notes"]:
         err_console.print(f"Note: {note}", markup=False, soft_wrap=True)
     print_comparison(result.info, result.types)
+    written += refresh_reports(target)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def refresh_reports(target: Path) -> list[Path]:
+    """Rebuild the report.html of the results folder the comparison went into (`target` or its parent,
+    for the default OUT_B/compare), so the page gains its comparison section."""
+    from attnprobe import io
+    from attnprobe.report import COMPARE_FOLDER, build_report
+
+    folders = [target, target.parent] if target.name == COMPARE_FOLDER else [target]
+    return [io.write_report(folder, build_report(folder).html) for folder in folders
+            if (folder / io.REPORT_FILE).is_file() and (folder / io.HEADS_FILE).is_file()]
 
 
 def print_comparison(info: dict, types) -> None:

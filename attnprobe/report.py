@@ -93,9 +93,53 @@ class Report:
 def build_report(out: str | Path, sections: list[Section] | tuple[Section, ...] = ()) -> Report:
     """The page for the results folder `out`: heads.csv, layers.csv and run.json are needed, the rest is used
     when present (head_types.csv, categories.csv, positions.csv, examples.npz or example_attention.npz,
-    importance.csv, probe.csv)."""
+    importance.csv, probe.csv, and a comparison `attnprobe compare` wrote into `out` or `out/compare`)."""
     data, notes = report_data(out)
+    sections = [*sections, *compare_sections(Path(out))]
     return Report(render(data, sections), notes, len(data["examples"]))
+
+
+COMPARE_FOLDER = "compare"  # where `attnprobe compare A B` writes by default: B/compare
+
+
+def compare_sections(out: Path) -> list[Section]:
+    """A section per comparison written into `out` itself or into `out/compare`."""
+    return [compare_section(folder) for folder in (out, out / COMPARE_FOLDER)
+            if (folder / io.COMPARE_RUN_FILE).is_file()]
+
+
+def compare_section(folder: Path) -> Section:
+    """The comparison in `folder`: what was compared and how, the heads that changed most, compare.png."""
+    info = json.loads((folder / io.COMPARE_RUN_FILE).read_text(encoding="utf-8"))
+    score = info.get("score", "entropy")
+    lines = [f"B - A, A = {info['a']['label']}, B = {info['b']['label']}.", info.get("matching", ""),
+             f"{info.get('pairing', '')}: {info.get('pairing_reason', '')}."]
+    rows = "".join(_change_row(change) for change in info.get("top") or [])
+    table = (f"<table><caption>Largest changes of {html.escape(score)} whose 95% interval excludes 0</caption>"
+             "<tr><th>head / depth</th><th>A</th><th>B</th><th>B - A</th><th>95% interval</th></tr>"
+             f"{rows}</table>") if rows else f"<p>No {html.escape(score)} change has an interval that excludes 0.</p>"
+    figure = folder / io.COMPARE_FIGURE
+    image = ""
+    if figure.is_file():
+        source = "data:image/png;base64," + base64.b64encode(figure.read_bytes()).decode("ascii")
+        image = f'<img src="{source}" alt="comparison figure: {html.escape(score)}, B - A">'
+    text = "".join(f"<p>{html.escape(line)}</p>" for line in lines if line.strip(" .:"))
+    return Section(f"compare-{folder.name}", f"Comparison ({folder.name})", text + table + image)
+
+
+def _change_row(change: dict[str, Any]) -> str:
+    """One changed head (or relative depth, for runs of different shapes) as a table row."""
+    where = change["name"] if "name" in change else f"depth {_fmt(change.get('depth'))[:4]}"
+    low, high = change.get("ci") or (None, None)
+    cells = [html.escape(str(where)), _fmt(change.get("a")), _fmt(change.get("b")), _fmt(change.get("diff"), True),
+             f"[{_fmt(low, True)}, {_fmt(high, True)}]"]
+    return "<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>"
+
+
+def _fmt(value: Any, sign: bool = False) -> str:
+    if not isinstance(value, (int, float)) or value != value:  # None, text, NaN
+        return "-"
+    return f"{value:+.4f}" if sign else f"{value:.4f}"
 
 
 def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:

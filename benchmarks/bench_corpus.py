@@ -6,8 +6,8 @@ Run:  .venv/bin/python benchmarks/bench_corpus.py                      (about 5 
 A tiny random GPT-2 (4 layers x 4 heads, 64 wide, a 1,000-word vocabulary) reads generated
 sentences of 8-24 tokens; each size runs as its own `attnprobe analyze` process, with the default
 1,000 bootstrap resamples. Statistics are folded into sums batch by batch, so the peak resident
-memory should stay flat within noise while the time grows linearly. What still grows with the
-corpus: the sentences and their token ids (about 0.7 KB a sentence).
+memory should stay flat within noise while the time grows linearly: the corpus streams past in
+windows of 4,096 sentences, and nothing per sentence is kept.
 
 Then `--processes 2` (the default) runs the 10,000-sentence corpus in one process and in two under
 `torchrun --standalone` (gloo on CPU) and prints the ratio; on a 2-core machine expect about 1.

@@ -226,3 +226,20 @@ def test_compare_imports_no_torch(runs, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert (tmp_path / "c" / "compare.json").exists()
+
+
+def test_a_comparison_joins_the_report_of_its_folder(runs, tmp_path):
+    import shutil
+
+    b = tmp_path / "planted"
+    shutil.copytree(runs["planted"], b)
+    shutil.rmtree(b / "compare", ignore_errors=True)
+    assert run("report", "--out", b).exit_code == 0
+    assert "Comparison (compare)" not in (b / "report.html").read_text(encoding="utf-8")
+    result = run("compare", runs["a"], b)  # into the default b/compare: b's report gains the section
+    assert result.exit_code == 0, result.output
+    page = (b / "report.html").read_text(encoding="utf-8")
+    assert "Comparison (compare)" in page and "L0H1" in page and "paired" in page
+    assert "data:image/png;base64," in page  # compare.png inline, no file reference
+    assert run("report", "--out", b).exit_code == 0  # and a later report keeps it
+    assert "Comparison (compare)" in (b / "report.html").read_text(encoding="utf-8")

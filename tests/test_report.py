@@ -111,7 +111,9 @@ def test_report_command_writes_one_self_contained_page(run_dir):
     assert "early - late" in data["summary"] and "95% bootstrap intervals over 8 sentences" in data["summary"]
     assert data["summary"] in html  # the summary sentence is in the page itself, not only in the data
     example = io.read_example(run_dir)
-    assert len(data["examples"]) == 1 and data["examples"][0]["tokens"] == example["tokens"]
+    # analyze's examples.npz: the plot's example first, then others spanning categories and lengths
+    assert 2 <= len(data["examples"]) <= 8 and data["examples"][0]["tokens"] == example["tokens"]
+    assert {e["category"] for e in io.read_examples(run_dir)} >= {"short", "long"}
     assert data["examples"][0]["tri"]  # a causal model: only the lower triangle is stored
     n = len(example["tokens"])
     decoded = decode_maps(data["examples"][0]["maps"], True, 3, 4, n)
@@ -128,7 +130,8 @@ def test_maps_round_trip_within_half_a_step(causal):
 
 
 def test_examples_file_round_trip_and_fallback(copy_of):
-    only = io.read_examples(copy_of)  # no examples.npz yet: the one example_attention.npz
+    (copy_of / io.EXAMPLES_FILE).unlink()  # as from an older analyze
+    only = io.read_examples(copy_of)  # no examples.npz: the one example_attention.npz
     assert len(only) == 1 and only[0]["tokens"] == io.read_example(copy_of)["tokens"] and only[0]["category"] == ""
     written = with_examples(copy_of, 3)
     read = io.read_examples(copy_of)
