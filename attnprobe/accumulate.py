@@ -19,6 +19,8 @@ import pandas as pd
 from attnprobe.bootstrap import interval, poisson_weights
 from attnprobe.metrics import bin_range
 
+CATEGORY_SCORES = ("entropy", "entropy_norm")  # categories.csv: each layer's mean over heads, per category
+
 
 @dataclass
 class Shape:
@@ -30,6 +32,10 @@ class Shape:
     resamples: int
     seed: int
     categories: tuple[str, ...]  # empty for an untagged corpus
+
+    @property
+    def category_scores(self) -> tuple[str, ...]:
+        return tuple(name for name in CATEGORY_SCORES if name in self.names)
 
 
 class Accumulator:
@@ -50,10 +56,11 @@ class Accumulator:
             self.sums[f"bincount/{name}"] = np.zeros((*lh, b))
         self.sums["rows"] = np.zeros(b)  # real query rows per bin
         for category in shape.categories:
-            self.sums[f"catsum/{category}"] = np.zeros(shape.layers)  # [layer]
-            self.sums[f"catcount/{category}"] = np.zeros(shape.layers)
-            self.sums[f"catwsum/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
-            self.sums[f"catwcount/{category}"] = np.zeros((r, shape.layers))
+            self.sums[f"catcount/{category}"] = np.zeros(shape.layers)  # [layer]
+            self.sums[f"catwcount/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
+            for name in shape.category_scores:
+                self.sums[f"catsum/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
+                self.sums[f"catwsum/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
 
     def add(
         self, indices: Sequence[int], stats: dict[str, np.ndarray], bins: dict[str, np.ndarray],
@@ -83,12 +90,14 @@ class Accumulator:
         if self.shape.categories and categories is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                by_sentence = np.nanmean(stats["entropy"], axis=2)  # [sentence, layer]: mean over heads
+                # per score [sentence, layer]: the mean over heads
+                by_sentence = {name: np.nanmean(stats[name], axis=2) for name in self.shape.category_scores}
             for k, category in enumerate(categories):
-                s[f"catsum/{category}"] += by_sentence[k]
                 s[f"catcount/{category}"] += 1.0
-                s[f"catwsum/{category}"] += np.outer(weights[:, k], by_sentence[k])  # [resample, layer]
                 s[f"catwcount/{category}"] += weights[:, k][:, None]
+                for name, values in by_sentence.items():
+                    s[f"catsum/{name}/{category}"] += values[k]
+                    s[f"catwsum/{name}/{category}"] += np.outer(weights[:, k], values[k])  # [resample, layer]
 
     def merge(self, other: Accumulator) -> None:
         for key, value in other.sums.items():
@@ -134,19 +143,20 @@ class Accumulator:
         return frame
 
     def categories(self) -> pd.DataFrame | None:
-        """categories.csv: per category and layer, the mean entropy with its interval."""
+        """categories.csv: per category and layer, the mean entropy and normalized entropy with intervals."""
         if not self.shape.categories:
             return None
         frames = []
         for category in self.shape.categories:
             count = self.sums[f"catcount/{category}"]
-            resampled = _ratio(self.sums[f"catwsum/{category}"], self.sums[f"catwcount/{category}"])
-            low, high = interval(resampled)
-            frames.append(pd.DataFrame({
-                "category": category, "layer": np.arange(self.shape.layers),
-                "entropy": _ratio(self.sums[f"catsum/{category}"], count),
-                "entropy_ci_low": low, "entropy_ci_high": high, "sentences": int(count[0]),
-            }))
+            frame = pd.DataFrame({"category": category, "layer": np.arange(self.shape.layers)})
+            for name in self.shape.category_scores:
+                resampled = _ratio(self.sums[f"catwsum/{name}/{category}"], self.sums[f"catwcount/{category}"])
+                low, high = interval(resampled)
+                frame[name] = _ratio(self.sums[f"catsum/{name}/{category}"], count)
+                frame[f"{name}_ci_low"], frame[f"{name}_ci_high"] = low, high
+            frame["sentences"] = int(count[0])
+            frames.append(frame)
         return pd.concat(frames, ignore_index=True)
 
 

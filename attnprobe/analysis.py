@@ -18,7 +18,7 @@ import torch
 from attnprobe import __version__, distributed, kernel
 from attnprobe.accumulate import Accumulator, Shape
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval
-from attnprobe.corpus import Corpus, Sentence, read_corpus
+from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel import DEFAULT_BUDGET_MIB
 from attnprobe.metrics import (
@@ -31,7 +31,7 @@ from attnprobe.metrics import (
     bin_count,
     sentence_sums,
 )
-from attnprobe.model import LoadedModel, load_model, quiet_transformers, stream_attention
+from attnprobe.model import LoadedModel, as_loaded, quiet_transformers, stream_attention
 from attnprobe.resume import Checkpointing, State, Stopped, check_fingerprint
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
@@ -39,6 +39,7 @@ EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest
 EXAMPLE_MAX_TOKENS = 40  # and only its first 40 tokens are kept, so plots stay readable
 EXAMPLES = 8  # examples.npz: the example, one sentence per category, then sentences near these lengths
 EXAMPLE_LENGTHS = (6, 20, 30, 9, 16, 40, 3)
+FEW_SENTENCES = 10  # below this many sentences, a bootstrap over sentences gives intervals that mean little
 
 Progress = Callable[[int], None]  # called with the number of sentences just finished
 # called after each batch with its corpus indices, per score [sentence, layer, head], and its sentences
@@ -59,8 +60,8 @@ class Analysis:
 
 
 def analyze(
-    model: str,
-    corpus: str,
+    model: Any,
+    corpus: Any,
     *,
     batch_size: int = 8,
     device: str = "auto",
@@ -73,10 +74,15 @@ def analyze(
     options: Options | None = None,
     keep_per_sentence: bool = False,
 ) -> Analysis:
-    """Measure every head of `model` over every sentence (or paragraph, or file: `split`) of `corpus`."""
+    """Measure every head of `model` over every sentence (or paragraph, or file: `split`) of `corpus`.
+
+    `model`: a name or path as for `--model` (loaded on `device` in `dtype`), a LoadedModel from
+    `load_model`, or a (transformers model, tokenizer) pair. `corpus`: a corpus file (str or Path), a
+    list of sentences (str), or a Corpus.
+    """
     check_options(batch_size, resamples, seed, options)
-    text = read_corpus(corpus, split=split)
-    loaded = load_model(model, distributed.device_for(distributed.current(), device), dtype)
+    text = as_corpus(corpus, split=split)
+    loaded = as_loaded(model, distributed.device_for(distributed.current(), device), dtype)
     return analyze_loaded(
         loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start,
         options=options, keep_per_sentence=keep_per_sentence,
@@ -140,9 +146,10 @@ def analyze_loaded(
     run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
                         "method": "poisson"}
     run["example_sentence"] = {"index": scanned.example_index, "line": scanned.example.line}
+    run["notes"] = [note for note in (few_sentences_note(scanned.sentences),) if note]
     example = {
         "sentence": scanned.example.text,
-        "tokens": token_labels(loaded.tokenizer, scanned.example_ids[:EXAMPLE_MAX_TOKENS]),
+        "tokens": token_labels(loaded.tokenizer, scanned.example_ids[:EXAMPLE_MAX_TOKENS], scanned.example.text),
         "maps": measured.example_maps,
         "total_tokens": len(scanned.example_ids),
     }
@@ -168,7 +175,7 @@ def more_examples(
             input_ids, mask = pad_batch([ids], loaded.device)  # [1, seq] each
             special = torch.zeros_like(mask, dtype=torch.bool) if SPECIAL in shape.names else None  # [1, seq]
             measure_batch(loaded, path, input_ids, mask, special, shape, options, (0, n), maps)
-            found.append({"maps": maps.cpu().numpy(), "tokens": token_labels(loaded.tokenizer, ids[:n]),
+            found.append({"maps": maps.cpu().numpy(), "tokens": token_labels(loaded.tokenizer, ids[:n], sentence.text),
                           "sentence": sentence.text, "total_tokens": len(ids), "index": index, "line": sentence.line,
                           "category": sentence.category})
     return found
@@ -529,8 +536,63 @@ def pick_example(ids: list[list[int]]) -> int:
     return min(range(len(ids)), key=lambda i: (abs(len(ids[i]) - EXAMPLE_TARGET_TOKENS), i))
 
 
-def token_labels(tokenizer: Any, ids: Any) -> list[str]:
-    return [tokenizer.decode([int(t)]) for t in ids]
+def token_labels(tokenizer: Any, ids: Any, text: str | None = None) -> list[str]:
+    """A label per token id: its span of `text`, so any script reads right.
+
+    With a fast tokenizer and the text the ids came from, token i is labelled with the text from the end of
+    the token before it to its own end (a leading space stays with its word, as in GPT-2's `Ġworld`). A
+    character that byte-level BPE splits into several tokens (Cyrillic, CJK, emoji) goes to the first of
+    them and the others get "" - so the labels of a sentence's tokens join back into the sentence. A special
+    token added by the tokenizer keeps its own name (`<s>`, `[CLS]`). Without offsets (a slow tokenizer,
+    no `text`, or ids that `text` does not give) the ids are decoded together, each label being what its
+    token adds, never a lone `\ufffd`.
+    """
+    ids = [int(t) for t in ids]
+    spans = _offset_labels(tokenizer, ids, text) if text is not None else None
+    return spans if spans is not None else _decoded_labels(tokenizer, ids)
+
+
+def _offset_labels(tokenizer: Any, ids: list[int], text: str) -> list[str] | None:
+    """Labels from the fast tokenizer's character offsets, or None when it has none or they do not fit `ids`."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    try:
+        with quiet_transformers():
+            encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True,
+                                return_special_tokens_mask=True)
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return None
+    if list(encoded["input_ids"][: len(ids)]) != ids:
+        return None
+    labels, done = [], 0  # done: where the text labelled so far ends
+    for token, (start, end), special in zip(ids, encoded["offset_mapping"], encoded["special_tokens_mask"]):
+        if special and start == end:  # added by the tokenizer, not in the text
+            labels.append(str(tokenizer.convert_ids_to_tokens(token)))
+        elif end > done:
+            labels.append(text[done:end])
+            done = end
+        else:  # another piece of a character already labelled
+            labels.append("")
+    return labels
+
+
+def _decoded_labels(tokenizer: Any, ids: list[int]) -> list[str]:
+    """What each token adds to the decoded text; the pieces of one character label its first token."""
+    labels: list[str] = []
+    done, pending = "", None  # the text decoded so far; the first token of an unfinished character
+    for k, token in enumerate(ids):
+        decoded = tokenizer.decode(ids[: k + 1], clean_up_tokenization_spaces=False)
+        if decoded.endswith("\ufffd") and k + 1 < len(ids):  # a character split over tokens, not yet whole
+            pending = k if pending is None else pending
+            labels.append("")
+            continue
+        added = decoded[len(done):] if decoded.startswith(done) else tokenizer.decode([token])
+        if pending is not None:
+            labels[pending], added = added, ""
+            pending = None
+        labels.append(added)
+        done = decoded
+    return labels
 
 
 def tidy(stats: dict[str, np.ndarray], corpus: Corpus) -> pd.DataFrame:
@@ -602,28 +664,47 @@ def add_intervals(
     return heads, layers, summary
 
 
+def few_sentences_note(sentences: int) -> str | None:
+    """The warning for a run over fewer than FEW_SENTENCES sentences, else None."""
+    if sentences >= FEW_SENTENCES:
+        return None
+    return (f"only {sentences} sentence{'' if sentences == 1 else 's'}: 95% intervals from a bootstrap over fewer "
+            f"than {FEW_SENTENCES} sentences mean little{' (with one they have zero width)' if sentences == 1 else ''};"
+            " use more sentences for intervals to trust")
+
+
+def model_record(loaded: LoadedModel) -> dict[str, Any]:
+    """The model's provenance and shape, as run.json (and probe.json) record it."""
+    return {
+        "spec": loaded.spec,
+        "source": loaded.source,
+        **loaded.origin,
+        "revision": loaded.revision,
+        "architecture": type(loaded.model).__name__,
+        "layers": loaded.num_layers,
+        "heads": loaded.num_heads,
+        "kv_heads": loaded.num_kv_heads,
+        "head_dim": loaded.head_dim,
+        "causal": loaded.causal,
+        "max_length": loaded.max_length,
+    }
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def run_info(
     loaded: LoadedModel, corpus: Corpus, scanned: Scan, batch_size: int, seconds: float
 ) -> dict[str, Any]:
-    import transformers
-
     return {
         "attnprobe_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": {
-            "spec": loaded.spec,
-            "source": loaded.source,
-            **loaded.origin,
-            "revision": loaded.revision,
-            "architecture": type(loaded.model).__name__,
-            "layers": loaded.num_layers,
-            "heads": loaded.num_heads,
-            "kv_heads": loaded.num_kv_heads,
-            "head_dim": loaded.head_dim,
-            "causal": loaded.causal,
-            "max_length": loaded.max_length,
-        },
-        "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256},
+        "model": model_record(loaded),
+        "corpus": {"path": IN_MEMORY if str(corpus.path) == IN_MEMORY else str(corpus.path.resolve()),
+                   "sha256": corpus.sha256},
         "sentences": scanned.sentences,
         "tokens": scanned.tokens,
         "longest_sequence": scanned.longest,
@@ -633,9 +714,5 @@ def run_info(
         "dtype": loaded.dtype,
         "batch_size": batch_size,
         "wall_seconds": round(seconds, 3),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
+        "versions": versions(),
     }

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +17,7 @@ from rich.table import Table
 
 from attnprobe import __version__, defaults
 from attnprobe.errors import AttnprobeError
+from attnprobe.naming import head_name
 
 app = typer.Typer(
     help="Measure what the attention heads of a transformer do: entropy, locality, head types, plots.",
@@ -23,6 +25,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},  # subcommands inherit it
 )
 out_console = Console()
 err_console = Console(stderr=True)
@@ -30,6 +33,7 @@ err_console = Console(stderr=True)
 OutOption = Annotated[Path, typer.Option("--out", help="Results folder (created if missing).")]
 ResultsOption = Annotated[Path, typer.Option("--out", help="Results folder written by `attnprobe analyze`.")]
 DEFAULT_OUT = Path("outputs")
+DEFAULT_PROBE_OUT = DEFAULT_OUT / "probe"  # its own folder: a probe's files never mix with an analysis's
 POSITION_FIGURE = "position_profile.png"
 
 
@@ -70,6 +74,21 @@ def friendly_errors(command):
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+@contextmanager
+def loading(model: str, enabled: bool = True):
+    """The `Loading MODEL` spinner; yields the `on_status` for load_model, whose messages (a first-time GGUF
+    conversion's steps) are printed on stderr as they come and shown beside the spinner."""
+    if not enabled:
+        yield None
+        return
+    with err_console.status(f"Loading {model}") as status:
+        def on_status(message: str) -> None:
+            err_console.print(message, markup=False, highlight=False, soft_wrap=True)
+            status.update(f"Loading {model}: {message}")
+
+        yield on_status
 
 
 def version_callback(value: bool) -> None:
@@ -158,9 +177,9 @@ def analyze(
         save=lambda state: io.write_files(out, {saved: io.npz_writer(**state.to_arrays())}),
         resume_from=io.read_checkpoint(out, saved) if resume else None, every_seconds=checkpoint_every,
     )
-    with err_console.status(f"Loading {model}") if world.is_main else nullcontext():
+    with loading(model, world.is_main) as on_status:
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
-                            device_map=device_map, max_memory=parse_max_memory(max_memory))
+                            device_map=device_map, max_memory=parse_max_memory(max_memory), on_status=on_status)
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
     try:
         with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar, \
@@ -205,13 +224,25 @@ def analyze(
     if result.categories is not None:
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
     stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
-    stale.extend(io.checkpoint_files(out))  # the run is complete
     if not per_sentence:
         stale.append(io.SENTENCES_FILE)  # from an earlier run
-    written = [*io.write_files(out, files, remove=stale), *parquet]
+    # and what classify, plot, report and compare made from the earlier run
+    stale = [name for name in stale if (Path(out) / name).is_file()] + io.derived_files(out)
+    written = [*io.write_files(out, files, remove=io.checkpoint_files(out)), *parquet]  # checkpoints: run complete
+    io.remove_files(out, stale)
     run = result.run
+    if stale:
+        err_console.print(f"Note: removed {len(stale)} file(s) made from the earlier run in {out}, which no longer "
+                          f"match its results: {', '.join(stale)}; run classify, plot or report again to remake them",
+                          markup=False, highlight=False, soft_wrap=True)
+    for command, names, theirs in io.other_model_files(out, run["model"]):
+        err_console.print(f"Note: kept {', '.join(names)} in {out}: `attnprobe {command}` results for {theirs}, not "
+                          f"{run['model']['spec']}; move them, or run `attnprobe {command}` again",
+                          markup=False, highlight=False, soft_wrap=True)
     if run["truncated_sentences"]:
         err_console.print(f"Warning: {truncation_message(run)}", markup=False, soft_wrap=True)
+    for note in run.get("notes", []):
+        err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     if run["attention"]["requested"] == "auto" and run["attention"]["path"] == "eager":
         err_console.print(
             f"Note: {run['model']['architecture']} ran on the eager path (full maps, memory grows with n^2); "
@@ -313,7 +344,7 @@ def classify(
     ] = defaults.LOCAL_MIN_DIAGONAL,
     copy_max_entropy: Annotated[
         float, typer.Option(help="Copy if mean entropy (over rows with 2+ keys) is at most this (nats); "
-                            "ln 2 = an even split over 2 tokens.")
+                            "ln 2 = an even split over 2 tokens.  [default: ln 2 = 0.693]", show_default=False)
     ] = defaults.COPY_MAX_ENTROPY,
     broad_min_entropy_norm: Annotated[
         float, typer.Option(help="Broad if normalized entropy H/ln(k) is at least this.")
@@ -405,13 +436,43 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+class FormatChoice(str, Enum):
+    png = "png"
+    svg = "svg"
+    pdf = "pdf"
+
+
+MAX_PATTERN_HEADS = 12  # panels of head_patterns chosen with --heads
+
+
 @app.command()
 @friendly_errors
-def plot(out: ResultsOption = DEFAULT_OUT) -> None:
-    """Draw entropy_heatmap.png, layer_gradient.png, head_patterns.png, position_profile.png (and importance*.png)."""
-    from attnprobe import io, plotting
+def plot(
+    out: ResultsOption = DEFAULT_OUT,
+    example: Annotated[
+        str | None, typer.Option("--example", metavar="N|TEXT", help="The sentence of head_patterns: the number "
+                                 "(0-7) or text of one of the example sentences analyze kept (default: 0).")
+    ] = None,
+    heads_option: Annotated[
+        str | None, typer.Option("--heads", metavar="L17H4,L18H6", help="Draw these heads in head_patterns "
+                                 f"(at most {MAX_PATTERN_HEADS}) instead of one of each type.")
+    ] = None,
+    figure_format: Annotated[
+        FormatChoice, typer.Option("--format", help="File format of the figures.")
+    ] = FormatChoice.png,
+    dpi: Annotated[float, typer.Option("--dpi", help="Pixels per inch of png figures (and of images in svg/pdf).")] = (
+        120.0),
+) -> None:
+    """Draw entropy_heatmap, layer_gradient, head_patterns, position_profile (and importance) figures."""
+    from attnprobe import io, naming, plotting
     from attnprobe.classify import RULE_COLUMNS
     from attnprobe.classify import classify as run_classify
+
+    if not 10 <= dpi <= 1200:
+        raise AttnprobeError(f"--dpi {dpi:g} is outside 10-1200: use e.g. 120 (screen) or 300 (print)")
+    chosen = naming.parse_heads(heads_option) if heads_option is not None else None
+    if chosen is not None and len(chosen) > MAX_PATTERN_HEADS:
+        raise AttnprobeError(f"--heads names {len(chosen)} heads: head_patterns draws at most {MAX_PATTERN_HEADS}")
 
     heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", *RULE_COLUMNS], "attnprobe analyze")
     layers = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy", "entropy_head_std"], "attnprobe analyze")
@@ -426,15 +487,21 @@ def plot(out: ResultsOption = DEFAULT_OUT) -> None:
     categories = None
     if (Path(out) / io.CATEGORIES_FILE).exists():
         categories = io.read_table(out, io.CATEGORIES_FILE, ["category", "layer", "entropy"], "attnprobe analyze")
-    example = io.read_example(out)
-    if example is None:
+    examples = io.read_examples(out)
+    if not examples:
         raise AttnprobeError(f"no {io.EXAMPLE_FILE} in {out}: run `attnprobe analyze --out {out}` first")
-    if example["maps"].shape[:2] != (heads["layer"].nunique(), heads["head"].nunique()):
+    shape = (heads["layer"].nunique(), heads["head"].nunique())
+    if any(e["maps"].shape[:2] != shape for e in examples):
         raise AttnprobeError(f"{io.EXAMPLE_FILE} does not match heads.csv: run `attnprobe analyze --out {out}` again")
+    picked = plotting.choose_example(examples, example)
+    if chosen is not None:
+        naming.check_heads_exist(chosen, *shape)
     figures = {
-        "entropy_heatmap.png": plotting.entropy_heatmap_figure(heads),
-        "layer_gradient.png": plotting.layer_gradient_figure(heads, layers, types, categories),
-        "head_patterns.png": plotting.head_patterns_figure(example, types),
+        "entropy_heatmap": plotting.entropy_heatmap_figure(heads, run_title(out, "Mean attention entropy per head")),
+        "layer_gradient": plotting.layer_gradient_figure(heads, layers, types, categories,
+                                                         run_title(out, "Entropy by depth and head types")),
+        "head_patterns": plotting.head_patterns_figure(picked, types, heads, chosen,
+                                                       run_title(out, "Attention patterns")),
     }
     if (Path(out) / io.POSITIONS_FILE).exists():
         positions = io.read_table(
@@ -442,10 +509,13 @@ def plot(out: ResultsOption = DEFAULT_OUT) -> None:
             "attnprobe analyze",
         )
         title = run_title(out, "Attention by query position")
-        figures[POSITION_FIGURE] = plotting.position_profile_figure(positions, title)
-    figures.update(importance_figures(out, heads, types))
-    stale = [] if POSITION_FIGURE in figures else [POSITION_FIGURE]  # from an earlier run
-    written = io.write_files(out, {name: io.figure_writer(f) for name, f in figures.items()}, remove=stale)
+        figures[Path(POSITION_FIGURE).stem] = plotting.position_profile_figure(positions, title)
+    figures.update({Path(name).stem: f for name, f in importance_figures(out, heads, types).items()})
+    suffix = figure_format.value
+    position = f"{Path(POSITION_FIGURE).stem}.{suffix}"
+    files = {f"{stem}.{suffix}": io.figure_writer(f, suffix, dpi) for stem, f in figures.items()}
+    stale = [] if position in files else [position]  # from an earlier run
+    written = io.write_files(out, files, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
@@ -489,8 +559,8 @@ def verify(
         texts = [s.text for s in itertools.islice(read_corpus(corpus).stream(), sentences)]
     else:
         texts = list(DEFAULT_SENTENCES)[:sentences]
-    with err_console.status(f"Loading {model}"):
-        loaded = load_model(model, device.value)
+    with loading(model) as on_status:
+        loaded = load_model(model, device.value, on_status=on_status)
     checks = run_verify(loaded, texts)
     shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
     table = Table(title=f"verify {model}: {len(texts)} sentences, {shape}")
@@ -523,7 +593,7 @@ def probe(
     kind: Annotated[
         list[KindChoice] | None, typer.Option("--kind", "-k", help="Probe to run; repeat for several (default: all).")
     ] = None,
-    out: OutOption = DEFAULT_OUT,
+    out: Annotated[Path, typer.Option("--out", help="Results folder (created if missing).")] = DEFAULT_PROBE_OUT,
     lengths: Annotated[str, typer.Option(help="Lengths of the random half, comma-separated.")] = "10,20,40",
     sequences: Annotated[int, typer.Option(help="Random sequences per length.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of the random tokens and of the bootstrap.")] = 0,
@@ -543,26 +613,33 @@ def probe(
         raise AttnprobeError(f"--lengths {lengths!r}: give whole numbers separated by commas, e.g. 10,20,40") from None
     kinds = tuple(k.value for k in kind) if kind else KINDS
     io.check_out_dir(out)
-    with err_console.status(f"Loading {model}"):
-        loaded = load_model(model, device.value)
+    with loading(model) as on_status:
+        loaded = load_model(model, device.value, on_status=on_status)
     with err_console.status("Probing"):
         result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
                            resamples=resamples, batch_size=batch_size)
     kinds = tuple(result.info["kinds"])  # each asked kind once, as the probe ran them
-    info = {"model": {"spec": loaded.spec, "source": loaded.source, **loaded.origin}, **result.info}
     written = io.write_files(out, {
         io.PROBE_FILE: io.csv_writer(result.scores),
-        io.PROBE_RUN_FILE: io.json_writer(info),
-        "probe_heatmap.png": io.figure_writer(plotting.probe_heatmap_figure(result.scores, list(kinds), model)),
+        io.PROBE_RUN_FILE: io.json_writer(result.info),
+        io.PROBE_FIGURE: io.figure_writer(plotting.probe_heatmap_figure(result.scores, list(kinds), model,
+                                                                            result.info["chance"])),
     })
     for k in kinds:
-        table = Table(title=f"Top {k} heads (uniform attention would score {result.info['chance'][k]:.3f})")
-        for column in ("layer.head", "score", "95% interval"):
+        chance, above = result.info["chance"][k], result.info["above_chance"][k]
+        table = Table(title=f"Top {k} heads (uniform attention would score {chance:.3f})",
+                      caption=f"above chance: 95% interval above {chance:.3f} ({above} of {len(result.scores)} heads)")
+        for column in ("head", "score", "95% interval", "above chance"):
             table.add_column(column, justify="right")
         for _, row in top_heads(result.scores, k).iterrows():
-            table.add_row(f"{int(row['layer'])}.{int(row['head'])}", f"{row[k]:.3f}",
-                          f"[{row[f'{k}_ci_low']:.3f}, {row[f'{k}_ci_high']:.3f}]")
+            table.add_row(head_name(row["layer"], row["head"]), f"{row[k]:.3f}",
+                          f"[{row[f'{k}_ci_low']:.3f}, {row[f'{k}_ci_high']:.3f}]",
+                          "yes" if row[f"{k}_above_chance"] else "no")
         out_console.print(table)
+        if not above:
+            out_console.print(f"No head scores above chance on {k}: every head's 95% interval reaches down to "
+                              f"{chance:.3f} or below, so these top heads are no {k} heads.", markup=False,
+                              highlight=False, soft_wrap=True)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
@@ -683,7 +760,7 @@ def ablate(
     method: Annotated[
         MethodChoice, typer.Option("--method", help="zero: an ablated head outputs 0; mean: its mean over the corpus.")
     ] = MethodChoice.zero,
-    heads: Annotated[str, typer.Option("--heads", help="all, or the heads to ablate as layer.head, e.g. 0.1,2.3.")] = (
+    heads: Annotated[str, typer.Option("--heads", help="all, or the heads to ablate, e.g. L0H1,L2H3 (or 0.1,2.3).")] = (
         "all"),
     layers: Annotated[bool, typer.Option("--layers", help="Also ablate each whole attention layer.")] = False,
     pruning: Annotated[
@@ -746,10 +823,10 @@ def importance_table(frame, run: dict) -> Table:
     rho = "n/a" if run["spearman"] is None else f"{run['spearman']:.3f}"
     table = Table(title=f"{run['model']['spec']}: {run['method']} ablation, {run['sentences']} sentences",
                   caption=f"rank 1 = most important; Spearman(gradient, {measure}) = {rho}")
-    for column in ("rank", "layer.head", measure, "95% interval", "gradient"):
+    for column in ("rank", "head", measure, "95% interval", "gradient"):
         table.add_column(column, justify="right")
     for _, row in shown.iterrows():
-        table.add_row(str(row["rank"]), f"{int(row['layer'])}.{int(row['head'])}", f"{row[measure]:+.4f}",
+        table.add_row(str(row["rank"]), head_name(row["layer"], row["head"]), f"{row[measure]:+.4f}",
                       f"[{row[f'{measure}_ci_low']:+.4f}, {row[f'{measure}_ci_high']:+.4f}]",
                       f"{row['gradient_importance']:.4f}")
     return table
@@ -823,11 +900,12 @@ def rollout(
     io.check_out_dir(out)
     sentences = read_corpus(corpus) if corpus is not None else None
     check_choice(sentences, index, example)
-    with err_console.status(f"Loading {model}"):
-        loaded = load_model(model, device.value, dtype.value)
+    with loading(model) as on_status:
+        loaded = load_model(model, device.value, dtype.value, on_status=on_status)
     texts, indices = choose_sentences(loaded, sentences, index, example)
     result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
-    written = io.write_rollout(out, result, plotting.rollout_figure(result, model))
+    source = Path(corpus).name if corpus is not None and not example else None
+    written = io.write_rollout(out, result, plotting.rollout_figure(result, model, source))
     table = Table(title=f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}",
                   caption="mean share of the rows after the first on token 0 (a sink draws rollout to itself)")
     for column in ("sentence", "tokens", "rollout -> first token", "last layer -> first token"):
@@ -844,6 +922,32 @@ def is_usage_error(err: BaseException) -> bool:
     return any(cls.__name__ == "UsageError" for cls in type(err).__mro__) and hasattr(err, "format_message")
 
 
+# typer checks values with pydantic: plain words for its messages
+_CHOICE_ERROR = re.compile(r"(?:Value error, |: )(?P<value>'[^']*'|\"[^\"]*\") is not one of (?P<choices>'.*?)\.?$")
+_PYDANTIC_WORDS = {
+    "Value error, ": "",
+    "Input should be a valid integer, unable to parse string as an integer": "not a whole number",
+    "Input should be a valid number, unable to parse string as a number": "not a number",
+}
+
+
+def usage_message(err: BaseException) -> str:
+    """The one line for a usage error: `--scheme 'extnded' is not one of default, extended, kv` for a misspelt
+    choice, else click's message in plain words with a pointer to --help."""
+    message = err.format_message()  # type: ignore[attr-defined]
+    param = getattr(err, "param", None)
+    opts = [o for o in getattr(param, "opts", []) if o.startswith("--")]
+    choice = _CHOICE_ERROR.search(message)
+    if choice and opts:
+        choices = ", ".join(c.strip().strip("'") for c in choice["choices"].split(","))
+        return f"{opts[0]} {choice['value']} is not one of {choices}"
+    for words, plain in _PYDANTIC_WORDS.items():
+        message = message.replace(words, plain)
+    ctx = getattr(err, "ctx", None)
+    command = ctx.command_path if ctx is not None else "attnprobe"
+    return f"{message} (see `{command} --help`)"
+
+
 def main() -> None:
     """Run the CLI; a misspelt option or value is one `Error:` line too (exit 2), not a usage block."""
     try:
@@ -857,9 +961,7 @@ def main() -> None:
         if type(err).__name__ == "NoArgsIsHelpError":  # bare `attnprobe`: the help is the answer
             print(err.format_message())
             sys.exit(0)
-        ctx = getattr(err, "ctx", None)
-        command = ctx.command_path if ctx is not None else "attnprobe"
-        err_console.print(f"Error: {err.format_message()} (see `{command} --help`)", markup=False, soft_wrap=True)
+        err_console.print(f"Error: {usage_message(err)}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -36,16 +36,12 @@ from attnprobe.bootstrap import CONFIDENCE, interval
 from attnprobe.classify import EXTENDED_TYPES, HEAD_TYPES, KV_TYPES
 from attnprobe.classify import classify as default_classify
 from attnprobe.errors import AttnprobeError
+from attnprobe.naming import head_name
 
 PAIRED, UNPAIRED = "paired", "unpaired"
 UNPAIRED_SEED = 0  # the random matching of A's and B's resamples when they are independent: fixed, reproducible
 TOP_HEADS = 10
 FOLD_EXTENDED = {"previous": "local", "sink": "copy"}  # extended types inside the default ones
-
-
-def head_name(layer: int, head: int) -> str:
-    """The one way heads are named in output: L0H10 is layer 0, head 10."""
-    return f"L{int(layer)}H{int(head)}"
 
 
 @dataclass

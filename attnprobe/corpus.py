@@ -209,6 +209,39 @@ def parse_file(lines: Iterable[str]) -> list[Sentence]:
     return [Sentence(text=text, line=1, category=None)] if text else []
 
 
+IN_MEMORY = "<in memory>"  # the path of a corpus made from a list of sentences
+CORPUS_KINDS = "a corpus file (str or Path), a list of sentences (str) or a Corpus"
+
+
+def as_corpus(corpus: object, split: str = "lines") -> Corpus:
+    """What the notebook API accepts as a corpus: a Corpus as it is, a file read with `read_corpus`, or a
+    list (or tuple) of sentences, each one sequence, uncategorized."""
+    if isinstance(corpus, Corpus):
+        return corpus
+    if isinstance(corpus, (str, Path)):
+        if isinstance(corpus, str) and not Path(corpus).exists() and (" " in corpus or "\n" in corpus):
+            raise AttnprobeError(f"corpus file not found: {corpus[:40]!r}: to pass sentences, pass a list of "
+                                 "strings, e.g. [\"The cat sat.\"]")
+        return read_corpus(corpus, split=split)
+    if isinstance(corpus, (list, tuple)):
+        return corpus_from_texts(corpus)
+    raise AttnprobeError(f"corpus: expected {CORPUS_KINDS}; got {type(corpus).__name__}")
+
+
+def corpus_from_texts(texts: list[str] | tuple[str, ...]) -> Corpus:
+    """A corpus of these sentences, held in memory; its sha256 is that of the sentences joined by newlines."""
+    bad = next((k for k, text in enumerate(texts) if not isinstance(text, str)), None)
+    if bad is not None:
+        raise AttnprobeError(f"corpus[{bad}] is a {type(texts[bad]).__name__}: pass sentences as strings")
+    empty = next((k for k, text in enumerate(texts) if not text.strip()), None)
+    if empty is not None:
+        raise AttnprobeError(f"corpus[{empty}] is empty: every sentence needs some text")
+    if not texts:
+        raise AttnprobeError("corpus: the list of sentences is empty: pass at least one")
+    digest = hashlib.sha256("\n".join(texts).encode("utf-8")).hexdigest()
+    return Corpus(IN_MEMORY, digest, [Sentence(text=text, line=k + 1, category=None) for k, text in enumerate(texts)])
+
+
 def _check_file(path: Path, unit: str) -> None:
     if path.is_dir():
         raise AttnprobeError(f"corpus {path} is a directory: pass {unit}")

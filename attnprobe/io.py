@@ -25,6 +25,8 @@ TYPES_FILE = "head_types.csv"
 CATEGORIES_FILE = "categories.csv"
 PROBE_FILE = "probe.csv"
 PROBE_RUN_FILE = "probe.json"
+PROBE_FIGURE = "probe_heatmap.png"
+PROBE_FOLDER = "probe"  # probe's default --out is outputs/probe, beside analyze's outputs/
 POSITIONS_FILE = "positions.csv"
 CHECKPOINT_FILE = "checkpoint.npz"  # a long run's progress; removed once it completes
 SENTENCES_FILE = "sentences.parquet"  # analyze --per-sentence
@@ -43,6 +45,9 @@ COMPARE_RUN_FILE = "compare.json"  # compare: both runs' provenance, pairing and
 COMPARE_FIGURE = "compare.png"
 ROLLOUT_FILE = "rollout.npz"  # rollout: per example sentence, tokens, rollout and head-averaged maps
 ROLLOUT_FIGURE = "rollout.png"
+COMPARE_FOLDER = "compare"  # where `compare A OUT` writes by default
+# `plot`'s figures, in any of FIGURE_FORMATS (importance.png is ablate's, drawn from importance.csv alone)
+PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "position_profile", "importance_vs_type")
 
 TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
 
@@ -221,8 +226,23 @@ def npz_writer(**arrays: np.ndarray) -> Writer:
     return write
 
 
-def figure_writer(figure: Any) -> Writer:
-    return lambda path: figure.savefig(path, format="png", dpi=120, bbox_inches="tight")
+FIGURE_FORMATS = ("png", "svg", "pdf")
+
+
+def figure_writer(figure: Any, format: str = "png", dpi: float = 120) -> Writer:
+    """Save a matplotlib figure as png, svg or pdf (`dpi`: pixels per inch of a png and of images inside
+    svg/pdf). A glyph no installed font has (matplotlib < 3.10 has no Last Resort font) warns nobody."""
+    if format not in FIGURE_FORMATS:
+        raise AttnprobeError(f"--format {format!r}: use one of {', '.join(FIGURE_FORMATS)}")
+
+    def write(path: Path) -> None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from", category=UserWarning)
+            figure.savefig(path, format=format, dpi=dpi, bbox_inches="tight")
+
+    return write
 
 
 def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str) -> pd.DataFrame:
@@ -271,6 +291,67 @@ def check_same_heads(heads: pd.DataFrame, other: pd.DataFrame, name: str, made_b
     close = same_heads and np.allclose(left[shared], right[shared], rtol=0, atol=1e-4, equal_nan=True)
     if not close:
         raise AttnprobeError(f"{name} does not match heads.csv (made from another run): run `{made_by}` again")
+
+
+def derived_files(out: str | Path) -> list[str]:
+    """Files in `out` that classify, plot, report and compare made from the `analyze` run there (compare's in
+    `out/compare`): a new analysis into `out` makes them wrong, so `analyze` removes them. Only those present."""
+    names = [TYPES_FILE, KV_CACHE_FILE, REPORT_FILE,
+             *(f"{stem}.{suffix}" for stem in PLOT_FIGURES for suffix in FIGURE_FORMATS),
+             *(f"{COMPARE_FOLDER}/{name}" for name in
+               (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE, COMPARE_RUN_FILE, COMPARE_FIGURE))]
+    return [name for name in names if (Path(out) / name).is_file()]
+
+
+def remove_files(out: str | Path, names: Iterable[str]) -> None:
+    """Remove these files of `out` (missing ones are fine), and `out/compare` once it is empty."""
+    out = Path(out)
+    for name in names:
+        (out / name).unlink(missing_ok=True)
+    folder = out / COMPARE_FOLDER
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+
+
+# what the commands that run a model themselves write, and the file that names their model
+_PROBE_FILES = (PROBE_FILE, PROBE_RUN_FILE, PROBE_FIGURE)
+MODEL_OUTPUTS = (
+    ("ablate", ABLATE_RUN_FILE, (IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE,
+                                 IMPORTANCE_FIGURE)),
+    ("probe", PROBE_RUN_FILE, _PROBE_FILES),
+    ("probe", f"{PROBE_FOLDER}/{PROBE_RUN_FILE}", tuple(f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES)),
+    ("rollout", ROLLOUT_FILE, (ROLLOUT_FILE, ROLLOUT_FIGURE)),
+)
+
+
+def other_model_files(out: str | Path, model: dict[str, Any]) -> list[tuple[str, list[str], str]]:
+    """(command, its files, its model) for each of ablate, probe (in `out` or `out/probe`) and rollout whose
+    results are of another model than `model` (run.json's "model"): they are not this run's; `analyze` says so."""
+    found = []
+    for command, record, names in MODEL_OUTPUTS:
+        present = [name for name in names if (Path(out) / name).is_file()]
+        if not present:
+            continue
+        theirs = _recorded_model(Path(out) / record)
+        if theirs is None or theirs not in {model.get("spec"), model.get("source")}:
+            found.append((command, present, theirs or "an unknown model"))
+    return found
+
+
+def _recorded_model(path: Path) -> str | None:
+    """The model a probe.json / ablate.json (its model's source, else spec) or rollout.npz (its spec) names."""
+    import zipfile
+
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                return str(data["model"]) if "model" in data.files else None
+        model = json.loads(path.read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError, KeyError, AttributeError, zipfile.BadZipFile):
+        return None
+    if isinstance(model, dict):
+        return model.get("source") or model.get("spec")
+    return model if isinstance(model, str) else None
 
 
 def read_run(out: str | Path) -> dict[str, Any]:

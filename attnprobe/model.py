@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
+import os
 import pickle
 import tempfile
 from collections.abc import Callable
@@ -22,6 +24,9 @@ DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 LayerCallback = Callable[[int, Tensor], None]  # (layer index, attention [batch, head, query, key])
+Status = Callable[[str], None]  # told what a slow step (a GGUF conversion) is doing; the library itself prints nothing
+HUB_TIMEOUT = 3.0  # seconds to open a connection to the model hub before attnprobe reads only its local cache
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
 @dataclass
@@ -106,8 +111,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_model(
     spec: str, device: str = "auto", dtype: str = "float32", device_map: str | dict | None = None,
     max_memory: dict | None = None, offload_folder: str | None = None, lm_head: bool = False,
+    on_status: Status | None = None,
 ) -> LoadedModel:
     """Load the base model and tokenizer from a local folder or a hub id, with eager attention.
+
+    A hub id is looked up on the hub only when a connection to it opens within HUB_TIMEOUT seconds;
+    otherwise (and under HF_HUB_OFFLINE=1) only the local Hugging Face cache is read, so an unreachable
+    hub fails at once instead of after minutes of retries. `on_status` hears what a first-time GGUF
+    conversion is doing (it takes a minute or more).
 
     `lm_head=True` loads a decoder's causal-LM class and keeps its head as `LoadedModel.lm_head`
     (`model` is still the base model); an encoder is loaded as usual, without a head.
@@ -122,18 +133,19 @@ def load_model(
         "device_map": device_map, "max_memory": max_memory,
         "offload_folder": offload_folder or tempfile.mkdtemp(prefix="attnprobe-offload-"),
     }
-    resolved = resolve(spec)
+    resolved = resolve(spec, on_status)
     source = resolved.location
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+    cache_only = {} if resolved.local or hub_offline() or hub_reachable() else {"local_files_only": True}
     with quiet_transformers():
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            with_head = lm_head and not _is_encoder(AutoConfig.from_pretrained(source))
+            tokenizer = AutoTokenizer.from_pretrained(source, **cache_only)
+            with_head = lm_head and not _is_encoder(AutoConfig.from_pretrained(source, **cache_only))
             # weights_only: a pickled checkpoint is read by torch's safe loader, never unpickled freely
             model = (AutoModelForCausalLM if with_head else AutoModel).from_pretrained(
-                source, attn_implementation="eager", dtype=torch_dtype, weights_only=True, **placement
+                source, attn_implementation="eager", dtype=torch_dtype, weights_only=True, **placement, **cache_only
             )
         except (SafetensorError, pickle.UnpicklingError, EOFError) as err:
             raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
@@ -146,6 +158,11 @@ def load_model(
                 raise
             raise AttnprobeError(f"--device-map needs accelerate ({err}): pip install accelerate") from err
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+            if cache_only:
+                raise AttnprobeError(
+                    f"cannot reach the model hub ({hub_endpoint()}) and {spec!r} is not in the local Hugging Face "
+                    "cache: pass a local folder saved with save_pretrained, or a short name such as smollm2-135m"
+                ) from err
             raise _load_error(spec, source, resolved.local, err) from err
     model.eval()
     if device_map is None:
@@ -156,6 +173,14 @@ def load_model(
             torch_device = torch.device("cpu")
     head = model.get_output_embeddings() if with_head else None
     model = model.base_model if with_head else model
+    return _loaded(spec, source, resolved.origin, model, tokenizer, torch_device, dtype, head)
+
+
+def _loaded(
+    spec: str, source: str, origin: dict[str, Any], model: nn.Module, tokenizer: Any, device: torch.device,
+    dtype: str, head: nn.Module | None,
+) -> LoadedModel:
+    """A LoadedModel of a base model in eval mode; refused when attnprobe cannot read its attention."""
     modules = attention_modules(model)
     if not modules:
         raise AttnprobeError(
@@ -164,17 +189,100 @@ def load_model(
     return LoadedModel(
         spec=spec,
         source=source,
-        origin=resolved.origin,
+        origin=origin,
         revision=getattr(model.config, "_commit_hash", None),
         model=model,
         tokenizer=tokenizer,
-        device=torch_device,
+        device=device,
         causal=bool(getattr(modules[0][0], "is_causal", not _is_encoder(model.config)))
         and getattr(model.config, "is_causal", None) is not False,  # a config may ask for a bidirectional mask
         max_length=_max_length(model.config, tokenizer),
         dtype=dtype,
         lm_head=head,
     )
+
+
+MODEL_KINDS = ("a model name or path (str), a LoadedModel from attnprobe.load_model, or a (transformers model, "
+               "tokenizer) pair")
+
+
+def as_loaded(model: Any, device: str = "auto", dtype: str = "float32") -> LoadedModel:
+    """What the notebook API accepts as a model: a LoadedModel as it is, a name or path loaded with
+    `load_model(model, device, dtype)`, or a transformers model and its tokenizer (`from_transformers`)."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return load_model(os.fspath(model), device, dtype)
+    if isinstance(model, (tuple, list)) and len(model) == 2 and isinstance(model[0], nn.Module):
+        return from_transformers(*model)
+    if isinstance(model, nn.Module):
+        raise AttnprobeError(f"model: a {type(model).__name__} needs its tokenizer: pass (model, tokenizer)")
+    raise AttnprobeError(f"model: expected {MODEL_KINDS}; got {type(model).__name__}")
+
+
+def from_transformers(model: nn.Module, tokenizer: Any, spec: str | None = None) -> LoadedModel:
+    """A transformers model and its tokenizer, loaded by the caller, as a LoadedModel.
+
+    A model with an LM head is measured through its base model (its head is kept as `lm_head`). The
+    model is put in eval mode and, when it runs another attention implementation, switched to eager
+    (`set_attn_implementation("eager")`: the same outputs, and the maps attnprobe reads).
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or config is None or not hasattr(config, "model_type"):
+        raise AttnprobeError(f"model: expected a transformers model (with a .config); got {type(model).__name__}")
+    if not callable(tokenizer) or not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise AttnprobeError(f"tokenizer: expected a transformers tokenizer; got {type(tokenizer).__name__}")
+    dtypes = {value: name for name, value in DTYPES.items()}
+    weights = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if weights is None or weights.dtype not in dtypes:
+        found = "no floating-point weights" if weights is None else str(weights.dtype)
+        raise AttnprobeError(f"model: {found}; attnprobe runs float32, bfloat16 or float16 models "
+                             "(e.g. model.to(torch.float32))")
+    if getattr(config, "_attn_implementation", "eager") != "eager":
+        try:
+            model.set_attn_implementation("eager")
+        except (AttributeError, ValueError) as err:
+            raise AttnprobeError(f"model {type(model).__name__} cannot run eager attention: {err}") from err
+    model.eval()
+    base = getattr(model, "base_model", model)
+    head = model.get_output_embeddings() if base is not model and hasattr(model, "get_output_embeddings") else None
+    name = spec or getattr(config, "_name_or_path", "") or type(model).__name__
+    return _loaded(name, name, {"loaded_by": "caller"}, base, tokenizer, weights.device, dtypes[weights.dtype], head)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1): the hub client reads only its cache."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.ENDPOINT)
+
+
+def hub_reachable(timeout: float = HUB_TIMEOUT) -> bool:
+    """Whether a TCP connection to the hub (HF_ENDPOINT) opens within `timeout` seconds.
+
+    Behind a proxy the proxy decides, so this says True. Without the check, an unreachable hub costs
+    about a minute of the hub client's retries before any error.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return True
+    endpoint = urlsplit(hub_endpoint())
+    if not endpoint.hostname:
+        return True  # not a URL we can check: let the hub client try
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname, port), timeout=timeout):
+            return True
+    except OSError:  # no DNS, refused, unreachable, timed out
+        return False
 
 
 def attention_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
@@ -318,16 +426,21 @@ def _max_length(config: Any, tokenizer: Any) -> int:
 
 @contextmanager
 def quiet_transformers():
-    """transformers logs load reports and warnings of its own; keep the CLI's output ours."""
+    """transformers logs load reports and warnings of its own, and the hub client logs every retry of a
+    request; keep the CLI's output ours."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    hub_logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        hub_logger.setLevel(hub_level)
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()

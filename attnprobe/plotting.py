@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import math
+import unicodedata
+from collections.abc import Callable
+from pathlib import PurePath
 from typing import Any
 
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib import colormaps
@@ -14,10 +20,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
+from attnprobe import defaults
 from attnprobe.classify import ALL_TYPES, counts_per_layer
+from attnprobe.errors import AttnprobeError
+from attnprobe.naming import head_name
 
-TYPE_COLORS = {
-    "previous": "#66a61e", "local": "#1b9e77", "sink": "#e7298a", "copy": "#d95f02",
+TYPE_COLORS = {  # previous sits inside local and sink inside copy: each pair told apart by hue, not shade
+    "previous": "#e6ab02", "local": "#1b9e77", "sink": "#e7298a", "copy": "#d95f02",
     "broad": "#7570b3", "mixed": "#a6a6a6", "streaming": "#4575b4", "retrieval": "#d73027",
 }
 PICK_BY = {  # the clearest head of each type: (column, largest?)
@@ -26,6 +35,87 @@ PICK_BY = {  # the clearest head of each type: (column, largest?)
     "streaming": ("sink_window", True), "retrieval": ("sink_window", False),
 }
 MAX_ANNOTATED_CELLS = 400  # beyond this many heads the heatmap drops its per-cell numbers
+MEAN_COLOR = "#08306b"  # the mean over heads: darker than any head-type or category colour
+CATEGORY_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                   "#bcbd22", "#17becf")  # matplotlib's tab10, one per sentence category
+# Fonts tried in turn for each character, so token labels in any script draw without a "Glyph ... missing"
+# warning: DejaVu Sans (Latin, Greek, Cyrillic, Arabic, Hebrew, many symbols and emoji), then whatever of
+# these is installed, then matplotlib's Last Resort font (3.10+), which draws a box naming the script.
+FALLBACK_FONTS = (
+    "DejaVu Sans", "Noto Sans CJK JP", "Noto Sans CJK SC", "Noto Sans CJK KR", "Noto Sans JP", "Noto Sans SC",
+    "Noto Sans KR", "Noto Sans", "Noto Sans Devanagari", "Noto Sans Thai", "Noto Sans Symbols 2", "Noto Emoji",
+    "Droid Sans Fallback", "WenQuanYi Zen Hei", "Arial Unicode MS", "Symbola", "Last Resort High-Efficiency",
+)
+LABEL_MAX_CHARS = 12  # a longer token label is cut, with an ellipsis
+CONTINUATION = "\u00b7"  # the label of a token that only carries more bytes of the character before it
+MIN_LABEL_PT = 6.0  # smaller tick labels are thinned out instead
+
+
+@functools.cache
+def installed_fallback_fonts() -> tuple[str, ...]:
+    """FALLBACK_FONTS that matplotlib can find here (naming a missing one would log a findfont warning)."""
+    from matplotlib import font_manager
+
+    present = {font.name for font in font_manager.fontManager.ttflist}
+    return tuple(name for name in FALLBACK_FONTS if name in present)
+
+
+def any_script() -> Any:
+    """A context in which new text falls back through FALLBACK_FONTS, after the user's own font family."""
+    families = list(matplotlib.rcParams["font.family"])
+    extra = [name for name in installed_fallback_fonts() if name not in families]
+    return matplotlib.rc_context({"font.family": families + extra})
+
+
+def any_script_figure(build: Callable[..., Figure]) -> Callable[..., Figure]:
+    """Build the figure inside `any_script()`: each Text keeps its fonts, so drawing it later needs no context."""
+
+    @functools.wraps(build)
+    def wrapper(*args: Any, **kwargs: Any) -> Figure:
+        with any_script():
+            return build(*args, **kwargs)
+
+    return wrapper
+
+
+def plain_text(text: str, newlines: bool = True) -> str:
+    """`text` as matplotlib should show it literally: `$` escaped (no mathtext), control characters as escapes
+    (line breaks kept unless `newlines` is False)."""
+    text = "".join(repr(ch)[1:-1] if unicodedata.category(ch) == "Cc" and not (newlines and ch == "\n") else ch
+                   for ch in text)
+    return text.replace("$", r"\$")
+
+
+def token_label(token: str, limit: int = LABEL_MAX_CHARS) -> str:
+    """How a token label reads on an axis: stripped; whitespace as its repr; "" (the further bytes of a
+    character split over tokens) as a middle dot; cut to `limit` characters."""
+    if token == "":
+        return CONTINUATION
+    shown = token.strip() or repr(token)
+    shown = shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
+    return plain_text(shown, newlines=False)
+
+
+def short_text(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def layer_ticks(ax: Axes, layers: Any) -> None:
+    """Ticks on existing layers only (every one up to 16, else a round step and the last layer), no margin
+    that would invite a tick past the last layer."""
+    present = sorted({int(x) for x in layers})
+    if not present:
+        return
+    first, last = present[0], present[-1]
+    if len(present) <= 16:
+        ticks = present
+    else:
+        step = next(s for s in (2, 5, 10, 20, 50, 100, 200, 500, 1000) if (last - first) / s <= 10)
+        ticks = list(range(first, last + 1, step))
+        if last - ticks[-1] >= step / 2:
+            ticks.append(last)
+    ax.set_xticks(ticks)
+    ax.set_xlim(first - 0.6, last + 0.6)
 
 
 def grid(heads: pd.DataFrame, column: str) -> np.ndarray:
@@ -62,58 +152,135 @@ def draw_entropy_heatmap(ax: Axes, heads: pd.DataFrame) -> Any:
     return draw_head_grid(ax, heads, "entropy", "Mean attention entropy per head (light = sharp)", "Blues")
 
 
-def draw_layer_entropy(
-    ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame, categories: pd.DataFrame | None = None
-) -> None:
-    ax.scatter(heads["layer"], heads["entropy"], s=10, color="#9ecae1", label="one head")
-    spread = layers["entropy_head_std"].fillna(0.0)
-    ax.fill_between(
-        layers["layer"], layers["entropy"] - spread, layers["entropy"] + spread,
-        color="#3182bd", alpha=0.2, label="mean +- 1 sd over heads",
-    )
-    ax.plot(layers["layer"], layers["entropy"], marker="o", color="#08519c", label="mean over heads")
-    if categories is not None:  # one thin line per sentence category
-        for category, group in categories.groupby("category", sort=False):
-            ax.plot(group["layer"], group["entropy"], linewidth=1.2, alpha=0.9, label=str(category))
+def draw_layer_entropy(ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame) -> None:
+    """Each head as a dot, the middle half of the layer's heads as a band (quartiles: never below 0 nats, as
+    a mean - sd band can be), and the mean over heads as a line."""
+    per_layer = heads.groupby("layer")["entropy"]
+    low, high = per_layer.quantile(0.25), per_layer.quantile(0.75)  # indexed by layer
+    ax.scatter(heads["layer"], heads["entropy"], s=10, color="#9ecae1", label="one head", zorder=1)
+    ax.fill_between(low.index, low.to_numpy(), high.to_numpy(), color="#3182bd", alpha=0.25, linewidth=0,
+                    label="middle half of heads (quartiles)", zorder=0)
+    ax.plot(layers["layer"], layers["entropy"], marker="o", markersize=4, color=MEAN_COLOR, label="mean over heads",
+            zorder=2)
     ax.set_title("Entropy by depth")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean attention entropy (nats)")
-    if categories is None:
-        ax.legend(loc="best", fontsize=8)
+    ax.set_ylim(bottom=0.0)
+    layer_ticks(ax, layers["layer"])
+    ax.legend(loc="best", fontsize=8)
+
+
+def category_score(categories: pd.DataFrame) -> str:
+    """The column the category panel draws: normalized entropy when categories.csv has it, else raw entropy."""
+    return "entropy_norm" if "entropy_norm" in categories.columns else "entropy"
+
+
+def draw_category_lines(ax: Axes, categories: pd.DataFrame, layers: pd.DataFrame) -> None:
+    """One line per sentence category with its 95% interval as a band, and the mean of all sentences dashed."""
+    score = category_score(categories)
+    if score in layers.columns:
+        ax.plot(layers["layer"], layers[score], color="black", linestyle="--", linewidth=1.2, label="all sentences")
+    for k, (category, group) in enumerate(categories.groupby("category", sort=False)):
+        color = CATEGORY_COLORS[k % len(CATEGORY_COLORS)]
+        if {f"{score}_ci_low", f"{score}_ci_high"} <= set(group.columns):
+            ax.fill_between(group["layer"], group[f"{score}_ci_low"], group[f"{score}_ci_high"], color=color,
+                            alpha=0.15, linewidth=0)
+        count = f" ({int(group['sentences'].iloc[0])})" if "sentences" in group.columns else ""
+        ax.plot(group["layer"], group[score], linewidth=1.3, color=color, label=plain_text(f"{category}{count}"))
+    if score == "entropy_norm":
+        ax.set_ylabel("normalized entropy H / ln(keys)")
+        ax.set_title("By sentence category (bands: 95% intervals)")
     else:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="mean over heads of")
+        ax.set_ylabel("mean attention entropy (nats)")
+        ax.set_title("By sentence category (bands: 95% intervals)\n"
+                     "raw entropy: longer sentences sit higher", fontsize=10)
+    ax.set_xlabel("layer")
+    ax.set_ylim(bottom=0.0)
+    layer_ticks(ax, categories["layer"])
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="category (sentences)")
 
 
 def draw_type_distribution(ax: Axes, types: pd.DataFrame) -> None:
+    """Stacked bars of the types present (the first type at the bottom); the legend lists them top-down, as stacked."""
     counts = counts_per_layer(types)  # the same columns `attnprobe classify` prints
     bottom = np.zeros(len(counts))
     for kind in counts.columns:
+        if counts[kind].sum() == 0:
+            continue  # a type no head has stays out of the bars and the legend
         ax.bar(counts.index, counts[kind], bottom=bottom, color=TYPE_COLORS[kind], label=kind)
         bottom += counts[kind].to_numpy()
     ax.set_title("Head types by layer")
     ax.set_xlabel("layer")
     ax.set_ylabel("number of heads")
-    ax.set_ylim(0, bottom.max() * 1.02)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="head type")
+    ax.set_ylim(0, max(bottom.max(), 1.0) * 1.02)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    layer_ticks(ax, counts.index)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              title="head type")
 
 
-def draw_pattern(ax: Axes, attention: np.ndarray, tokens: list[str], title: str) -> Any:
+def pattern_label_size(n: int, side: float) -> tuple[float, int]:
+    """Font size (pt) of a pattern panel's token labels, and every how many tokens one is shown: labels stay
+    at least MIN_LABEL_PT and are thinned out where `n` tokens do not fit the panel's `side` inches."""
+    spacing = max(side - 1.6, 1.0) * 72.0 / max(n, 1)  # points per token along an axis
+    size = min(8.0, 0.75 * spacing)
+    if size >= MIN_LABEL_PT:
+        return size, 1
+    return MIN_LABEL_PT, math.ceil(MIN_LABEL_PT / (0.75 * spacing))
+
+
+def label_room(tokens: list[str], side: float) -> float:
+    """Inches the token labels take beside a pattern panel (rotated below it, and to its left)."""
+    size, _ = pattern_label_size(len(tokens), side)
+    longest = max((len(token_label(t)) for t in tokens), default=1)
+    return (longest * size * 0.62 + 14.0) / 72.0
+
+
+def pattern_side(n: int) -> float:
+    """Inches per pattern panel for `n` tokens: room for readable labels up to 40 tokens, at most 7.5 inches."""
+    return min(7.5, max(3.5, 0.15 * n + 1.6))
+
+
+def draw_pattern(ax: Axes, attention: np.ndarray, tokens: list[str], title: str, side: float | None = None) -> Any:
     """One head's attention on the example sentence: rows are queries, columns keys."""
     image = ax.imshow(attention, cmap="Greys", vmin=0.0, vmax=1.0, interpolation="nearest")
-    labels = [t.strip() or repr(t) for t in tokens]
-    size = 7 if len(labels) <= 25 else 5
-    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=size)
-    ax.set_yticks(range(len(labels)), labels, fontsize=size)
-    ax.set_xlabel("key (attended to)")
-    ax.set_ylabel("query")
-    ax.set_title(title, fontsize=10)
+    labels = [token_label(t) for t in tokens]
+    size, step = pattern_label_size(len(labels), side if side is not None else pattern_side(len(labels)))
+    shown = range(0, len(labels), step)
+    ax.set_xticks(shown, [labels[k] for k in shown], rotation=90, fontsize=size)
+    ax.set_yticks(shown, [labels[k] for k in shown], fontsize=size)
+    thinned = f", every {step}th token labelled" if step > 1 else ""
+    ax.set_xlabel(f"key (attended to){thinned}", fontsize=9)
+    ax.set_ylabel("query", fontsize=9)
+    ax.set_title(title, fontsize=9)
     return image
 
 
-def representatives(types: pd.DataFrame) -> dict[str, tuple[int, int]]:
-    """The clearest head of each type present: (layer, head)."""
+def head_table(types: pd.DataFrame, heads: pd.DataFrame | None = None) -> pd.DataFrame:
+    """head_types.csv with the columns of heads.csv it lacks (for the scores shown in each pattern panel)."""
+    if heads is None:
+        return types.reset_index(drop=True)
+    extra = [c for c in heads.columns if c not in types.columns]
+    return types.merge(heads[["layer", "head", *extra]], on=["layer", "head"], how="left")
+
+
+def is_first_token_sink(row: pd.Series | pd.DataFrame) -> Any:
+    """Whether most of a head's attention goes to the first token (the extended scheme's sink rule)."""
+    return row["first_token_unforced"] > defaults.SINK_MIN_FIRST_TOKEN + 1e-6
+
+
+def representatives(types: pd.DataFrame, heads: pd.DataFrame | None = None) -> dict[str, tuple[int, int]]:
+    """The clearest head of each type present: (layer, head).
+
+    The sharpest copy head is often a pure first-token sink, which shows nothing of copying: where
+    `first_token_unforced` is known (in `types` or `heads`), a copy head that is no sink is preferred."""
+    table = head_table(types, heads)
     picks: dict[str, tuple[int, int]] = {}
-    for kind, group in types.groupby("head_type"):
+    for kind, group in table.groupby("head_type"):
+        if kind == "copy" and "first_token_unforced" in group.columns:
+            others = group[~is_first_token_sink(group).fillna(False).astype(bool)]
+            group = others if not others.empty else group
         column, largest = PICK_BY.get(str(kind), ("entropy", None))
         if largest is None:  # mixed: the most typical, nearest the median entropy
             index = (group["entropy_unforced"] - group["entropy_unforced"].median()).abs().idxmin()
@@ -123,52 +290,168 @@ def representatives(types: pd.DataFrame) -> dict[str, tuple[int, int]]:
     return {kind: picks[kind] for kind in ALL_TYPES if kind in picks}
 
 
-def entropy_heatmap_figure(heads: pd.DataFrame) -> Figure:
+@any_script_figure
+def entropy_heatmap_figure(heads: pd.DataFrame, title: str | None = None) -> Figure:
     n_layers, n_heads = grid(heads, "entropy").shape
-    figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)))
+    figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
     ax = figure.add_subplot()
     figure.colorbar(draw_entropy_heatmap(ax, heads), ax=ax, label="entropy (nats)")
+    if title is not None:  # the title names what is drawn; the panel's own title says how to read it
+        figure.suptitle(plain_text(title))
+        ax.set_title("light = sharp heads, dark = diffuse ones", fontsize=10)
     return figure
 
 
+@any_script_figure
 def layer_gradient_figure(
-    heads: pd.DataFrame, layers: pd.DataFrame, types: pd.DataFrame, categories: pd.DataFrame | None = None
+    heads: pd.DataFrame, layers: pd.DataFrame, types: pd.DataFrame, categories: pd.DataFrame | None = None,
+    title: str | None = None,
 ) -> Figure:
-    figure = Figure(figsize=(13.0, 4.8), layout="constrained")
-    left, right = figure.subplots(1, 2)
-    draw_layer_entropy(left, heads, layers, categories)
+    """Entropy by depth (heads, quartile band, mean), by sentence category when there are categories, and the
+    head types per layer."""
+    if categories is None:
+        figure = Figure(figsize=(13.0, 4.8), layout="constrained")
+        left, right = figure.subplots(1, 2)
+    else:
+        figure = Figure(figsize=(19.0, 4.8), layout="constrained")
+        left, middle, right = figure.subplots(1, 3, gridspec_kw={"width_ratios": [1.0, 1.2, 1.0]})
+        draw_category_lines(middle, categories, layers)
+    draw_layer_entropy(left, heads, layers)
     draw_type_distribution(right, types)
+    if title is not None:
+        figure.suptitle(plain_text(title))
     return figure
 
 
-def head_patterns_figure(example: dict[str, Any], types: pd.DataFrame) -> Figure:
-    picks = representatives(types)
+def head_scores(row: pd.Series) -> str:
+    """The scores that decide a head's type, as two short lines for its pattern panel."""
+    def value(*columns: str) -> float | None:
+        found = [row[c] for c in columns if c in row.index and pd.notna(row[c])]
+        return float(found[0]) if found else None
+
+    entropy, norm = value("entropy_unforced", "entropy"), value("entropy_norm")
+    first = [f"entropy {entropy:.2f} nats" if entropy is not None else "",
+             f"normalized {norm:.2f}" if norm is not None else ""]
+    second = [f"{name} {score:.2f}" for name, score in (
+        ("diagonal", value("diagonal_unforced", "diagonal")), ("first token", value("first_token_unforced")),
+        ("previous", value("previous_token")), ("sink+window", value("sink_window"))) if score is not None]
+    return "\n".join(", ".join(p for p in part if p) for part in (first, second) if any(part))
+
+
+def example_caption(example: dict[str, Any], limit: int = 110) -> str:
+    """`"The sentence ..." (line 12, svo, first 40 of 52 tokens)` for a figure title."""
     n = len(example["tokens"])
-    side = min(8.0, max(3.5, 0.2 * n + 1.5))  # inches per panel, whatever the sentence's length
-    figure = Figure(figsize=(side * len(picks), side + 0.8), layout="constrained")
-    axes = np.atleast_1d(figure.subplots(1, len(picks)))
+    bits = [f"line {example['line']}" if example.get("line", -1) >= 0 else "", str(example.get("category") or "")]
+    total = int(example.get("total_tokens", n))
+    bits.append(f"first {n} of {total} tokens" if total > n else f"{n} tokens")
+    sentence = plain_text(short_text(example["sentence"], limit), newlines=False)
+    return f'"{sentence}" ({plain_text(", ".join(b for b in bits if b))})'
+
+
+def choose_example(examples: list[dict[str, Any]], wanted: str | int | None) -> dict[str, Any]:
+    """The example sentence `wanted` names: its number among `examples` (0 = the default example) or its text
+    (the whole sentence, or a piece found in exactly one of them, any case); the first for None."""
+    if not examples:
+        raise AttnprobeError("no example sentences in the results folder: run `attnprobe analyze` again")
+    if wanted is None:
+        return examples[0]
+    listed = "; ".join(f"{k} {short_text(e['sentence'], 40)!r}" for k, e in enumerate(examples))
+    text = str(wanted).strip()
+    if text.isdigit():
+        if int(text) < len(examples):
+            return examples[int(text)]
+        raise AttnprobeError(f"--example {text}: analyze kept {len(examples)} example sentence(s), numbered "
+                             f"0-{len(examples) - 1}: {listed}")
+    exact = [e for e in examples if e["sentence"].strip() == text]
+    found = exact or [e for e in examples if text.casefold() in e["sentence"].casefold()]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise AttnprobeError(f"--example {text!r} is in {len(found)} example sentences: give more of the text or "
+                             f"a number: {listed}")
+    raise AttnprobeError(f"--example {text!r} is not among the {len(examples)} example sentence(s) analyze kept "
+                         f"(plot loads no model, so it can draw only these; `attnprobe rollout --example` runs any "
+                         f"text): pick a number or text: {listed}")
+
+
+def panel_grid(count: int) -> tuple[int, int]:
+    """(rows, columns) of pattern panels: one row up to 3, 2 x 2 for 4, else rows of 3."""
+    columns = count if count <= 3 else (2 if count == 4 else 3)
+    return math.ceil(count / columns), columns
+
+
+@any_script_figure
+def head_patterns_figure(
+    example: dict[str, Any], types: pd.DataFrame, heads: pd.DataFrame | None = None,
+    chosen: list[tuple[int, int]] | None = None, title: str | None = None,
+) -> Figure:
+    """Attention maps on one example sentence: the clearest head of each type, or the `chosen` (layer, head)s.
+
+    Each panel is titled with the head's name, its type and the scores that decide the type; a copy head
+    that is a first-token sink says so (the pick prefers one that is not, when `heads` or `types` tell)."""
+    table = head_table(types, heads).set_index(["layer", "head"])
+    if chosen:
+        panels = [(str(table.loc[pair, "head_type"]) if pair in table.index else "", pair) for pair in chosen]
+    else:
+        panels = list(representatives(types, heads).items())
+    if not panels:
+        raise AttnprobeError("no head to draw: head_types.csv is empty")
+    tokens = example["tokens"]
+    n = len(tokens)
+    side = pattern_side(n)
+    labels_in = label_room(tokens, side)
+    rows, columns = panel_grid(len(panels))
+    figure = Figure(figsize=(columns * (side + labels_in + 0.35) + 1.1, rows * (side + labels_in + 0.75) + 0.7),
+                    layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
     image = None
-    for ax, (kind, (layer, head)) in zip(axes, picks.items()):
-        title = f"{kind}: layer {layer}, head {head}"
-        image = draw_pattern(ax, example["maps"][layer, head], example["tokens"], title)
-    figure.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8)
-    shown = f" (first {n} of {example['total_tokens']} tokens)" if example.get("total_tokens", n) > n else ""
-    sentence = example["sentence"] if len(example["sentence"]) <= 120 else example["sentence"][:117] + "..."
-    figure.suptitle(f"One head of each type on: {sentence}{shown}", fontsize=11)
+    for ax, (kind, (layer, head)) in zip(axes, panels):
+        row = table.loc[(layer, head)] if (layer, head) in table.index else pd.Series(dtype=float)
+        note = ""
+        if kind == "copy" and "first_token_unforced" in row.index and is_first_token_sink(row):
+            note = ": a first-token sink" + ("" if chosen else ", like every copy head here")
+        heading = f"{head_name(layer, head)}" + (f" {kind}" if kind else "") + note
+        scores = head_scores(row) if not row.empty else ""
+        image = draw_pattern(ax, example["maps"][layer, head], tokens, heading + ("\n" + scores if scores else ""),
+                             side)
+    spare = axes[len(panels):]
+    if len(spare):  # the colour bar goes into the first free slot of the grid, the rest stay empty
+        for ax in spare:
+            ax.set_axis_off()
+        figure.colorbar(image, cax=spare[0].inset_axes((0.05, 0.1, 0.06, 0.8)), label="attention weight")
+    else:
+        figure.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8 if rows == 1 else 0.5)
+    what = "The chosen heads" if chosen else "One head of each type"
+    heading = f"{what} on {example_caption(example)}"
+    figure.suptitle(f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
     return figure
 
 
-def probe_heatmap_figure(scores: pd.DataFrame, kinds: list[str], model: str) -> Figure:
-    """One layers x heads panel per probe kind, on a shared 0-1 scale (dark = strong)."""
+@any_script_figure
+def probe_heatmap_figure(
+    scores: pd.DataFrame, kinds: list[str], model: str, chance: dict[str, float] | None = None
+) -> Figure:
+    """One layers x heads panel per probe kind, on a shared 0-1 scale (dark = strong); `chance` (per kind, the
+    score of uniform attention) is drawn as a red line on the colour bar."""
     n_layers, n_heads = grid(scores, kinds[0]).shape
     width = max(5.0, 0.6 * n_heads + 2.0)
     figure = Figure(figsize=(width * len(kinds) + 1.0, max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
     axes = np.atleast_1d(figure.subplots(1, len(kinds)))
     image = None
+    chance = {k: float(v) for k, v in (chance or {}).items() if k in kinds}
     for ax, kind in zip(axes, kinds):
-        image = draw_head_grid(ax, scores, kind, f"{kind} score", "Purples", vmin=0.0, vmax=1.0)
-    figure.colorbar(image, ax=list(axes), label="mean attention to the target token", shrink=0.8)
-    figure.suptitle(f"Synthetic probes on {model}: random tokens repeated twice")
+        heading = f"{kind} score" + (f" (chance {chance[kind]:.3f})" if kind in chance else "")
+        image = draw_head_grid(ax, scores, kind, heading, "Purples", vmin=0.0, vmax=1.0)
+    label = "mean attention to the target token"
+    bar = figure.colorbar(image, ax=list(axes), label=label, shrink=0.8)
+    if chance:
+        levels: dict[str, list[str]] = {}
+        for kind, value in chance.items():
+            levels.setdefault(f"{value:.3f}", []).append(kind)
+            bar.ax.axhline(value, color="#d62728", linewidth=2.0)
+        where = "; ".join(f"{', '.join(names)} {level}" for level, names in levels.items())
+        bar.set_label(f"{label}\nred line: chance, uniform attention ({where})")
+    figure.suptitle(f"Synthetic probes on {plain_text(model)}: random tokens repeated twice")
     return figure
 
 
@@ -212,6 +495,7 @@ def draw_position_profile(ax: Axes, positions: pd.DataFrame, column: str, ylabel
     return ScalarMappable(norm=norm, cmap=cmap)
 
 
+@any_script_figure
 def position_profile_figure(positions: pd.DataFrame, title: str | None = None) -> Figure:
     """Entropy and first-token mass against query position, one line per layer, with a layer colour bar."""
     figure = Figure(figsize=(12.0, 4.6), layout="constrained")
@@ -224,7 +508,7 @@ def position_profile_figure(positions: pd.DataFrame, title: str | None = None) -
     bar.locator = MaxNLocator(integer=True)
     bar.update_ticks()
     if title is not None:
-        figure.suptitle(title)
+        figure.suptitle(plain_text(title))
     return figure
 
 
@@ -308,6 +592,15 @@ def draw_layer_difference(ax: Axes, layers: pd.DataFrame, score: str, x: str) ->
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def run_label(side: dict[str, Any]) -> str:
+    """`model (dtype) on corpus` of one side of compare.json."""
+    model = (side.get("model") or {}).get("spec") or side.get("label", "?")
+    dtype = f" ({side['dtype']})" if side.get("dtype") else ""
+    corpus = (side.get("corpus") or {}).get("path")
+    return f"{model}{dtype}" + (f" on {PurePath(str(corpus)).name}" if corpus else "")
+
+
+@any_script_figure
 def compare_figure(
     layers: pd.DataFrame, info: dict[str, Any], heads: pd.DataFrame | None = None, types: pd.DataFrame | None = None,
     score: str | None = None,
@@ -332,7 +625,8 @@ def compare_figure(
         draw_layer_difference(difference, layers, score, "depth")
         draw_type_fractions(shares, types, labels)
     matched = "heads matched by position" if heads is not None else "heads not matched (different shapes)"
-    figure.suptitle(f"B - A, {info['pairing']} bootstrap over sentences; {matched}", fontsize=11)
+    figure.suptitle(plain_text(f"B - A: B = {run_label(info['b'])}, A = {run_label(info['a'])}\n"
+                               f"{info['pairing']} bootstrap over sentences; {matched}"), fontsize=11)
     return figure
 
 
@@ -355,6 +649,7 @@ def full_grid(frame: pd.DataFrame, column: str) -> pd.DataFrame:
     return values.reset_index()
 
 
+@any_script_figure
 def importance_heatmap_figure(importance: pd.DataFrame, title: str | None = None) -> Figure:
     """A layers x heads grid of the ranking measure: red = the model loses most without the head."""
     column = importance_measure(importance)
@@ -405,6 +700,7 @@ def draw_importance_by_type(ax: Axes, merged: pd.DataFrame, column: str) -> None
     ax.set_title("Ablation by head type")
 
 
+@any_script_figure
 def importance_vs_type_figure(
     importance: pd.DataFrame, heads: pd.DataFrame, types: pd.DataFrame | None = None, title: str | None = None
 ) -> Figure:
@@ -425,19 +721,19 @@ def importance_vs_type_figure(
     return figure
 
 
-def short_text(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def rollout_figure(rollout: Any, model: str) -> Figure:
+@any_script_figure
+def rollout_figure(rollout: Any, model: str, corpus: str | None = None) -> Figure:
     """Per example sentence (one row each): the rollout through every layer beside the last layer's raw map.
 
-    `rollout` is a rollout.Rollout; both panels are head-averaged, on the same 0-1 scale.
+    `rollout` is a rollout.Rollout; both panels are head-averaged, on the same 0-1 scale. `corpus` (a name for
+    the title) is where the sentences came from, None for sentences given on the command line.
     """
     rows = len(rollout.tokens)
     n = max(len(tokens) for tokens in rollout.tokens)
-    side = min(7.0, max(3.5, 0.18 * n + 1.5))  # inches per panel
-    figure = Figure(figsize=(2 * side + 1.2, rows * (side + 0.6) + 0.6), layout="constrained")
+    side = pattern_side(n) + 0.4  # inches per panel
+    labels_in = max(label_room(tokens, side) for tokens in rollout.tokens)
+    figure = Figure(figsize=(2 * (side + labels_in + 0.35) + 1.1, rows * (side + labels_in + 0.6) + 0.5),
+                    layout="constrained")
     axes = np.atleast_2d(figure.subplots(rows, 2, squeeze=False))  # [sentence, panel]
     image = None
     for s, tokens in enumerate(rollout.tokens):
@@ -445,9 +741,12 @@ def rollout_figure(rollout: Any, model: str) -> Figure:
         total = rollout.total_tokens[s]
         cut = f" (first {len(tokens)} of {total} tokens)" if total > len(tokens) else ""
         draw_pattern(axes[s, 0], rollout.rollout[s][-1], tokens,
-                     f"rollout through {layers} layers{cut}\n{short_text(rollout.sentences[s])}")
-        image = draw_pattern(axes[s, 1], rollout.raw[s], tokens, f"raw attention, last layer (layer {layers - 1})")
+                     f"rollout through {layers} layers{cut}\n"
+                     f"{plain_text(short_text(rollout.sentences[s]), newlines=False)}", side)
+        image = draw_pattern(axes[s, 1], rollout.raw[s], tokens, f"raw attention, last layer (layer {layers - 1})",
+                             side)
     figure.colorbar(image, ax=list(axes.ravel()), label="share of the row (heads averaged)", shrink=0.6)
-    figure.suptitle(f"Attention rollout of {model}: heads averaged, residual as identity with weight "
-                    f"{rollout.residual:g}")
+    source = f" on {corpus}" if corpus else " on the given sentences"
+    figure.suptitle(plain_text(f"Attention rollout of {model}{source}: heads averaged, residual as identity with "
+                               f"weight {rollout.residual:g}"))
     return figure

@@ -11,18 +11,21 @@ A head's score is the mean over the scored queries of a sequence, then over sequ
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe.analysis import check_options
+from attnprobe import __version__
+from attnprobe.analysis import check_options, model_record, versions
 from attnprobe.bootstrap import DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
 from attnprobe.errors import AttnprobeError
-from attnprobe.model import LoadedModel, stream_attention
+from attnprobe.model import LoadedModel, as_loaded, stream_attention
 
 Kind = Literal["induction", "duplicate", "previous"]
 KINDS: tuple[Kind, ...] = ("induction", "duplicate", "previous")
@@ -32,8 +35,8 @@ DEFAULT_SEQUENCES = 16  # per length
 
 @dataclass
 class Probe:
-    scores: pd.DataFrame  # layer, head, and per kind: score, ci_low, ci_high
-    info: dict[str, Any]
+    scores: pd.DataFrame  # layer, head, and per kind: score, ci_low, ci_high, above_chance
+    info: dict[str, Any]  # settings, chance levels, heads above chance, provenance (model, versions, time)
 
 
 def special_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
@@ -75,8 +78,9 @@ def random_sequences(loaded: LoadedModel, length: int, count: int, rng: np.rando
 
 
 def probe(
-    loaded: LoadedModel,
+    model: Any,
     *,
+    device: str = "auto",
     kinds: tuple[Kind, ...] = KINDS,
     lengths: tuple[int, ...] = DEFAULT_LENGTHS,
     sequences: int = DEFAULT_SEQUENCES,
@@ -85,7 +89,13 @@ def probe(
     batch_size: int = 8,
     progress: Callable[[int], None] | None = None,
 ) -> Probe:
-    """Score every head on every kind; intervals are a bootstrap over sequences."""
+    """Score every head on every kind; intervals are a bootstrap over sequences.
+
+    `model`: a LoadedModel, a name or path (loaded on `device`), or a (transformers model, tokenizer) pair.
+    A head is `<kind>_above_chance` when its whole 95% interval lies above what uniform attention scores.
+    """
+    started = time.perf_counter()
+    loaded = as_loaded(model, device)
     kinds = tuple(dict.fromkeys(kinds))  # each kind once, in the order asked
     prefix, suffix = special_frame(loaded.tokenizer)
     check(loaded, kinds, lengths, sequences, resamples, batch_size, seed, len(prefix) + len(suffix))
@@ -107,12 +117,30 @@ def probe(
                 progress(len(batch))
     values = {kind: np.concatenate(per_kind[kind]) for kind in kinds}  # [sequence, layer, head]
     frame = tabulate(values, poisson_weights(range(len(lengths) * sequences), resamples, seed))
+    levels = {kind: float(np.mean(chances[kind])) for kind in kinds}
+    for kind in kinds:
+        frame[f"{kind}_above_chance"] = above_chance(frame, kind, levels[kind])
     info = {
+        "attnprobe_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": model_record(loaded),
         "kinds": list(kinds), "lengths": list(lengths), "sequences_per_length": sequences, "seed": seed,
         "resamples": resamples, "special_prefix": prefix, "special_suffix": suffix,
-        "chance": {kind: float(np.mean(chances[kind])) for kind in kinds},
+        "chance": levels,
+        "above_chance": {kind: int(frame[f"{kind}_above_chance"].sum()) for kind in kinds},
+        "device": str(loaded.device), "dtype": loaded.dtype, "batch_size": batch_size,
+        "wall_seconds": round(time.perf_counter() - started, 3),
+        "versions": versions(),
     }
     return Probe(scores=frame, info=info)
+
+
+ABOVE_CHANCE_MARGIN = 1e-6  # float32 rounding: a uniform head's interval may sit a hair above its chance level
+
+
+def above_chance(scores: pd.DataFrame, kind: str, level: float) -> pd.Series:
+    """Heads whose whole 95% interval of `kind` lies above the chance `level` (uniform attention's score)."""
+    return scores[f"{kind}_ci_low"] > level + ABOVE_CHANCE_MARGIN
 
 
 def score_batch(
@@ -142,7 +170,10 @@ def tabulate(values: dict[str, np.ndarray], counts: np.ndarray) -> pd.DataFrame:
 
 
 def top_heads(scores: pd.DataFrame, kind: str, n: int = 5) -> pd.DataFrame:
-    return scores.nlargest(n, kind)[["layer", "head", kind, f"{kind}_ci_low", f"{kind}_ci_high"]]
+    columns = ["layer", "head", kind, f"{kind}_ci_low", f"{kind}_ci_high"]
+    if f"{kind}_above_chance" in scores.columns:
+        columns.append(f"{kind}_above_chance")
+    return scores.nlargest(n, kind)[columns]
 
 
 def check(

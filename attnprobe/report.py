@@ -174,7 +174,8 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
     add(heads, HEAD_SCORES, io.HEADS_FILE)
     for name, catalogue, made in ((io.IMPORTANCE_FILE, IMPORTANCE_SCORES, "ablate"),
                                   (io.PROBE_FILE, PROBE_SCORES, "probe")):
-        extra = _optional_grid(out, name, catalogue, heads, run, made, notes)
+        folder = out / io.PROBE_FOLDER if made == "probe" and not (out / name).is_file() else out  # its default
+        extra = _optional_grid(folder, name, catalogue, heads, run, made, notes)
         if extra is not None:
             add(extra, catalogue, name)
     types, scheme = _types(out, heads, notes)

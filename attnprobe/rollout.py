@@ -59,8 +59,16 @@ def rollout_step(previous: Tensor | None, attention: Tensor, residual: float = R
     return mixed if previous is None else mixed @ previous  # [query, key]
 
 
-def rollout(attention: Tensor, residual: float = RESIDUAL) -> Tensor:
-    """Cumulative rollout after every layer: [layer, query, key] (head-averaged) -> [layer, query, key]."""
+def rollout(attention: Tensor | np.ndarray, residual: float = RESIDUAL) -> Tensor:
+    """Cumulative rollout after every layer: [layer, query, key] (head-averaged) -> [layer, query, key].
+
+    `attention` may be a numpy array, e.g. `attention_maps(model, text).maps.mean(axis=1)`.
+    """
+    if isinstance(attention, np.ndarray):
+        attention = torch.from_numpy(attention)
+    if not isinstance(attention, Tensor):
+        raise AttnprobeError(f"attention: expected a torch Tensor or numpy array [layer, query, key]; got "
+                             f"{type(attention).__name__}")
     if attention.dim() != 3 or attention.shape[-1] != attention.shape[-2]:
         raise ValueError(f"rollout needs [layer, query, key] with query == key, got {tuple(attention.shape)}")
     steps: list[Tensor] = []  # each [query, key]
@@ -189,7 +197,8 @@ def rollout_loaded(
     attention, rolled = batch.results()
     return Rollout(
         sentences=list(texts), indices=list(indices) if indices is not None else [-1] * len(texts),
-        tokens=[token_labels(loaded.tokenizer, ids) for ids in kept], total_tokens=[len(ids) for ids in full],
+        tokens=[token_labels(loaded.tokenizer, ids, text) for ids, text in zip(kept, texts)],
+        total_tokens=[len(ids) for ids in full],
         attention=attention, rollout=rolled, residual=residual,
         info={"model": loaded.spec, "source": loaded.source, **loaded.origin, "causal": loaded.causal,
               "dtype": loaded.dtype, "layers": loaded.num_layers, "heads": loaded.num_heads, "max_tokens": limit},

@@ -7,11 +7,15 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attnprobe.errors import AttnprobeError
+
+Status = Callable[[str], None]  # told what a first-time GGUF conversion is doing
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,8 @@ class Source:
     origin: dict[str, Any]  # provenance for run.json (alias, gguf file and hash, ...)
 
 
-def resolve(spec: str) -> Source:
-    """Turn what the user typed into something `from_pretrained` can load."""
+def resolve(spec: str, on_status: Status | None = None) -> Source:
+    """Turn what the user typed into something `from_pretrained` can load; `on_status` hears a GGUF conversion."""
     origin: dict[str, Any] = {}
     if spec.lower() in ALIASES:
         packaged = ALIASES[spec.lower()]
@@ -56,7 +60,7 @@ def resolve(spec: str) -> Source:
     if path.is_file() and path.suffix.lower() == ".gguf":
         digest = file_sha256(path)
         origin.update(gguf_file=str(path.resolve()), gguf_sha256=digest)
-        return Source(str(gguf_folder(path, digest)), True, origin)
+        return Source(str(gguf_folder(path, digest, on_status)), True, origin)
     if path.exists():
         if not path.is_dir():
             raise AttnprobeError(
@@ -119,11 +123,16 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def gguf_folder(path: Path, digest: str) -> Path:
-    """A normal save_pretrained folder converted from the GGUF file, made once and cached by its hash."""
+def gguf_folder(path: Path, digest: str, on_status: Status | None = None) -> Path:
+    """A normal save_pretrained folder converted from the GGUF file, made once and cached by its hash.
+
+    A conversion tells `on_status` where it writes, each of its steps, and the size and time it took.
+    """
     target = cache_dir() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
         return target
+    say = on_status or (lambda _message: None)
+    started = time.perf_counter()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
@@ -131,8 +140,9 @@ def gguf_folder(path: Path, digest: str) -> Path:
         raise AttnprobeError(
             f"cannot write the GGUF cache in {target.parent} ({err.strerror}): set ATTNPROBE_CACHE to a writable folder"
         ) from err
+    say(f"Converting {path.name} to float32 weights, once: into {target} (later runs reuse it)")
     try:
-        convert_gguf(path, staging)
+        convert_gguf(path, staging, say)
         try:
             os.replace(staging, target)
         except OSError:
@@ -140,11 +150,14 @@ def gguf_folder(path: Path, digest: str) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
+    say(f"Converted {path.name} in {time.perf_counter() - started:.0f} s: {size / 1e6:,.0f} MB in {target}")
     return target
 
 
-def convert_gguf(path: Path, folder: Path) -> None:
-    """De-quantize a GGUF model into `folder` (safetensors, float32) with its tokenizer."""
+def convert_gguf(path: Path, folder: Path, on_status: Status | None = None) -> None:
+    """De-quantize a GGUF model into `folder` (safetensors, float32) with its tokenizer; `on_status` hears each step."""
+    say = on_status or (lambda _message: None)
     for needed in ("gguf", "accelerate"):
         if importlib.util.find_spec(needed) is None:
             raise AttnprobeError(f"reading .gguf files needs the package {needed}: pip install gguf accelerate")
@@ -155,7 +168,9 @@ def convert_gguf(path: Path, folder: Path) -> None:
     quiet_tqdm = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"  # the de-quantizing loop has a progress bar of its own
     try:
+        say("reading the tokenizer (step 1 of 4)")
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        say("de-quantizing the weights (step 2 of 4, the longest)")
         quantized = AutoModel.from_pretrained(path.parent, gguf_file=path.name)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise AttnprobeError(f"cannot read GGUF file {path}: {str(err).splitlines()[0]}") from err
@@ -167,7 +182,10 @@ def convert_gguf(path: Path, folder: Path) -> None:
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # save_pretrained refuses GGUF-loaded models; a plain rebuild it accepts
+    say("rebuilding the model without its GGUF quantization (step 3 of 4)")
     plain = AutoModel.from_config(config)
     plain.load_state_dict(quantized.state_dict())
+    size = sum(t.numel() * t.element_size() for t in plain.state_dict().values())
+    say(f"saving {size / 1e6:,.0f} MB of float32 weights (step 4 of 4)")
     plain.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -12,8 +12,9 @@ from torch import Tensor, nn
 
 from attnprobe import kernel
 from attnprobe.analysis import pad_batch
+from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import SentenceSums, bin_count, sentence_sums, valid_keys
-from attnprobe.model import LoadedModel, attention_modules, stream_attention
+from attnprobe.model import LoadedModel, as_loaded, attention_modules, stream_attention
 
 DEFAULT_SENTENCES = (
     "The cat sat on the mat.",
@@ -45,8 +46,15 @@ class Capture:
     inputs: list[tuple[tuple, dict]]  # per layer, the attention module's (args, kwargs)
 
 
-def verify(loaded: LoadedModel, sentences: list[str]) -> list[Check]:
-    """Run every check on `sentences` (a few are enough) and return them in order."""
+def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCES, *, device: str = "auto"
+           ) -> list[Check]:
+    """Run every check on `sentences` (a few of different lengths are enough) and return them in order.
+
+    `model`: a LoadedModel, a name or path (loaded on `device`), or a (transformers model, tokenizer) pair.
+    """
+    if isinstance(sentences, str) or not sentences or not all(isinstance(s, str) and s.strip() for s in sentences):
+        raise AttnprobeError("sentences: expected a list of non-empty strings, e.g. [\"The cat sat.\", \"Rain fell.\"]")
+    loaded = as_loaded(model, device)
     ids = [t[: loaded.max_length] for t in loaded.tokenizer(list(sentences))["input_ids"]]
     input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
     batched = capture(loaded, input_ids, mask)

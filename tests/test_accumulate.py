@@ -47,16 +47,17 @@ def test_categories_equal_the_per_sentence_computation(bundled):
     corpus, result = bundled
     frame = result.per_sentence
     weights = poisson_weights(range(len(corpus.sentences)), 300, seed=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        by_sentence = frame.groupby(["sentence", "layer"])["entropy"].mean().unstack().to_numpy()  # [s, layer]
-    for category, rows in result.categories.groupby("category", sort=False):
-        chosen = [i for i, s in enumerate(corpus.sentences) if s.category == category]
-        np.testing.assert_allclose(rows["entropy"], by_sentence[chosen].mean(axis=0), atol=1e-9)
-        low, high = interval(resampled_means(by_sentence[chosen], weights[:, chosen]))
-        np.testing.assert_allclose(rows["entropy_ci_low"], low, atol=1e-9)
-        np.testing.assert_allclose(rows["entropy_ci_high"], high, atol=1e-9)
-        assert (rows["sentences"] == len(chosen)).all()
+    for name in ("entropy", "entropy_norm"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            by_sentence = frame.groupby(["sentence", "layer"])[name].mean().unstack().to_numpy()  # [s, layer]
+        for category, rows in result.categories.groupby("category", sort=False):
+            chosen = [i for i, s in enumerate(corpus.sentences) if s.category == category]
+            np.testing.assert_allclose(rows[name], by_sentence[chosen].mean(axis=0), atol=1e-9)
+            low, high = interval(resampled_means(by_sentence[chosen], weights[:, chosen]))
+            np.testing.assert_allclose(rows[f"{name}_ci_low"], low, atol=1e-9)
+            np.testing.assert_allclose(rows[f"{name}_ci_high"], high, atol=1e-9)
+            assert (rows["sentences"] == len(chosen)).all()
 
 
 def random_batch(rng, indices, layers=2, heads=3, bins=4):

@@ -115,7 +115,8 @@ def test_tagged_corpus_gives_categories_with_intervals(gpt2_dir, tmp_path):
                       "# category: long\n" + "\n".join(SENTENCES[3:6]) + "\n", encoding="utf-8")
     result = analyze(str(gpt2_dir), str(corpus), device="cpu", resamples=200, keep_per_sentence=True)
     cats = result.categories
-    assert list(cats.columns) == ["category", "layer", "entropy", "entropy_ci_low", "entropy_ci_high", "sentences"]
+    assert list(cats.columns) == ["category", "layer", "entropy", "entropy_ci_low", "entropy_ci_high", "entropy_norm",
+                                  "entropy_norm_ci_low", "entropy_norm_ci_high", "sentences"]
     assert list(dict.fromkeys(cats["category"])) == ["untagged", "short", "long"]
     assert cats.groupby("category")["sentences"].first().to_dict() == {"untagged": 1, "short": 2, "long": 3}
     frame = result.per_sentence

@@ -1,5 +1,7 @@
 """Figures are built from tables alone and scale to any number of layers and heads."""
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -78,7 +80,9 @@ def test_head_patterns_label_tokens():
     figure = plotting.head_patterns_figure(example, types)
     ax = figure.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c"]
-    assert ax.get_title().split(":")[0] in {"local", "copy", "broad", "mixed"}
+    name, kind = ax.get_title().split("\n")[0].split(" ")[:2]  # e.g. "L0H1 local", then the head's scores
+    assert re.fullmatch(r"L\dH\d", name) and kind in {"local", "copy", "broad", "mixed"}
+    assert "entropy" in ax.get_title() and "diagonal" in ax.get_title()
 
 
 def test_category_lines_join_the_layer_gradient():
@@ -86,10 +90,13 @@ def test_category_lines_join_the_layer_gradient():
     categories = pd.DataFrame({"category": ["svo"] * 4 + ["passive"] * 4, "layer": list(range(4)) * 2,
                                "entropy": [1.0, 0.9, 0.8, 0.7, 1.5, 1.2, 1.0, 0.9]})
     figure = plotting.layer_gradient_figure(heads, fake_layers(heads), classify(heads), categories)
-    left = figure.axes[0]
-    labels = [line.get_label() for line in left.lines]
-    assert labels == ["mean over heads", "svo", "passive"]
-    np.testing.assert_allclose(left.lines[2].get_ydata(), [1.5, 1.2, 1.0, 0.9])
+    left, middle = figure.axes[:2]  # the categories get their own panel
+    assert [line.get_label() for line in left.lines] == ["mean over heads"]
+    labels = [line.get_label() for line in middle.lines]
+    assert labels == ["all sentences", "svo", "passive"]
+    np.testing.assert_allclose(middle.lines[2].get_ydata(), [1.5, 1.2, 1.0, 0.9])
+    colours = {line.get_label(): line.get_color() for line in [*left.lines, *middle.lines]}
+    assert len(set(colours.values())) == len(colours)  # no category shares the mean's colour
 
 
 def test_extended_types_get_their_own_bars_and_picks():
@@ -100,6 +107,147 @@ def test_extended_types_get_their_own_bars_and_picks():
     types["head_type"] = ["previous", "sink", "local", "copy", "broad", "mixed"]
     figure = plotting.layer_gradient_figure(heads, fake_layers(heads), types)
     legend = [text.get_text() for text in figure.axes[1].get_legend().get_texts()]
-    assert legend == ["previous", "local", "sink", "copy", "broad", "mixed"]
+    assert legend == ["mixed", "broad", "copy", "sink", "local", "previous"]  # top-down, as the bars stack
     picks = plotting.representatives(types)
     assert picks["previous"] == (0, 0) and picks["sink"] == (0, 1)
+
+
+# ---- issue 13: readable plots ------------------------------------------------------------------------------
+
+
+def test_entropy_band_never_goes_below_zero():
+    """Heads near 0 nats beside a diffuse one: a mean - sd band would dip below 0, the quartile band cannot."""
+    heads = pd.DataFrame({"layer": [0] * 4 + [1] * 4, "head": [0, 1, 2, 3] * 2,
+                          "entropy": [0.0, 0.01, 0.02, 2.5, 0.0, 0.0, 0.05, 3.0]})
+    heads = heads.assign(entropy_norm=0.5, diagonal_unforced=0.1, entropy_unforced=heads["entropy"])
+    layers = fake_layers(heads)
+    assert (layers["entropy"] - layers["entropy_head_std"]).min() < 0  # the old band's lower edge
+    figure = plotting.layer_gradient_figure(heads, layers, classify(heads))
+    left = figure.axes[0]
+    band = [c for c in left.collections if "quartiles" in c.get_label()]
+    assert len(band) == 1
+    assert min(path.vertices[:, 1].min() for path in band[0].get_paths()) >= 0.0
+    assert left.get_ylim()[0] == 0.0
+
+
+def test_type_legend_has_only_types_some_head_has():
+    heads = fake_heads(3, 3)
+    types = classify(heads)
+    types["head_type"] = ["local", "local", "mixed"] * 3  # no copy, no broad
+    figure = plotting.layer_gradient_figure(heads, fake_layers(heads), types)
+    right = figure.axes[1]
+    assert [t.get_text() for t in right.get_legend().get_texts()] == ["mixed", "local"]
+    assert len(right.containers) == 2
+
+
+def test_layer_ticks_stay_on_existing_layers():
+    heads = fake_heads(30, 9)
+    figure = plotting.layer_gradient_figure(heads, fake_layers(heads), classify(heads))
+    for ax in figure.axes[:2]:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert set(ticks) <= set(range(30)) and 29 in ticks and 30 not in ticks
+        assert ax.get_xlim()[1] < 30
+
+
+def test_previous_and_local_are_told_apart():
+    from matplotlib.colors import to_rgb
+
+    distance = np.abs(np.subtract(to_rgb(plotting.TYPE_COLORS["previous"]), to_rgb(plotting.TYPE_COLORS["local"])))
+    assert distance.sum() > 0.6  # not two shades of green
+
+
+def test_category_panel_draws_intervals_and_prefers_normalized_entropy():
+    heads = fake_heads(3, 2)
+    layers = fake_layers(heads).assign(entropy_norm=[0.5, 0.4, 0.3])
+    categories = pd.DataFrame({
+        "category": ["a"] * 3 + ["b"] * 3, "layer": [0, 1, 2] * 2, "entropy": [1.0, 0.9, 0.8, 2.0, 1.8, 1.6],
+        "entropy_ci_low": [0.9, 0.8, 0.7, 1.9, 1.7, 1.5], "entropy_ci_high": [1.1, 1.0, 0.9, 2.1, 1.9, 1.7],
+        "sentences": [4] * 3 + [2] * 3,
+    })
+    middle = plotting.layer_gradient_figure(heads, layers, classify(heads), categories).axes[1]
+    assert len(middle.collections) == 2  # one interval band per category
+    assert [line.get_label() for line in middle.lines] == ["all sentences", "a (4)", "b (2)"]
+    assert "raw entropy" in middle.get_title()
+    normalized = categories.assign(entropy_norm=[0.5, 0.4, 0.3, 0.6, 0.5, 0.4], entropy_norm_ci_low=0.2,
+                                   entropy_norm_ci_high=0.7)
+    middle = plotting.layer_gradient_figure(heads, layers, classify(heads), normalized).axes[1]
+    assert "normalized" in middle.get_ylabel()
+    np.testing.assert_allclose(middle.lines[0].get_ydata(), [0.5, 0.4, 0.3])
+
+
+def test_every_figure_carries_the_title_it_is_given():
+    heads = fake_heads(2, 2)
+    types = classify(heads)
+    example = {"maps": np.tile(np.eye(3), (2, 2, 1, 1)), "tokens": ["a", "b", "c"], "sentence": "a b c"}
+    title = "Something: smollm2-135m on sentences.txt"
+    for figure in (plotting.entropy_heatmap_figure(heads, title),
+                   plotting.layer_gradient_figure(heads, fake_layers(heads), types, title=title),
+                   plotting.head_patterns_figure(example, types, title=title)):
+        assert figure._suptitle.get_text().startswith(title)
+
+
+def test_copy_pick_avoids_a_first_token_sink_when_it_can():
+    types = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0], "head_type": ["copy", "copy", "broad"],
+                          "diagonal_unforced": 0.1, "entropy_unforced": [0.01, 0.3, 2.0],
+                          "entropy_norm": [0, 0.1, 0.9]})
+    heads = types.drop(columns="head_type").assign(first_token_unforced=[0.99, 0.2, 0.1])
+    assert plotting.representatives(types)["copy"] == (0, 0)  # the sharpest, knowing nothing of sinks
+    assert plotting.representatives(types, heads)["copy"] == (0, 1)  # the sharpest that is no sink
+    example = {"maps": np.tile(np.eye(3), (2, 2, 1, 1)), "tokens": ["a", "b", "c"], "sentence": "a b c"}
+    all_sinks = heads.assign(first_token_unforced=[0.99, 0.9, 0.1])
+    figure = plotting.head_patterns_figure(example, types, all_sinks)
+    assert "first-token sink, like every copy head" in figure.axes[0].get_title()
+
+
+def test_chosen_heads_get_one_panel_each_with_their_name():
+    heads = fake_heads(3, 4)
+    types = classify(heads)
+    maps = np.tile(np.eye(5), (3, 4, 1, 1))
+    example = {"maps": maps, "tokens": list("abcde"), "sentence": "a b c d e"}
+    figure = plotting.head_patterns_figure(example, types, heads, chosen=[(2, 3), (0, 1)])
+    panels = [ax for ax in figure.axes if ax.images]
+    assert [ax.get_title().split(" ")[0] for ax in panels] == ["L2H3", "L0H1"]
+
+
+def test_long_sentences_keep_labels_readable():
+    n = 40
+    size, step = plotting.pattern_label_size(n, plotting.pattern_side(n))
+    assert size >= 7 and step == 1  # 40 tokens: every label, at least 7 pt
+    size, step = plotting.pattern_label_size(300, plotting.pattern_side(300))
+    assert size >= plotting.MIN_LABEL_PT and step > 1  # far more: thinned, never tiny
+    assert plotting.token_label("") == plotting.CONTINUATION
+    cut = plotting.token_label(" internationalization")
+    assert cut == "internation\u2026" and len(cut) == plotting.LABEL_MAX_CHARS
+    assert plotting.token_label("$5") == r"\$5"  # no mathtext
+    assert plotting.token_label("\n") == repr("\n")
+
+
+def test_probe_colour_bar_marks_chance():
+    scores = fake_heads(2, 3).rename(columns={"entropy_norm": "induction", "diagonal": "previous"})
+    figure = plotting.probe_heatmap_figure(scores, ["induction", "previous"], "tiny", {"induction": 0.04,
+                                                                                       "previous": 0.09})
+    bar = figure.axes[-1]
+    levels = sorted(round(float(line.get_ydata()[0]), 3) for line in bar.lines)
+    assert levels == [0.04, 0.09]
+    assert "chance" in bar.get_ylabel()
+    assert "chance 0.040" in figure.axes[0].get_title()
+
+
+@pytest.mark.parametrize("fmt", ["png", "svg", "pdf"])
+def test_labels_in_any_script_draw_without_warnings(fmt, tmp_path):
+    import warnings
+
+    from attnprobe import io
+
+    tokens = ["Привет", "猫", "", "が", " 😀", "مرحبا", "$", "\u200d"]
+    n = len(tokens)
+    example = {"maps": np.tile(np.eye(n), (2, 2, 1, 1)), "tokens": tokens, "sentence": "Привет猫が 😀 مرحبا $"}
+    heads = fake_heads(2, 2)
+    figure = plotting.head_patterns_figure(example, classify(heads), title="日本語.txt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        io.figure_writer(figure, fmt)(tmp_path / f"f.{fmt}")
+        if "Last Resort High-Efficiency" in plotting.installed_fallback_fonts():  # matplotlib >= 3.10
+            figure.savefig(tmp_path / f"g.{fmt}", format=fmt)  # drawn outside attnprobe's writer too
+    assert not [str(w.message) for w in caught if "Glyph" in str(w.message)]
+    assert (tmp_path / f"f.{fmt}").stat().st_size > 0

@@ -49,7 +49,8 @@ def test_probe_is_seeded(planted):
     a = probe(planted, kinds=("induction",), lengths=(5,), sequences=4, seed=3, resamples=50)
     b = probe(planted, kinds=("induction",), lengths=(5,), sequences=4, seed=3, resamples=50)
     pd.testing.assert_frame_equal(a.scores, b.scores)
-    assert list(a.scores.columns) == ["layer", "head", "induction", "induction_ci_low", "induction_ci_high"]
+    assert list(a.scores.columns) == ["layer", "head", "induction", "induction_ci_low", "induction_ci_high",
+                                      "induction_above_chance"]
 
 
 def test_planted_head_is_previous_in_analyze_and_extended_classification(planted_dir, corpus_file):
@@ -83,7 +84,7 @@ def test_probe_command_writes_scores_and_heatmap(planted_dir, tmp_path):
     result = runner.invoke(app, ["probe", "--model", str(planted_dir), "--out", str(out), "--lengths", "4,6",
                                  "--sequences", "4", "--resamples", "50", "--kind", "previous", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert "Top previous heads" in result.stdout and "0.0" in result.stdout
+    assert "Top previous heads" in result.stdout and "L0H0" in result.stdout  # heads named L{layer}H{head}
     scores = pd.read_csv(out / "probe.csv")
     assert scores.loc[scores["previous"].idxmax(), ["layer", "head"]].tolist() == [0, 0]
     info = json.loads((out / "probe.json").read_text())

@@ -185,7 +185,7 @@ def test_cli_writes_rollout_of_the_example_analyze_picks(gpt2_dir, corpus_file, 
         assert data["sentence"].tolist() == ["Who wrote the letter that was left on the kitchen table?"]
         assert data["index"].tolist() == [4] and data["lengths"].tolist() == [12]
         assert data["rollout"].shape == (1, 3, 12, 12) and data["raw"].shape == (1, 12, 12)
-        assert data["tokens"][0].tolist()[:2] == ["Who", "wrote"]
+        assert data["tokens"][0].tolist()[:2] == ["Who", " wrote"]  # each token's span of the text, space and all
         np.testing.assert_allclose(data["rollout"].sum(axis=-1), 1.0, atol=1e-5)
         np.testing.assert_array_equal(data["raw"][0], data["attention"][0, -1])
         assert float(data["residual"]) == 0.5
