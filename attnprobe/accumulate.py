@@ -57,10 +57,11 @@ class Accumulator:
         self.sums["rows"] = np.zeros(b)  # real query rows per bin
         for category in shape.categories:
             self.sums[f"catcount/{category}"] = np.zeros(shape.layers)  # [layer]
-            self.sums[f"catwcount/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
-            for name in shape.category_scores:
+            for name in shape.category_scores:  # sums over the sentences where the score is defined
                 self.sums[f"catsum/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
+                self.sums[f"catn/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
                 self.sums[f"catwsum/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
+                self.sums[f"catwn/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
 
     def add(
         self, indices: Sequence[int], stats: dict[str, np.ndarray], bins: dict[str, np.ndarray],
@@ -94,10 +95,13 @@ class Accumulator:
                 by_sentence = {name: np.nanmean(stats[name], axis=2) for name in self.shape.category_scores}
             for k, category in enumerate(categories):
                 s[f"catcount/{category}"] += 1.0
-                s[f"catwcount/{category}"] += weights[:, k][:, None]
                 for name, values in by_sentence.items():
-                    s[f"catsum/{name}/{category}"] += values[k]
-                    s[f"catwsum/{name}/{category}"] += np.outer(weights[:, k], values[k])  # [resample, layer]
+                    present = ~np.isnan(values[k])  # [layer]: a one-token sentence has no entropy_norm
+                    value = np.where(present, values[k], 0.0)  # [layer]
+                    s[f"catsum/{name}/{category}"] += value
+                    s[f"catn/{name}/{category}"] += present
+                    s[f"catwsum/{name}/{category}"] += np.outer(weights[:, k], value)  # [resample, layer]
+                    s[f"catwn/{name}/{category}"] += np.outer(weights[:, k], present)  # [resample, layer]
 
     def merge(self, other: Accumulator) -> None:
         for key, value in other.sums.items():
@@ -151,9 +155,9 @@ class Accumulator:
             count = self.sums[f"catcount/{category}"]
             frame = pd.DataFrame({"category": category, "layer": np.arange(self.shape.layers)})
             for name in self.shape.category_scores:
-                resampled = _ratio(self.sums[f"catwsum/{name}/{category}"], self.sums[f"catwcount/{category}"])
+                resampled = _ratio(self.sums[f"catwsum/{name}/{category}"], self.sums[f"catwn/{name}/{category}"])
                 low, high = interval(resampled)
-                frame[name] = _ratio(self.sums[f"catsum/{name}/{category}"], count)
+                frame[name] = _ratio(self.sums[f"catsum/{name}/{category}"], self.sums[f"catn/{name}/{category}"])
                 frame[f"{name}_ci_low"], frame[f"{name}_ci_high"] = low, high
             frame["sentences"] = int(count[0])
             frames.append(frame)

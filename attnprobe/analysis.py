@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__, distributed, kernel
+from attnprobe import __version__, defaults, distributed, kernel
 from attnprobe.accumulate import Accumulator, Shape
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval
 from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus
@@ -39,7 +39,7 @@ EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest
 EXAMPLE_MAX_TOKENS = 40  # and only its first 40 tokens are kept, so plots stay readable
 EXAMPLES = 8  # examples.npz: the example, one sentence per category, then sentences near these lengths
 EXAMPLE_LENGTHS = (6, 20, 30, 9, 16, 40, 3)
-FEW_SENTENCES = 10  # below this many sentences, a bootstrap over sentences gives intervals that mean little
+FEW_SENTENCES = defaults.FEW_SENTENCES
 
 Progress = Callable[[int], None]  # called with the number of sentences just finished
 # called after each batch with its corpus indices, per score [sentence, layer, head], and its sentences
@@ -120,7 +120,7 @@ def analyze_loaded(
         names=(*METRICS, SPECIAL) if scanned.special else METRICS, bin_names=POSITION_METRICS,
         layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(scanned.longest),
         resamples=resamples, seed=seed,
-        categories=tuple(label or UNTAGGED for label in corpus.labels) if corpus.tagged else (),
+        categories=tuple(dict.fromkeys(label or UNTAGGED for label in corpus.labels)) if corpus.tagged else (),
     )
     if checkpointing is not None and keep_per_sentence:
         raise AttnprobeError("keep_per_sentence cannot be resumed from a checkpoint: use one or the other")
@@ -188,7 +188,7 @@ def run_fingerprint(
     """Everything that decides the results of a run: a checkpoint resumes only the same run."""
     return {
         "model": loaded.source, "model_sha256": loaded.origin.get("gguf_sha256"), "dtype": loaded.dtype,
-        "corpus_sha256": corpus.sha256, "sentences": len(corpus), "batch_size": batch_size,
+        "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
         "window": options.window, "block_mib": options.budget_mib, "version": __version__, "processes": processes,
     }
@@ -305,8 +305,16 @@ def measure(
                         raise Stopped(f"stopped after {number} of {total} batches; the checkpoint keeps them")
                     if checkpointing.due():
                         save(number)
-    totals.sums = distributed.merge_sums(world, totals.sums, loaded.device)
-    example_maps = distributed.merge(world, {"maps": example_maps})["maps"]
+    if checkpointing is not None and world.size > 1:
+        save(number)  # a rank done with its shard waits for the others: a stop from now on resumes from here
+    try:
+        totals.sums = distributed.merge_sums(world, totals.sums, loaded.device)
+        example_maps = distributed.merge(world, {"maps": example_maps})["maps"]
+    except RuntimeError as err:  # another rank stopped or died before the merge
+        if checkpointing is None or world.size == 1:
+            raise
+        raise Stopped(f"another process stopped before the results were merged; this one finished its {number} "
+                      "batches and its checkpoint keeps them") from err
     if kept is not None:
         kept = {name: v.cpu().numpy() for name, v in distributed.merge(
             world, {name: torch.from_numpy(v).to(loaded.device) for name, v in kept.items()}).items()}
@@ -704,7 +712,7 @@ def run_info(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": model_record(loaded),
         "corpus": {"path": IN_MEMORY if str(corpus.path) == IN_MEMORY else str(corpus.path.resolve()),
-                   "sha256": corpus.sha256},
+                   "sha256": corpus.sha256, "split": corpus.split},
         "sentences": scanned.sentences,
         "tokens": scanned.tokens,
         "longest_sequence": scanned.longest,

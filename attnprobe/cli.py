@@ -173,6 +173,9 @@ def analyze(
     if max_memory and not device_map:
         raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
     saved = io.checkpoint_name(world.rank, world.size)  # under torchrun every rank saves its own
+    if not resume and (Path(out) / saved).is_file():
+        raise AttnprobeError(f"{Path(out) / saved} holds a stopped run: add --resume to continue it, or delete the "
+                             "file to start again")
     checkpointing = Checkpointing(
         save=lambda state: io.write_files(out, {saved: io.npz_writer(**state.to_arrays())}),
         resume_from=io.read_checkpoint(out, saved) if resume else None, every_seconds=checkpoint_every,
@@ -226,8 +229,9 @@ def analyze(
     stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
     if not per_sentence:
         stale.append(io.SENTENCES_FILE)  # from an earlier run
-    # and what classify, plot, report and compare made from the earlier run
-    stale = [name for name in stale if (Path(out) / name).is_file()] + io.derived_files(out)
+    # and what classify, plot, report and compare made from the earlier run: only in a folder that held one
+    earlier = (Path(out) / io.RUN_FILE).is_file()
+    stale = [name for name in stale if (Path(out) / name).is_file()] + io.derived_files(out) if earlier else []
     written = [*io.write_files(out, files, remove=io.checkpoint_files(out)), *parquet]  # checkpoints: run complete
     io.remove_files(out, stale)
     run = result.run

@@ -35,6 +35,7 @@ from attnprobe import io
 from attnprobe.bootstrap import CONFIDENCE, interval
 from attnprobe.classify import EXTENDED_TYPES, HEAD_TYPES, KV_TYPES
 from attnprobe.classify import classify as default_classify
+from attnprobe.defaults import FEW_SENTENCES
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import head_name
 
@@ -123,6 +124,9 @@ def pairing_obstacles(a: Run, b: Run) -> list[str]:
         found.append(f"the corpora differ (sha256 {str(ca)[:12]} vs {str(cb)[:12]})")
     elif a.info.get("sentences") != b.info.get("sentences"):
         found.append(f"the same file was split into {a.info.get('sentences')} vs {b.info.get('sentences')} sentences")
+    elif a.info["corpus"].get("split", "lines") != b.info["corpus"].get("split", "lines"):
+        found.append(f"the same file was split by {a.info['corpus'].get('split', 'lines')} vs "
+                     f"{b.info['corpus'].get('split', 'lines')}")
     for key, what in (("method", "bootstrap methods"), ("seed", "bootstrap seeds"), ("resamples", "resample counts")):
         if ba.get(key) != bb.get(key) or ba.get(key) is None:
             found.append(f"the {what} differ ({ba.get(key)} vs {bb.get(key)})")
@@ -343,6 +347,9 @@ def compare(
     heads = head_differences(a, b, scores, ia, ib) if same else None
     layers = layer_differences(a, b, scores, ia, ib)
     types, labels_a, labels_b, notes = type_distribution(a, b)
+    few = [f"{which} has only {run.info.get('sentences')} sentences: its intervals mean little, and so do those of "
+           "the differences" for which, run in (("A", a), ("B", b)) if (run.info.get("sentences") or 0) < FEW_SENTENCES]
+    notes = [*few, *notes]
     if heads is not None and labels_a is not None:
         heads.insert(2, "head_type_a", labels_a.to_numpy())
         heads.insert(3, "head_type_b", labels_b.to_numpy())

@@ -13,3 +13,4 @@ STREAMING_MIN_SINK_WINDOW = 0.95  # kv: almost all of a head's mass on the sinks
 SINK_TOKENS = 4  # sink_window: the first S keys (the attention sinks of StreamingLLM)
 WINDOW = 256  # sink_window: the W most recent keys, j > i - W
 BLOCK_MIB = 64  # blocked attention: memory for one block of query rows (small blocks stay in cache)
+FEW_SENTENCES = 10  # below this many sentences, a bootstrap over sentences gives intervals that mean little

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -384,10 +385,15 @@ def checkpoint_name(rank: int = 0, size: int = 1) -> str:
     return CHECKPOINT_FILE if size == 1 else f"checkpoint-rank{rank}-of-{size}.npz"
 
 
+_CHECKPOINT_NAME = re.compile(r"checkpoint(-rank\d+-of-\d+)?\.npz")  # checkpoint_name's: no one else's files
+
+
 def checkpoint_files(out: str | Path) -> list[str]:
     """Every checkpoint in `out`, of one process or of every rank."""
     folder = Path(out)
-    return sorted(p.name for p in folder.glob("checkpoint*.npz")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.glob("checkpoint*.npz") if _CHECKPOINT_NAME.fullmatch(p.name))
 
 
 def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
