@@ -45,7 +45,7 @@ METHODS = ("zero", "mean")
 DECODER_MEASURES = ("loss_change", "kl")  # the first one ranks heads
 ENCODER_MEASURES = ("embedding_change", "hidden_change")
 PRUNING_PERCENTS = tuple(range(0, 101, 10))
-PRUNING_ORDERS = ("ablation", "gradient", "random")
+PRUNING_ORDERS = ("ablation", "kl", "gradient", "random")  # kl: decoders only; ablation and kl: every head ablated
 GRADIENT_PROBES = 8  # encoders: random directions that estimate the norm of the embedding's gradient
 PROJECTIONS = ("self_attn.o_proj", "attn.c_proj", "attention.output.dense")  # Llama family, GPT-2, BERT
 FINAL_NORMS = ("norm", "ln_f", "final_layer_norm")  # after the last block, inside the base model
@@ -628,15 +628,16 @@ def probe_vectors(generator: torch.Generator, size: int, hidden: int) -> Tensor:
 def pruning_orders(
     table: pd.DataFrame, grads: np.ndarray, all_heads: bool, primary: str, seed: int
 ) -> dict[str, list[tuple[int, int]]]:
-    """Heads from least to most important: by the ablation (when every head was ablated), by the
-    gradient, and in a seeded random order."""
+    """Heads from least to most important: by the ablation measure and, for decoders, by the KL (when every
+    head was ablated), by the gradient, and in a seeded random order."""
     layers, heads = grads.shape[1:]
     every = [(layer, head) for layer in range(layers) for head in range(heads)]
     gradient = nanmean(grads)  # [layer, heads]
     orders = {}
-    if all_heads:
-        ranked = table.sort_values([primary, "layer", "head"], kind="stable")
-        orders["ablation"] = list(zip(ranked["layer"].astype(int), ranked["head"].astype(int)))
+    for name, column in (("ablation", primary), ("kl", "kl")):
+        if all_heads and column in table.columns:
+            ranked = table.sort_values([column, "layer", "head"], kind="stable")
+            orders[name] = list(zip(ranked["layer"].astype(int), ranked["head"].astype(int)))
     orders["gradient"] = sorted(every, key=lambda lh: (gradient[lh], lh))
     shuffled = np.random.default_rng([seed, 1]).permutation(len(every))
     orders["random"] = [every[i] for i in shuffled]

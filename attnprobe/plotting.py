@@ -657,7 +657,7 @@ def importance_heatmap_figure(importance: pd.DataFrame, title: str | None = None
     n_layers, n_heads = grid(cells, column).shape
     largest = float(np.nanmax(np.abs(cells[column]))) if cells[column].notna().any() else 0.0
     largest = largest if largest > 0 else 1e-9
-    figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)))
+    figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
     ax = figure.add_subplot()
     heading = "Ablating one head: " + IMPORTANCE_LABELS[column]
     image = draw_head_grid(ax, cells, column, heading, "RdBu_r", vmin=-largest, vmax=largest)

@@ -54,6 +54,7 @@ def main() -> None:
     from attnprobe.analysis import tokenize
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
+    from attnprobe.naming import head_name
 
     loaded = load_model(args.model, "cpu", lm_head=True)
     stack = ab.find_stack(loaded)
@@ -84,7 +85,7 @@ def main() -> None:
 
     per_head = sum(naive)
     estimate = per_head * len(every)
-    heads = ", ".join(f"{layer}.{h[0]}" for layer, h in picks)
+    heads = ", ".join(head_name(layer, h[0]) for layer, h in picks)
     print(f"naive: {len(every)} x {per_head:.2f} s (one pass over the corpus, mean of heads {heads}) = "
           f"{estimate:.1f} s")
     print(f"attnprobe: {ours:.1f} s for all {len(every)} heads ({ours / len(every):.3f} s per head)")
