@@ -408,8 +408,8 @@ def expected_logit(ref: dict[str, Tensor], hidden: Tensor) -> Tensor:
 def reference(stack: Stack, batch: Batch, final: Tensor, causal: bool) -> dict[str, Tensor]:
     """What every ablation of this batch is compared with."""
     if not causal:
-        real = batch.mask.to(final.dtype)[..., None]  # [batch, seq, 1]
-        return {"hidden": final, "pooled": (final * real).sum(1) / real.sum(1)}  # [batch, hidden]
+        real = batch.mask.double()[..., None]  # [batch, seq, 1]
+        return {"hidden": final, "pooled": (final.double() * real).sum(1) / real.sum(1)}  # pooled: [batch, hidden]
     picked = final[batch.predicts]  # [predicted, hidden]
     weight, bias = stack.head.weight, stack.head.bias  # [vocab, hidden], [vocab] or None
     pw, pb = [], []
@@ -446,12 +446,12 @@ def decoder_measures(stack: Stack, batch: Batch, ref: dict[str, Tensor], final: 
 def encoder_measures(batch: Batch, ref: dict[str, Tensor], final: Tensor) -> dict[str, Tensor]:
     """Per copy and sentence: 1 - cosine of the token states (mean over tokens) and of the mean-pooled embedding."""
     size = len(batch.indices)
-    hidden = _wide(final.unflatten(0, (final.shape[0] // size, size)))  # [copies, batch, seq, hidden]
+    hidden = final.unflatten(0, (final.shape[0] // size, size)).double()  # [copies, batch, seq, hidden]
     real = batch.mask.to(hidden.dtype)  # [batch, seq]
-    tokens = 1 - torch.cosine_similarity(hidden, _wide(ref["hidden"])[None], dim=-1)  # [copies, batch, seq]
+    tokens = 1 - torch.cosine_similarity(hidden, ref["hidden"].double()[None], dim=-1)  # [copies, batch, seq]
     pooled = (hidden * real[..., None]).sum(2) / real.sum(1)[:, None]  # [copies, batch, hidden]
     return {
-        "embedding_change": 1 - torch.cosine_similarity(pooled, _wide(ref["pooled"])[None], dim=-1),  # [copies, batch]
+        "embedding_change": 1 - torch.cosine_similarity(pooled, ref["pooled"][None], dim=-1),  # [copies, batch]
         "hidden_change": (tokens * real).sum(-1) / real.sum(-1),  # [copies, batch]
     }
 
