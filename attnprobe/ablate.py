@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from attnprobe import __version__, naming
-from attnprobe.analysis import length_batches, pad_batch, tokenize
+from attnprobe.analysis import check_options, length_batches, pad_batch, tokenize
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
@@ -170,12 +170,7 @@ def check_heads(heads: list[tuple[int, int]] | None, layers: int, per_layer: int
 def check_settings(method: str, batch_size: int, resamples: int, seed: int) -> None:
     if method not in METHODS:
         raise AttnprobeError(f"unknown --method {method!r}: use zero or mean")
-    if batch_size < 1:
-        raise AttnprobeError(f"--batch-size {batch_size} is below 1: use 1 or more (default 8)")
-    if resamples < 1:
-        raise AttnprobeError(f"--resamples {resamples} is below 1: use 1 or more (default {DEFAULT_RESAMPLES})")
-    if seed < 0:
-        raise AttnprobeError(f"--seed {seed} is negative: use 0 or more")
+    check_options(batch_size, resamples, seed)
 
 
 def measure_names(loaded: LoadedModel) -> tuple[str, ...]:

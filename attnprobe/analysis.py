@@ -285,7 +285,7 @@ def measure(
     number = 0  # batches begun, over the whole run
     with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
         for first, window in windows(corpus.stream(), WINDOW_SENTENCES):
-            mine = [k for k in range(len(window)) if (first + k) % world.size == world.rank]  # this rank's shard
+            mine = [i - first for i in world.shard(first + len(window), first)]  # positions in the window
             count = -(-len(mine) // batch_size)
             if number + count <= start:  # done before the checkpoint: skip without tokenizing
                 number += count
@@ -358,8 +358,11 @@ def measure_batch(
                 example_maps[layer] = p[example[0], :, :q, :q].float()  # [head, query, key]
 
         stream_attention(loaded, input_ids, mask, on_map)
-    as_numpy = lambda values: {name: v.cpu().numpy().astype(np.float64) for name, v in values.items()}  # noqa: E731
-    return as_numpy(stats), as_numpy(bins)
+    return _to_numpy(stats), _to_numpy(bins)
+
+
+def _to_numpy(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {name: v.cpu().numpy().astype(np.float64) for name, v in values.items()}
 
 
 def windows(sentences: Iterable[Sentence], size: int) -> Iterator[tuple[int, list[Sentence]]]:
@@ -379,8 +382,7 @@ def batch_count(sentences: int, batch_size: int, world: distributed.World) -> in
     total = 0
     for first in range(0, sentences, WINDOW_SENTENCES):
         end = min(first + WINDOW_SENTENCES, sentences)
-        mine = len(range(first + (world.rank - first) % world.size, end, world.size))  # i % size == rank
-        total += -(-mine // batch_size)
+        total += -(-len(world.shard(end, first)) // batch_size)
     return total
 
 
@@ -411,12 +413,16 @@ def check_options(
 class Tokens:
     ids: list[np.ndarray]  # per sentence, int32, truncated to the model's context
     special: list[np.ndarray]  # per sentence, 1 where the tokenizer added a special token ([CLS], [SEP], BOS)
-    truncated: int  # how many sentences were longer than the context
     cut: list[tuple[int, int]] = field(default_factory=list)  # (line, tokens cut) of each truncated sentence
 
+    @property
+    def truncated(self) -> int:
+        """How many sentences were longer than the context."""
+        return len(self.cut)
+
     def take(self, positions: list[int]) -> Tokens:
-        """The sentences at these positions."""
-        return Tokens([self.ids[k] for k in positions], [self.special[k] for k in positions], 0)
+        """The sentences at these positions (without the record of truncation)."""
+        return Tokens([self.ids[k] for k in positions], [self.special[k] for k in positions])
 
 
 TOKENIZE_CHUNK = 1024  # sentences per tokenizer call: its per-sentence encodings are large, so keep few alive
@@ -449,7 +455,7 @@ def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens
                 cut.append((chunk[k].line, len(full[k]) - len(tokens)))
             ids.append(np.asarray(tokens, dtype=np.int32))
             special.append(np.asarray(flags, dtype=np.int8))
-    return Tokens(ids, special, len(cut), cut)
+    return Tokens(ids, special, cut)
 
 
 @dataclass
@@ -538,10 +544,6 @@ def pad_batch(batch: list[list[int]], device: torch.device) -> tuple[torch.Tenso
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         mask[row, : len(tokens)] = 1
     return input_ids.to(device), mask.to(device)
-
-
-def pick_example(ids: list[list[int]]) -> int:
-    return min(range(len(ids)), key=lambda i: (abs(len(ids[i]) - EXAMPLE_TARGET_TOKENS), i))
 
 
 def token_labels(tokenizer: Any, ids: Any, text: str | None = None) -> list[str]:

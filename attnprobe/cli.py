@@ -31,6 +31,10 @@ out_console = Console()
 err_console = Console(stderr=True)
 
 OutOption = Annotated[Path, typer.Option("--out", help="Results folder (created if missing).")]
+ModelOption = Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")]
+CorpusOption = Annotated[
+    Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
+]
 ResultsOption = Annotated[Path, typer.Option("--out", help="Results folder written by `attnprobe analyze`.")]
 DEFAULT_OUT = Path("outputs")
 DEFAULT_PROBE_OUT = DEFAULT_OUT / "probe"  # its own folder: a probe's files never mix with an analysis's
@@ -109,10 +113,8 @@ def main_options(
 @app.command()
 @friendly_errors
 def analyze(
-    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
-    corpus: Annotated[
-        Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
-    ],
+    model: ModelOption,
+    corpus: CorpusOption,
     out: OutOption = DEFAULT_OUT,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
@@ -544,7 +546,7 @@ def report(out: ResultsOption = DEFAULT_OUT) -> None:
 @app.command()
 @friendly_errors
 def verify(
-    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
+    model: ModelOption,
     corpus: Annotated[
         Path | None, typer.Option("--corpus", "-c", help="Take the sentences from this file (default: 4 built in).")
     ] = None,
@@ -593,7 +595,7 @@ class KindChoice(str, Enum):
 @app.command()
 @friendly_errors
 def probe(
-    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
+    model: ModelOption,
     kind: Annotated[
         list[KindChoice] | None, typer.Option("--kind", "-k", help="Probe to run; repeat for several (default: all).")
     ] = None,
@@ -756,10 +758,8 @@ class MethodChoice(str, Enum):
 @app.command()
 @friendly_errors
 def ablate(
-    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
-    corpus: Annotated[
-        Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
-    ],
+    model: ModelOption,
+    corpus: CorpusOption,
     out: OutOption = DEFAULT_OUT,
     method: Annotated[
         MethodChoice, typer.Option("--method", help="zero: an ablated head outputs 0; mean: its mean over the corpus.")
@@ -867,7 +867,7 @@ def run_title(out: Path, what: str) -> str:
 @app.command()
 @friendly_errors
 def rollout(
-    model: Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")],
+    model: ModelOption,
     corpus: Annotated[
         Path | None, typer.Option("--corpus", "-c", help="Corpus whose example sentence (the one analyze keeps) "
                                   "is rolled out; optional with --example.")

@@ -29,9 +29,9 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def shard(self, n_items: int) -> list[int]:
-        """The corpus indices this rank measures: a fixed, strided assignment."""
-        return list(range(self.rank, n_items, self.size))
+    def shard(self, end: int, first: int = 0) -> list[int]:
+        """This rank's items among first..end-1: those whose index % size == rank (a fixed, strided shard)."""
+        return list(range(first + (self.rank - first) % self.size, end, self.size))
 
     def counts(self, n_items: int) -> list[int]:
         """How many items each rank measures, rank by rank."""

@@ -355,15 +355,21 @@ def _recorded_model(path: Path) -> str | None:
     return model if isinstance(model, str) else None
 
 
+def read_json(out: str | Path, name: str, made_by: str) -> Any:
+    """The JSON file `name` of `out`; say which command makes it when it is missing or unreadable."""
+    path = Path(out) / name
+    if not path.is_file():
+        raise AttnprobeError(f"no {name} in {out}: run `{made_by} --out {out}` first")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}); run `{made_by}` again") from err
+
+
 def read_run(out: str | Path) -> dict[str, Any]:
     """run.json as `analyze` wrote it."""
     path = Path(out) / RUN_FILE
-    if not path.is_file():
-        raise AttnprobeError(f"no {RUN_FILE} in {out}: run `attnprobe analyze --out {out}` first")
-    try:
-        run = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+    run = read_json(out, RUN_FILE, "attnprobe analyze")
     needed = {"model": ("spec", "layers", "heads", "kv_heads", "head_dim"), "attention": ("sink_tokens", "window")}
     for section, keys in needed.items():
         if not isinstance(run.get(section), dict) or any(k not in run[section] for k in keys):
@@ -506,12 +512,7 @@ def read_compare(out: str | Path) -> tuple[dict[str, Any], pd.DataFrame | None, 
     """What `attnprobe compare` wrote into `out`: compare.json, and the heads (or None), layers and types tables."""
     path = Path(out) / COMPARE_RUN_FILE
     made_by = "attnprobe compare OUT_A OUT_B"
-    if not path.is_file():
-        raise AttnprobeError(f"no {COMPARE_RUN_FILE} in {out}: run `{made_by} --out {out}` first")
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AttnprobeError(f"{path} is unreadable ({err}); run `{made_by}` again") from err
+    info = read_json(out, COMPARE_RUN_FILE, made_by)
     if not isinstance(info, dict) or "pairing" not in info or "same_shape" not in info:
         raise AttnprobeError(f"{path} was not made by `{made_by}`: run it again")
     score = info.get("score", "entropy")

@@ -110,7 +110,7 @@ def compare_sections(out: Path) -> list[Section]:
 
 def compare_section(folder: Path) -> Section:
     """The comparison in `folder`: what was compared and how, the heads that changed most, compare.png."""
-    info = json.loads((folder / io.COMPARE_RUN_FILE).read_text(encoding="utf-8"))
+    info = io.read_json(folder, io.COMPARE_RUN_FILE, "attnprobe compare OUT_A OUT_B")
     score = info.get("score", "entropy")
     lines = [f"B - A, A = {info['a']['label']}, B = {info['b']['label']}.", info.get("matching", ""),
              f"{info.get('pairing', '')}: {info.get('pairing_reason', '')}."]

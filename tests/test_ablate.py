@@ -12,29 +12,13 @@ import pandas as pd
 import pytest
 import torch
 from conftest import SENTENCES, bundled_sentences, make_bert, make_gpt2, make_llama
-from typer.testing import CliRunner
+from test_cli import assert_one_line_error, run
 
 from attnprobe import ablate as ab
 from attnprobe.analysis import tokenize
-from attnprobe.cli import app
 from attnprobe.corpus import read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import load_model
-
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("Error: ")
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def make_llama_lm(folder: Path) -> Path:

@@ -7,26 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import SENTENCES, make_llama
-from typer.testing import CliRunner
+from test_cli import assert_one_line_error, run
 
-from attnprobe.cli import app
-
-runner = CliRunner()
 RESAMPLES = "200"  # enough for intervals, quick
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("Error: ")
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def analyze(model, corpus, out, *extra):

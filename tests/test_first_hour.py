@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from conftest import SENTENCES
 from rich.console import Console
+from test_cli import run
 from typer.testing import CliRunner
 
 from attnprobe import cli, sources
@@ -22,10 +23,6 @@ from attnprobe.errors import AttnprobeError
 from attnprobe.model import PROXY_VARIABLES
 
 runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def attnprobe_process(*args, env=None, timeout=120):

@@ -6,14 +6,11 @@ import warnings
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from test_cli import assert_one_line_error, run
 
 from attnprobe import io, naming
 from attnprobe.analysis import token_labels
-from attnprobe.cli import app
 from attnprobe.errors import AttnprobeError
-
-runner = CliRunner()
 
 SCRIPTS = [
     "Привет, как дела у тебя сегодня?",
@@ -24,19 +21,6 @@ SCRIPTS = [
 ]
 CORPUS = ("# category: cyrillic\n" + SCRIPTS[0] + "\nМы пошли домой.\n"
           "# category: mixed\n" + "\n".join(SCRIPTS[1:]) + "\nRain fell.\n")
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("Error: ")
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def byte_level_tokenizer(texts: list[str], *, bos: bool = False):

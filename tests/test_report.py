@@ -12,20 +12,14 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import SENTENCES
-from typer.testing import CliRunner
+from test_cli import assert_one_line_error, run
 
 from attnprobe import io
-from attnprobe.cli import app
 from attnprobe.report import MAP_LEVELS, build_report, decode_maps, encode_maps
 
-runner = CliRunner()
 STEP = 1 / (2 * MAP_LEVELS)  # a stored weight is at most half a step of 1/255 off
 # Where the browser test leaves its screenshot (gitignored); ATTNPROBE_ARTIFACTS moves it.
 ARTIFACTS = Path(os.environ.get("ATTNPROBE_ARTIFACTS", Path(__file__).resolve().parent / "artifacts"))
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def page_data(html: str) -> dict:
@@ -231,14 +225,6 @@ def test_without_head_types_the_default_rule_applies(copy_of):
     page = build_report(copy_of)
     assert page_data(page.html)["scheme"] == "default"
     assert any("no head_types.csv" in note for note in page.notes)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_bad_folders_get_one_line(tmp_path, copy_of):

@@ -3,16 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
+from test_cli import assert_one_line_error, run
 
-from attnprobe.cli import app
 from attnprobe.rollout import BatchRollout, rollout, rollout_batch, rollout_loaded, with_residual
-
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def random_maps(*shape: int, causal: bool = False, seed: int = 0) -> torch.Tensor:
@@ -164,15 +157,6 @@ def test_rollout_figure(gpt2):
     figure = rollout_figure(rollout_loaded(gpt2, TEXTS[:2]), "tiny-gpt2")
     assert len(figure.axes) == 5  # two sentences x (rollout, raw) + the colorbar
     assert "tiny-gpt2" in figure._suptitle.get_text()
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("Error: ")
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_cli_writes_rollout_of_the_example_analyze_picks(gpt2_dir, corpus_file, tmp_path):
