@@ -30,12 +30,26 @@ app = typer.Typer(
 out_console = Console()
 err_console = Console(stderr=True)
 
-OutOption = Annotated[Path, typer.Option("--out", help="Results folder (created if missing).")]
+
+
+def folder(text: str | Path) -> Path:
+    """A folder option's value: an empty one would mean the current folder (and write results there), so it is
+    refused."""
+    if not str(text).strip():
+        raise typer.BadParameter("is empty: name a folder, e.g. --out outputs")
+    return Path(text)
+
+
+OutOption = Annotated[
+    Path, typer.Option("--out", parser=folder, metavar="PATH", help="Results folder (created if missing).")
+]
 ModelOption = Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")]
 CorpusOption = Annotated[
     Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
 ]
-ResultsOption = Annotated[Path, typer.Option("--out", help="Results folder written by `attnprobe analyze`.")]
+ResultsOption = Annotated[
+    Path, typer.Option("--out", parser=folder, metavar="PATH", help="Results folder written by `attnprobe analyze`.")
+]
 DEFAULT_OUT = Path("outputs")
 DEFAULT_PROBE_OUT = DEFAULT_OUT / "probe"  # its own folder: a probe's files never mix with an analysis's
 POSITION_FIGURE = "position_profile.png"
@@ -146,6 +160,10 @@ def analyze(
     checkpoint_every: Annotated[
         float, typer.Option("--checkpoint-every", help="Seconds between checkpoints of a long run.")
     ] = 300.0,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Start afresh even where --out holds a stopped run's checkpoint "
+                           "(it is discarded once this run completes).")
+    ] = False,
     per_sentence: Annotated[
         bool, typer.Option("--per-sentence", help="Also write sentences.parquet: every (sentence, layer, head).")
     ] = False,
@@ -174,10 +192,15 @@ def analyze(
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
     if max_memory and not device_map:
         raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
+    io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     saved = io.checkpoint_name(world.rank, world.size)  # under torchrun every rank saves its own
-    if not resume and (Path(out) / saved).is_file():
-        raise AttnprobeError(f"{Path(out) / saved} holds a stopped run: add --resume to continue it, or delete the "
-                             "file to start again")
+    waiting = io.checkpoint_files(out)  # of this process count or any other
+    if waiting and not resume and not overwrite:
+        raise AttnprobeError(f"{Path(out) / waiting[0]} holds a stopped run: add --resume to continue it (with as "
+                             "many processes as it had), or --overwrite to discard it and start again")
+    if resume and overwrite:
+        raise AttnprobeError("--resume and --overwrite contradict each other: --resume continues the stopped run, "
+                             "--overwrite discards it; pass one")
     checkpointing = Checkpointing(
         save=lambda state: io.write_files(out, {saved: io.npz_writer(**state.to_arrays())}),
         resume_from=io.read_checkpoint(out, saved) if resume else None, every_seconds=checkpoint_every,
@@ -599,7 +622,7 @@ def probe(
     kind: Annotated[
         list[KindChoice] | None, typer.Option("--kind", "-k", help="Probe to run; repeat for several (default: all).")
     ] = None,
-    out: Annotated[Path, typer.Option("--out", help="Results folder (created if missing).")] = DEFAULT_PROBE_OUT,
+    out: OutOption = DEFAULT_PROBE_OUT,
     lengths: Annotated[str, typer.Option(help="Lengths of the random half, comma-separated.")] = "10,20,40",
     sequences: Annotated[int, typer.Option(help="Random sequences per length.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of the random tokens and of the bootstrap.")] = 0,
@@ -653,11 +676,15 @@ def probe(
 @friendly_errors
 def compare(
     out_a: Annotated[
-        Path, typer.Argument(help="Results folder A, the baseline (written by `attnprobe analyze`).", metavar="OUT_A")
+        Path, typer.Argument(parser=folder, metavar="OUT_A",
+                             help="Results folder A, the baseline (written by `attnprobe analyze`).")
     ],
-    out_b: Annotated[Path, typer.Argument(help="Results folder B: every difference is B - A.", metavar="OUT_B")],
+    out_b: Annotated[
+        Path, typer.Argument(parser=folder, metavar="OUT_B", help="Results folder B: every difference is B - A.")
+    ],
     out: Annotated[
-        Path | None, typer.Option("--out", help="Where compare_*.csv, compare.json and compare.png go "
+        Path | None, typer.Option("--out", parser=folder, metavar="PATH",
+                                  help="Where compare_*.csv, compare.json and compare.png go "
                                   "(default: OUT_B/compare).")
     ] = None,
     score: Annotated[str, typer.Option("--score", help="The score printed and drawn (every score is written).")] = (
@@ -787,6 +814,7 @@ def ablate(
     check_settings(method.value, batch_size, resamples, seed)
     chosen = parse_heads(heads)
     io.check_out_dir(out)
+    io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     sentences = read_corpus(corpus)
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value, dtype.value, lm_head=True)
@@ -902,6 +930,7 @@ def rollout(
     if max_tokens is not None and max_tokens < 1:
         raise AttnprobeError(f"--max-tokens {max_tokens} is below 1: use 1 or more (default 40)")
     io.check_out_dir(out)
+    io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     sentences = read_corpus(corpus) if corpus is not None else None
     check_choice(sentences, index, example)
     with loading(model) as on_status:

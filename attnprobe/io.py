@@ -72,6 +72,35 @@ def check_out_dir(out: str | Path) -> Path:
     return out
 
 
+def is_result_name(name: str) -> bool:
+    """Whether attnprobe writes or removes a file of this name (relative to a results folder) in some command."""
+    fixed = {HEADS_FILE, LAYERS_FILE, RUN_FILE, EXAMPLE_FILE, EXAMPLES_FILE, REPORT_FILE, TYPES_FILE, CATEGORIES_FILE,
+             PROBE_FILE, PROBE_RUN_FILE, PROBE_FIGURE, POSITIONS_FILE, SENTENCES_FILE, KV_CACHE_FILE, RESAMPLES_FILE,
+             IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
+             IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE}
+    fixed |= {f"{stem}.{suffix}" for stem in PLOT_FIGURES for suffix in FIGURE_FORMATS}
+    fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
+    fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,
+                                                       COMPARE_RUN_FILE, COMPARE_FIGURE)}
+    return name in fixed or bool(_CHECKPOINT_NAME.fullmatch(name))
+
+
+def check_inputs_apart(out: str | Path, inputs: dict[str, str | Path | None]) -> None:
+    """Refuse a run whose results folder holds one of its inputs (option -> path) under a name attnprobe writes
+    or removes there: the results would replace it. Checked as given and through symlinks."""
+    folders = {Path(os.path.abspath(out)), Path(out).resolve()}
+    for option, given in inputs.items():
+        if given is None or not str(given) or not Path(given).exists():
+            continue
+        for path in {Path(os.path.abspath(given)), Path(given).resolve()}:
+            for folder in folders:
+                if path.is_relative_to(folder) and is_result_name(path.relative_to(folder).as_posix()):
+                    raise AttnprobeError(
+                        f"{option} {given} would be overwritten: it is in --out {out} under the name of a result "
+                        f"file ({path.relative_to(folder).as_posix()}); move it, or pass another --out"
+                    )
+
+
 def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[str] = ()) -> list[Path]:
     """Write every file to a temporary name, then rename them all into place.
 

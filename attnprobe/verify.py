@@ -155,7 +155,7 @@ def eager_equals_sdpa(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> C
     return Check(name, worst, tolerance, f"|output| <= {scale:.3g}")
 
 
-STATS_TOLERANCE = 2e-6  # blocked vs eager statistics, relative above 1
+STATS_TOLERANCE = 1e-5  # blocked vs eager statistics, relative above 1: float32's bound through the layers
 
 
 def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> list[Check]:
@@ -163,9 +163,10 @@ def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -
 
     The block size is chosen not to divide the length, so that a block border falls mid-sequence.
     Differences are relative for values above 1 (distance is in tokens). Per-sentence statistics must
-    agree to 2e-6: the block products sum in another order, and that float32 rounding (1e-7) carries
-    through the layers (1.2e-6 on SmolLM2's 30 layers; under 1e-6 on the test models). Position bins,
-    whose mean can rest on a single row, to 1e-5.
+    agree to 1e-5: the block products sum in another order, and that float32 rounding (1e-7) carries
+    through the layers (1.2e-6 on SmolLM2's 30 layers here; other CPUs round differently), so the bound is
+    float32's through several layers, not one machine's digits. Position bins, whose mean can rest on a
+    single row, to 1e-5 as well.
     """
     names = ("blocked statistics = eager", "blocked position bins = eager")
     reason = kernel.unsupported(loaded)

@@ -167,8 +167,8 @@ def test_ablating_every_head_of_a_layer_equals_the_layer_ablation(model, corpus,
     batches = ab.make_batches(loaded, ids, 3)
     with ab.fast_attention(loaded.model), torch.inference_mode():
         pruned = ab.prune_passes(loaded, stack, batches, [mask], ab.zero_fill(loaded, stack))
-    np.testing.assert_allclose(pruned["loss_change"][:, 0], values["loss_change"][:, 0], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(pruned["kl"][:, 0], values["kl"][:, 0], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(pruned["loss_change"][:, 0], values["loss_change"][:, 0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(pruned["kl"][:, 0], values["kl"][:, 0], rtol=0, atol=1e-5)
 
 
 def test_the_layers_option_adds_one_row_per_layer_equal_to_all_its_heads(gpt2_lm, corpus):
@@ -176,7 +176,7 @@ def test_the_layers_option_adds_one_row_per_layer_equal_to_all_its_heads(gpt2_lm
     assert list(result.layers["layer"]) == [0, 1, 2]
     every = [(1, tuple(range(gpt2_lm.num_heads)))]
     values, _ = measured(gpt2_lm, corpus, every, batch_size=8)
-    assert result.layers.loc[1, "loss_change"] == pytest.approx(np.nanmean(values["loss_change"][:, 0]), abs=1e-6)
+    assert result.layers.loc[1, "loss_change"] == pytest.approx(np.nanmean(values["loss_change"][:, 0]), abs=1e-5)
     assert len(result.heads) == 1 and result.pruning is None
 
 
@@ -186,9 +186,12 @@ def test_a_head_with_a_zero_projection_has_importance_zero_and_kl_zero(gpt2_lm, 
     with edited(weight, lambda w: w[where].zero_()):
         result = ab.ablate_loaded(gpt2_lm, corpus, resamples=50, pruning=False)
     row = result.heads.set_index(["layer", "head"]).loc[(1, 2)]
+    # The gradient through a zero weight slice is 0 exactly (0 times a finite number) on any CPU. The loss and the
+    # KL come from two forward passes, the ablated one resumed from a stored layer: equal only to float32's bound
+    # (a loss of ~5 nats to 1e-5; the KL, first-order zero, to 1e-6; AMD EPYC gives KL 1.5e-10).
     assert row["gradient_importance"] == 0.0
-    assert row["kl"] == 0.0 and row["kl_ci_low"] == 0.0 and row["kl_ci_high"] == 0.0
-    assert row["loss_change"] == 0.0
+    assert max(abs(row["kl"]), abs(row["kl_ci_low"]), abs(row["kl_ci_high"])) <= 1e-6
+    assert abs(row["loss_change"]) <= 1e-5
     others = result.heads.drop(result.heads.index[(result.heads["layer"] == 1) & (result.heads["head"] == 2)])
     assert (others["gradient_importance"] > 0).all() and (others["kl"] > 0).all()
 
@@ -208,7 +211,7 @@ def test_reusing_the_lower_layers_equals_full_recomputation(model, method, corpu
     one_at_a_time, _ = measured(loaded, corpus, targets, method=method, group=1, batch_size=1)
     for name in reused:
         assert not np.isnan(reused[name]).any()
-        np.testing.assert_allclose(reused[name], full[name], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(reused[name], full[name], rtol=0, atol=1e-5)
         np.testing.assert_allclose(reused[name], one_at_a_time[name], rtol=0, atol=1e-5)
 
 
@@ -317,7 +320,7 @@ def test_minilm_ablation(minilm, tmp_path):
     assert -1 <= result.run["spearman"] <= 1 and not result.run["model"]["causal"]
     curve = result.pruning
     assert set(curve["order"]) == {"ablation", "gradient", "random"}
-    assert curve.loc[curve["percent"] == 0, "embedding_change"].abs().max() < 1e-6
+    assert curve.loc[curve["percent"] == 0, "embedding_change"].abs().max() < 1e-5
     everything = curve.loc[curve["percent"] == 100, "embedding_change"]
     assert everything.nunique() == 1 and everything.iloc[0] > heads["embedding_change"].max()
     assert (result.layers["embedding_change"] > 0).all()

@@ -92,7 +92,7 @@ def test_a_planted_change_is_found_paired(runs):
     row = heads.set_index(["layer", "head"]).loc[(0, 1)]
     assert row["entropy_diff"] > 0.1 and row["entropy_diff_ci_low"] > 0  # uniform attention is more diffuse
     layer0 = heads[(heads["layer"] == 0) & (heads["head"] != 1)]
-    assert np.allclose(layer0["entropy_diff"], 0.0, atol=1e-6)  # layer 0's other heads read the same input
+    assert np.allclose(layer0["entropy_diff"], 0.0, atol=1e-5)  # layer 0's other heads read the same input
     assert info["top"][0]["name"] == "L0H1" and info["top"][0]["ci"][0] > 0
     first_row = next(line for line in result.stdout.splitlines() if "L" in line and "H" in line and "│" in line)
     assert "L0H1" in first_row

@@ -56,12 +56,12 @@ def test_two_processes_equal_one(gpt2_dir, tmp_path):
         assert list(one.columns) == list(other.columns)
         numbers = one.select_dtypes("number").columns
         assert (one[numbers].isna() == other[numbers].isna()).all().all(), name
-        np.testing.assert_allclose(other[numbers], one[numbers], atol=1e-6, rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(other[numbers], one[numbers], atol=1e-5, rtol=1e-5, err_msg=name)
     run = json.loads((tmp_path / "two" / "run.json").read_text())
     assert run["distributed"] == {"world_size": 2, "sentences_per_rank": [4, 4]}
     assert run["sentences"] == len(SENTENCES)
     maps = [np.load(tmp_path / d / "example_attention.npz")["maps"] for d in ("one", "two")]
-    np.testing.assert_allclose(maps[1], maps[0], atol=1e-6)
+    np.testing.assert_allclose(maps[1], maps[0], atol=1e-5)
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "attnprobe"]
@@ -81,7 +81,7 @@ def test_two_processes_write_the_per_sentence_rows_of_one(gpt2_dir, tmp_path):
     tables = [read_sentences(tmp_path / out).read().to_pandas().sort_values(["sentence", "layer", "head"])
               .reset_index(drop=True) for out in ("one", "two")]
     assert len(tables[1]) == len(SENTENCES) * 3 * 4
-    pd.testing.assert_frame_equal(tables[1], tables[0], atol=1e-6)
+    pd.testing.assert_frame_equal(tables[1], tables[0], atol=1e-5)
     assert not list((tmp_path / "two").glob(".*part")) and not list((tmp_path / "two").glob(".*tmp"))
 
 

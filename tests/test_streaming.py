@@ -69,11 +69,11 @@ def test_small_windows_give_the_results_of_one_window(gpt2_dir, tagged, monkeypa
     monkeypatch.setattr(analysis, "WINDOW_SENTENCES", 3)
     windowed = analyze_loaded(loaded, corpus, batch_size=2, resamples=50, keep_per_sentence=True)
     # the same sentences' values: batches differ only in padding, so equal to float32 rounding
-    np.testing.assert_allclose(windowed.per_sentence["entropy"], whole.per_sentence["entropy"], atol=1e-6)
-    pd.testing.assert_frame_equal(windowed.heads, whole.heads, atol=1e-6)
-    pd.testing.assert_frame_equal(windowed.categories, whole.categories, atol=1e-6)
-    pd.testing.assert_frame_equal(windowed.positions, whole.positions, atol=1e-6)
-    np.testing.assert_allclose(windowed.example["maps"], whole.example["maps"], atol=1e-6)
+    np.testing.assert_allclose(windowed.per_sentence["entropy"], whole.per_sentence["entropy"], atol=1e-5)
+    pd.testing.assert_frame_equal(windowed.heads, whole.heads, atol=1e-5)
+    pd.testing.assert_frame_equal(windowed.categories, whole.categories, atol=1e-5)
+    pd.testing.assert_frame_equal(windowed.positions, whole.positions, atol=1e-5)
+    np.testing.assert_allclose(windowed.example["maps"], whole.example["maps"], atol=1e-5)
     assert windowed.run["example_sentence"] == whole.run["example_sentence"]
     assert windowed.run["tokens"] == whole.run["tokens"] and windowed.run["sentences"] == len(corpus)
 
@@ -120,5 +120,5 @@ def test_examples_span_categories_and_lengths_and_match_each_sentence_alone(gpt2
         alone = tmp_path / f"alone{example['index']}.txt"
         alone.write_text(example["sentence"] + "\n", encoding="utf-8")
         single = analyze_loaded(loaded, read_corpus(alone), batch_size=1, resamples=5)
-        np.testing.assert_allclose(example["maps"], single.example["maps"], atol=1e-6)
+        np.testing.assert_allclose(example["maps"], single.example["maps"], atol=1e-5)
         assert example["tokens"] == single.example["tokens"]
