@@ -140,8 +140,10 @@ def analyze_loaded(
     run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(scanned.sentences)}
     run["attention"] = {
         "requested": options.attention, "path": measured.path, "block_budget_mib": options.budget_mib,
-        "sink_tokens": options.sink, "window": options.window,
+        "sink_tokens": options.sink, "window": options.window, "features": kernel.discover(loaded).record(),
     }
+    if measured.path == "eager" and options.attention == "auto":
+        run["attention"]["why_eager"] = kernel.unsupported(loaded)
     run["summary"] = summary
     run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
                         "method": "poisson"}
@@ -351,8 +353,10 @@ def measure_batch(
         kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
                          budget_mib=options.budget_mib, block_rows=options.block_rows, example=example)
     else:
+        spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
+
         def on_map(layer: int, p: torch.Tensor) -> None:
-            store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k))
+            store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k, spans[layer]))
             if example is not None:
                 q = example[1]
                 example_maps[layer] = p[example[0], :, :q, :q].float()  # [head, query, key]

@@ -5,16 +5,25 @@ It is registered with transformers' `AttentionInterface` (and a mask function wi
 and the padding mask, and for each block of query rows computes the scores against the keys the
 block may see, masks them, takes the softmax in float32, folds the block's row statistics into
 per-sentence sums, and multiplies the block by the values. No [n, n] map exists anywhere: peak extra
-memory is one block, sized from a memory budget. Anything the function does not implement (sliding
-windows, soft-capping, learned sinks, a KV cache, ...) is refused with one line, never approximated.
+memory is one block, sized from a memory budget.
+
+The function grows by features, never by model names. It implements grouped- and multi-query heads,
+the model's own `scaling`, sliding-window (local) attention, causal or bidirectional (a windowed block
+computes only the keys inside its window), attention-logit soft-capping (`softcap`) and learned
+attention sinks (`s_aux`). The mask is read from the mask function transformers hands over: it is
+evaluated on probe positions and must be causal, bidirectional, or either within a window, or it is
+refused. Every other argument a model passes is refused by name when it is set, with one line, never
+approximated; `discover` runs a two-token pass to learn each layer's features before a run.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,28 +35,38 @@ from attnprobe.metrics import RECENT_WINDOW, SINK_TOKENS, SentenceSums, block_ro
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs
 
 NAME = "attnprobe_stats"
-SUPPORTED = ("gpt2", "llama", "bert")  # model types whose eager attention this function reproduces
 DEFAULT_BUDGET_MIB = defaults.BLOCK_MIB
 TEMPORARIES = 6  # float32 tensors of a block's size alive at once: scores, softmax, statistics' temporaries
 
-# Settings a model may pass to its attention function that change the result; none is implemented.
-REFUSED_KWARGS = {
-    "sliding_window": "sliding-window attention",
-    "softcap": "attention logit soft-capping",
-    "s_aux": "learned attention sinks (s_aux)",
-    "sinks": "learned attention sinks",
-    "position_bias": "an additive position bias (ALiBi, T5)",
-    "alibi": "ALiBi position biases",
-}
-# Config fields that make a supported architecture compute something else.
-REFUSED_CONFIG = {
-    "sliding_window": "sliding-window attention",
-    "attn_logit_softcapping": "attention logit soft-capping",
-    "reorder_and_upcast_attn": "GPT-2's reorder_and_upcast_attn",
-    "alibi": "ALiBi position biases",
-}
+# Arguments a model may pass to its attention function that change nothing here (when unset, or always).
+HARMLESS_KWARGS = {"position_ids", "use_cache", "deterministic", "output_attentions", "cache_position",
+                   "is_causal", "layer_idx"}  # position_ids: packed sequences would show in the mask, which is probed
+IMPLEMENTED_KWARGS = {"sliding_window", "softcap", "s_aux", "sinks"}  # read by layer_features
+# Config fields that change a model's attention without reaching the attention function.
+REFUSED_CONFIG = {"reorder_and_upcast_attn": "GPT-2's reorder_and_upcast_attn"}
 
 LayerSums = Callable[[int, SentenceSums, Tensor | None], None]  # layer, sums, example maps [head, q, k] or None
+
+
+class Unsupported(AttnprobeError):
+    """A feature the statistics attention does not implement; `feature` names it."""
+
+    def __init__(self, feature: str) -> None:
+        super().__init__(f"attnprobe's statistics attention does not implement {feature}: use --attention eager")
+        self.feature = feature
+
+
+@dataclass(frozen=True)
+class LayerFeatures:
+    """What one layer's attention computes, as its attention call and its mask show it."""
+
+    causal: bool
+    span: int | None  # attention window: causal i - span < j <= i, bidirectional |i - j| <= span; None: all keys
+    softcap: float | None  # scores -> softcap * tanh(scores / softcap)
+    sinks: bool  # a learned sink logit per head joins the softmax (s_aux)
+    groups: int  # query heads per key/value head (1: multi-head; heads: multi-query)
+    scale: float  # of the scores: 1/sqrt(head size), or the model's own (`scaling`)
+    own_scale: bool = False  # the model's scale is not 1/sqrt(head size) (Gemma's query_pre_attn_scalar, OPT)
 
 
 @dataclass
@@ -64,54 +83,240 @@ class Batch:
     block_rows: int | None  # fixed block size, overriding the budget (tests)
     example: tuple[int, int] | None  # (row in the batch, tokens kept) whose maps to hand back
     on_layer: LayerSums
+    features: dict[int, LayerFeatures] = field(default_factory=dict)  # filled as the layers run
+    discovering: list[str] | None = None  # discover(): collect what is not implemented instead of refusing
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
 
 
+@dataclass(frozen=True)
+class Discovery:
+    """Whether the statistics attention runs a model exactly; per layer, what it computes."""
+
+    features: tuple[LayerFeatures, ...] | None  # None where the model's attention could not be read
+    reason: str | None  # the first feature not implemented; None when blocked attention applies
+    kv_heads: int = 0  # key/value heads per layer
+
+    def spans(self, layers: int) -> list[int | None]:
+        """Each layer's attention window (None: every key), for the eager path's counts too."""
+        return [f.span for f in self.features] if self.features else [None] * layers
+
+    def record(self) -> dict[str, Any]:
+        """The features used, for run.json: what varies by layer is listed by layer."""
+        if not self.features:
+            return {}
+        windows = sorted({f.span for f in self.features if f.span is not None})
+        groups = self.features[0].groups
+        return {
+            "causal": self.features[0].causal,
+            "query_heads_per_kv_head": groups,
+            "sliding_window": {str(w): [k for k, f in enumerate(self.features) if f.span == w] for w in windows}
+            or None,
+            "softcap": next((f.softcap for f in self.features if f.softcap is not None), None),
+            "attention_sinks": any(f.sinks for f in self.features),
+            "scale": sorted({f.scale for f in self.features}),
+        }
+
+    def labels(self) -> list[str]:
+        """Short names of the features beyond plain multi-head attention (the README's table)."""
+        if not self.features:
+            return []
+        first = self.features[0]
+        out = []
+        if first.groups > 1:
+            out.append("MQA" if self.kv_heads == 1 else "GQA")
+        if any(f.span is not None for f in self.features):
+            out.append("window" if all(f.span is not None for f in self.features) else "window (some layers)")
+        if any(f.softcap is not None for f in self.features):
+            out.append("soft-cap")
+        if any(f.sinks for f in self.features):
+            out.append("sinks")
+        if any(f.own_scale for f in self.features):
+            out.append("own scale")
+        return out
+
+
+_DISCOVERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Discovery
+
+
+def discover(loaded: LoadedModel) -> Discovery:
+    """Run two tokens through the model under the statistics attention, and learn from each layer's call and
+    mask what it computes, or the first thing it does that the function does not implement (cached)."""
+    model = loaded.model
+    if model in _DISCOVERED:
+        return _DISCOVERED[model]
+    reason = _config_reason(loaded)
+    found = Discovery(None, reason)
+    if reason is None:
+        found = _discover(loaded)
+    _DISCOVERED[model] = found
+    return found
+
+
 def unsupported(loaded: LoadedModel) -> str | None:
     """Why the statistics function cannot run this model exactly, or None when it can."""
+    return discover(loaded).reason
+
+
+def _config_reason(loaded: LoadedModel) -> str | None:
     model, config = loaded.model, loaded.model.config
-    model_type = getattr(config, "model_type", "?")
-    if model_type not in SUPPORTED:
-        return f"the {model_type} architecture (supported: {', '.join(SUPPORTED)})"
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
-        return f"{type(model).__name__}, which does not route its attention through AttentionInterface"
+        return (f"{type(model).__name__}, which computes its attention itself instead of through transformers' "
+                "AttentionInterface")
     for key, feature in REFUSED_CONFIG.items():
         if getattr(config, key, None):
             return f"{feature} ({key}={getattr(config, key)!r})"
-    if model_type in ("gpt2", "llama") and getattr(config, "is_causal", None) is False:
-        return "a bidirectional mask on a causal architecture (is_causal=False)"
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - {"full_attention"}:
-        return f"layer types {sorted(layer_types)} (only full attention is implemented)"
     return None
 
 
-def block_size(batch: int, heads: int, keys: int, budget_bytes: int) -> int:
-    """Query rows per block so that a block's temporaries fit the budget; at least 1."""
-    per_row = batch * heads * keys * 4 * TEMPORARIES
-    return max(1, budget_bytes // max(per_row, 1))
+def _discover(loaded: LoadedModel) -> Discovery:
+    vocab = int(getattr(loaded.model.config, "vocab_size", 2) or 2)
+    ids = torch.tensor([[1 % vocab, 2 % vocab]], device=loaded.device)  # [1, 2]
+    problems: list[str] = []
+    features: dict[int, LayerFeatures] = {}
+
+    def keep(_layer: int, _sums: SentenceSums, _maps: Tensor | None) -> None:
+        pass
+
+    try:
+        with _switched(loaded):
+            run_batch(loaded, ids, torch.ones_like(ids), keep, discovering=problems, features=features)
+    except Unsupported as err:
+        problems.append(err.feature)
+    except AttnprobeError as err:
+        problems.append(str(err).split(": use --attention")[0])
+    layers = len(attention_modules(loaded.model))
+    complete = len(features) == layers
+    return Discovery(tuple(features[k] for k in range(layers)) if complete else None,
+                     problems[0] if problems else None, loaded.num_kv_heads)
+
+
+def block_size(batch: int, heads: int, keys: int, budget_bytes: int, extra: int | None = None) -> int:
+    """Query rows per block so that a block's temporaries fit the budget; at least 1.
+
+    A block sees `keys` keys, or, in a windowed layer, its own rows plus `extra` more (then r (r + extra) must fit).
+    """
+    unit = batch * heads * 4 * TEMPORARIES  # bytes per (row, key)
+    if extra is None:
+        return max(1, budget_bytes // max(unit * keys, 1))
+    cells = budget_bytes // max(unit, 1)  # r * (r + extra) <= cells
+    rows = int((-extra + math.sqrt(extra * extra + 4 * cells)) / 2)
+    return max(1, min(rows, keys))
+
+
+def window_reach(causal: bool, span: int | None) -> tuple[int, int]:
+    """How far before and after its own position a row of a windowed layer sees."""
+    if span is None:
+        raise ValueError("no window")
+    return (span - 1, 0) if causal else (span, span)
+
+
+def block_keys(q0: int, q1: int, n: int, causal: bool, span: int | None) -> tuple[int, int]:
+    """The keys [k0, k1) the query rows [q0, q1) may see."""
+    k1 = q1 if causal else n
+    if span is None:
+        return 0, k1
+    before, after = window_reach(causal, span)
+    return max(0, q0 - before), min(k1, q1 + after) if not causal else k1
+
+
+def probe_mask(mask_function: Callable | None, span: int | None) -> tuple[bool, int | None]:
+    """(causal, window) of a transformers mask function, read by evaluating it on probe positions.
+
+    Accepted: causal (j <= i), bidirectional, and either within a window of `span` (the `local_size`
+    transformers passes with it). Anything else (chunked, packed, image-token or custom masks) is refused.
+    """
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    if mask_function in (causal_mask_function, None):
+        return True, None
+    if mask_function is bidirectional_mask_function:
+        return False, None
+    w = span or 0
+    points = sorted({*range(6), *(x for base in (w, 2 * w) for x in range(base - 2, base + 3) if x >= 0)})
+    grid = torch.tensor(points)  # [m]
+    q, k = grid[:, None], grid[None, :]  # [m, 1], [1, m]
+    zero = torch.zeros_like(q)
+    try:
+        got = torch.as_tensor(mask_function(zero, zero, q, k)).bool().expand(len(points), len(points))  # [m, m]
+    except Exception as err:  # a mask function that needs more than positions (padding, token types, ...)
+        raise Unsupported(f"a custom attention mask ({type(err).__name__} when probed)") from None
+    candidates = [(True, None), (False, None)] + ([(True, span), (False, span)] if span else [])
+    for causal, window in candidates:
+        expected = (k <= q) if causal else torch.ones_like(got)
+        if window is not None:
+            expected = expected & ((k > q - window) if causal else ((q - k).abs() <= window))
+        if torch.equal(got, expected.expand_as(got)):
+            return causal, window
+    raise Unsupported("this model's attention mask (chunked, packed or custom: neither causal nor bidirectional, "
+                      "with or without a sliding window)")
 
 
 def stats_mask(
     batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-    mask_function: Callable | None = None, attention_mask: Tensor | None = None, **_: Any,
-) -> Tensor | None:
-    """The mask handed to the attention function: the [batch, key] padding mask, never [n, n]."""
-    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
-
-    if mask_function not in (causal_mask_function, bidirectional_mask_function, None):
-        raise AttnprobeError(
-            "this model asks for a custom attention mask (sliding window, chunked or packed attention), "
-            "which attnprobe's statistics attention does not implement: use --attention eager"
-        )
+    mask_function: Callable | None = None, attention_mask: Tensor | None = None, local_size: int | None = None,
+    device: Any = None, **_: Any,
+) -> Tensor:
+    """The mask handed to the attention function: the [batch, key] padding mask, never [n, n], tagged with what
+    the mask function asks for (`attnprobe_mask`: causal, window)."""
     if q_offset or kv_offset or q_length != kv_length:
-        raise AttnprobeError("attnprobe's statistics attention runs without a KV cache: pass use_cache=False")
+        raise Unsupported("a KV cache (pass use_cache=False)")
+    shape = probe_mask(mask_function, local_size)
     if attention_mask is None:
-        return None
-    return attention_mask[:, -kv_length:].bool()  # [batch, key]
+        real = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)  # [batch, key]
+    else:
+        real = attention_mask[:, -kv_length:].bool()  # [batch, key]
+    real.attnprobe_mask = shape
+    return real
+
+
+def layer_features(
+    module: nn.Module, query: Tensor, key: Tensor, mask: Tensor | None, scaling: float | None, dropout: float,
+    kwargs: dict[str, Any], problems: list[str] | None,
+) -> tuple[LayerFeatures, Tensor | None]:
+    """What this attention call asks for, and the learned sink logits [head] if any; refuse what is not
+    implemented (or, while discovering, note it in `problems`)."""
+    def refuse(feature: str) -> None:
+        if problems is None:
+            raise Unsupported(feature)
+        problems.append(feature)
+
+    shape = getattr(mask, "attnprobe_mask", None)
+    if shape is None:
+        refuse("an attention mask that did not come from attnprobe's mask function (the model edits or builds "
+               "its own mask)")
+        shape = (bool(getattr(module, "is_causal", True)), None)
+    causal, span = shape
+    if kwargs.get("sliding_window") is not None and span is None:
+        refuse(f"a sliding window of {kwargs['sliding_window']} that its attention mask does not apply")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.numel() != query.shape[1]):
+        refuse("attention sinks that are not one logit per head")
+        sinks = None
+    softcap = kwargs.get("softcap")
+    standard = query.shape[-1] ** -0.5
+    if kwargs.get("encoder_hidden_states") is not None:
+        refuse("cross-attention (encoder_hidden_states)")
+    for name, value in kwargs.items():
+        if value is None or value is False or name in HARMLESS_KWARGS or name in IMPLEMENTED_KWARGS:
+            continue
+        refuse(f"the attention argument {name}={_short(value)}")
+    if dropout:
+        refuse("attention dropout (the model is training: call model.eval())")
+    if query.shape[1] % key.shape[1]:
+        refuse(f"{query.shape[1]} query heads over {key.shape[1]} key/value heads")
+    features = LayerFeatures(causal=causal, span=span, softcap=None if softcap is None else float(softcap),
+                             sinks=sinks is not None, groups=query.shape[1] // max(key.shape[1], 1),
+                             scale=float(standard if scaling is None else scaling),
+                             own_scale=scaling is not None and not math.isclose(scaling, standard, rel_tol=1e-6))
+    return features, sinks
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, Tensor) else f"a tensor of shape {tuple(value.shape)}"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def stats_attention(
@@ -119,19 +324,16 @@ def stats_attention(
     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Eager attention, block by block; statistics go to the active batch. Returns (output, None)."""
-    for name, feature in REFUSED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise AttnprobeError(f"this model uses {feature}, which attnprobe's statistics attention does not "
-                                 "implement: use --attention eager")
-    if dropout:
-        raise AttnprobeError("attention dropout is on (the model is training): call model.eval()")
     batch_info = _ACTIVE.get()
     if batch_info is None:
         raise AttnprobeError("attnprobe's statistics attention runs only inside attnprobe.kernel.run_batch")
+    features, sinks = layer_features(module, query, key, attention_mask, scaling, dropout, kwargs,
+                                     batch_info.discovering)
     layer = batch_info.layers[id(module)]
-    causal = bool(getattr(module, "is_causal", True))
-    sums, example, output = attend(query, key, value, attention_mask, scaling, causal, batch_info,
-                                   need_output=layer != batch_info.last_layer)
+    batch_info.features[layer] = features
+    sums, example, output = attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
+                                   need_output=layer != batch_info.last_layer, span=features.span,
+                                   softcap=features.softcap, sinks=sinks)
     batch_info.on_layer(layer, sums, example)
     if layer == batch_info.last_layer:
         raise LastLayerDone  # nothing after the last attention can change a statistic
@@ -140,9 +342,14 @@ def stats_attention(
 
 def attend(
     query: Tensor, key: Tensor, value: Tensor, padding: Tensor | None, scaling: float | None, causal: bool,
-    info: Batch, need_output: bool = True,
+    info: Batch, need_output: bool = True, span: int | None = None, softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[SentenceSums, Tensor | None, Tensor]:
-    """The exact eager attention output [batch, query, head, dim] and the statistics of every row."""
+    """The exact eager attention output [batch, query, head, dim] and the statistics of every row.
+
+    `span`: the layer's attention window (None: every key); `softcap`: scores -> softcap * tanh(scores /
+    softcap); `sinks` [head]: a learned logit per head that joins each row's softmax and takes its share.
+    """
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads  # query heads sharing one KV head (grouped-query attention)
@@ -154,59 +361,79 @@ def attend(
     lengths = real.sum(dim=-1)  # [batch]: right padding
     keys_t = key.transpose(-1, -2)  # [batch, kv_head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
-    rows = info.block_rows or block_size(batch, heads, n, info.budget_bytes)
+    extra = None if span is None else sum(window_reach(causal, span))
+    rows = info.block_rows or block_size(batch, heads, n, info.budget_bytes, extra)
+    sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
     sums = SentenceSums()
     example = _example_buffer(info, heads, query.device)  # [head, q, k] or None
     for q0 in range(0, n, rows):
         q1 = min(n, q0 + rows)
-        keys = q1 if causal else n  # a causal block sees no key after its last row
+        k0, k1 = block_keys(q0, q1, n, causal, span)
         q_block = query[:, :, q0:q1].reshape(batch, kv_heads, groups * (q1 - q0), dim)  # [batch, kv, g*r, dim]
-        scores = (q_block @ keys_t[..., :keys]).mul_(scale)  # [batch, kv, g*r, keys]: scaled in the model's dtype
-        scores = scores.view(batch, heads, q1 - q0, keys).float()  # [batch, head, r, keys], as eager rounds it
-        mask_block(scores, real, q0, causal)
-        p, entropy = softmax_with_entropy(scores)  # [batch, head, r, keys], [batch, head, r]
+        scores = (q_block @ keys_t[..., k0:k1]).mul_(scale)  # [batch, kv, g*r, keys]: scaled in the model's dtype
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys], as eager rounds it
+        scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
+        mask_block(scores, real, q0, causal, k0, span)
+        p, entropy = softmax_with_entropy(scores, sink_logits)  # [batch, head, r, keys], [batch, head, r]
         del scores
-        special = None if info.special is None else info.special[:, :keys]  # [batch, keys]
-        stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy)
+        special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
+        stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0, span=span)
         sums.add(stats, q0, lengths, info.bins)
-        if example is not None and q0 < example.shape[1]:
+        if example is not None and q0 < example.shape[1] and k0 < example.shape[1]:
             row, kept = info.example
-            end = min(q1, kept)
-            example[:, q0:end, : min(keys, kept)] = p[row, :, : end - q0, :kept].float()  # [head, q, k]
+            end, last = min(q1, kept), min(k1, kept)
+            example[:, q0:end, k0:last] = p[row, :, : end - q0, : last - k0].float()  # [head, q, k]
         if need_output:
-            weights = p.to(value.dtype).view(batch, kv_heads, groups * (q1 - q0), keys)  # [batch, kv, g*r, keys]
-            out = weights @ value[:, :, :keys]  # [batch, kv, g*r, dim]
+            weights = p.to(value.dtype).view(batch, kv_heads, groups * (q1 - q0), k1 - k0)  # [batch, kv, g*r, keys]
+            out = weights @ value[:, :, k0:k1]  # [batch, kv, g*r, dim]
             out = out.view(batch, heads, q1 - q0, dim).transpose(1, 2)  # [batch, r, head, dim]
             output[:, q0:q1] = out
     return sums, example, output
 
 
-def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool) -> None:
+def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool, k0: int = 0, span: int | None = None) -> None:
     """Set the scores of keys a row may not see to the float32 minimum, in place (our own tensor).
 
-    Causal: only the square of keys inside the block holds future keys; padding: only padded keys.
+    Only the columns where some row of the block is masked are touched: the causal square at the
+    block's own positions, the window's far edge, padded keys.
     """
     rows, keys = scores.shape[-2:]
     lowest = torch.finfo(torch.float32).min
+    i = torch.arange(q0, q0 + rows, device=scores.device)  # [r]
+    j = torch.arange(k0, k0 + keys, device=scores.device)  # [keys]
+    hidden = torch.zeros(rows, keys, dtype=torch.bool, device=scores.device)  # [r, keys]
     if causal:
-        i = torch.arange(q0, q0 + rows, device=scores.device)  # [r]
-        j = torch.arange(q0, keys, device=scores.device)  # [strip]
-        scores[..., q0:].masked_fill_(j[None, :] > i[:, None], lowest)  # [batch, head, r, strip]
-    if not bool(real[:, :keys].all()):
-        scores.masked_fill_(~real[:, None, None, :keys], lowest)  # [batch, head, r, keys]
+        hidden |= j[None, :] > i[:, None]
+    if span is not None:
+        hidden |= (j[None, :] <= i[:, None] - span) if causal else ((j[None, :] - i[:, None]).abs() > span)
+    columns = hidden.any(dim=0).nonzero()  # [c, 1]
+    if len(columns):
+        lo, hi = int(columns[0]), int(columns[-1]) + 1
+        scores[..., lo:hi].masked_fill_(hidden[:, lo:hi], lowest)  # [batch, head, r, strip]
+    if not bool(real[:, k0 : k0 + keys].all()):
+        scores.masked_fill_(~real[:, None, None, k0 : k0 + keys], lowest)  # [batch, head, r, keys]
 
 
-def softmax_with_entropy(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """softmax over the last axis and each row's entropy, from the shifted scores.
+def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """softmax over the last axis and each row's entropy -sum p ln p, from the shifted scores.
 
-    With s' = s - max and Z = sum exp(s'), ln p = s' - ln Z, so H = ln Z - sum p s': one product
-    instead of a logarithm per entry. Edits `scores` (our own) in place.
+    With s' = s - max and Z = sum exp(s'), ln p = s' - ln Z, so H = ln Z sum p - sum p s': one product
+    instead of a logarithm per entry. `sinks` [1, head, 1, 1]: a learned logit per head that joins the
+    softmax as one more column and is dropped from p (its rows then sum to less than 1), as gpt-oss does.
+    Edits `scores` (our own) in place.
     """
-    scores.sub_(scores.amax(dim=-1, keepdim=True))  # [batch, head, r, keys]: <= 0, masked keys hugely negative
+    top = scores.amax(dim=-1, keepdim=True)  # [batch, head, r, 1]
+    if sinks is not None:
+        top = torch.maximum(top, sinks)  # [batch, head, r, 1]
+    scores.sub_(top)  # [batch, head, r, keys]: <= 0, masked keys hugely negative
     p = scores.exp()  # [batch, head, r, keys]
     total = p.sum(dim=-1, keepdim=True)  # [batch, head, r, 1]
+    if sinks is not None:
+        total = total + (sinks - top).exp()  # [batch, head, r, 1]
     p.div_(total)
-    entropy = total[..., 0].log() - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
+    mass = 1.0 if sinks is None else p.sum(dim=-1)  # [batch, head, r]
+    entropy = total[..., 0].log() * mass - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
     return p, entropy
 
 
@@ -238,7 +465,13 @@ def statistics_attention(loaded: LoadedModel) -> Iterator[None]:
     """Switch the model to the statistics function for the duration; refuse what it cannot do exactly."""
     reason = unsupported(loaded)
     if reason is not None:
-        raise AttnprobeError(f"attnprobe's statistics attention does not implement {reason}: use --attention eager")
+        raise Unsupported(reason)
+    with _switched(loaded):
+        yield
+
+
+@contextmanager
+def _switched(loaded: LoadedModel) -> Iterator[None]:
     register()
     model = loaded.model
     before = model.config._attn_implementation
@@ -254,14 +487,21 @@ def run_batch(
     loaded: LoadedModel, input_ids: Tensor, attention_mask: Tensor, on_layer: LayerSums, *,
     special: Tensor | None = None, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int = 1,
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
+    discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None,
 ) -> None:
-    """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums."""
+    """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums.
+
+    `features`, when given, receives each layer's LayerFeatures; `discovering` collects what is not implemented
+    instead of refusing it (discover()).
+    """
     modules = attention_modules(loaded.model)
     info = Batch(
         layers={id(m): layer for layer, (m, _) in enumerate(modules)}, last_layer=len(modules) - 1,
         special=special, sink=sink, window=window, bins=bins, budget_bytes=int(budget_mib * 2**20),
-        block_rows=block_rows, example=example, on_layer=on_layer,
+        block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering,
     )
+    if features is not None:
+        info.features = features
     seen: list[int] = []
 
     def record(layer: int, sums: SentenceSums, maps: Tensor | None) -> None:

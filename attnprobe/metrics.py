@@ -1,12 +1,16 @@
 """Attention statistics as pure functions on tensors.
 
 Conventions: `p` is a block of one layer's attention, [batch, head, rows, keys]: the query rows
-q0 .. q0 + rows - 1 against keys 0 .. keys - 1 (a whole map is the block with q0 = 0). Sequences
+q0 .. q0 + rows - 1 against keys k0 .. k0 + keys - 1 (a whole map is the block with q0 = k0 = 0). Sequences
 are right-padded; real query rows sum to 1 over their valid keys and put exactly 0 elsewhere (the
 model's own mask does this; `attnprobe verify` checks it). `lengths` [batch] holds the number of
 real tokens of each sequence; padded rows may hold anything and never count. A causal block needs
 only the keys up to its last row. Nothing here edits its inputs, and no temporary is larger than
 the block, so the statistics of a block cost about one extra block of memory.
+
+A layer may attend within a window (`span`): a causal row i sees keys i - span < j <= i (Mistral's sliding
+window), an encoder's row |i - j| <= span (ModernBERT's local layers); None is full attention. The counts of
+keys a row may see (entropy_norm's ln k, the chance level of diagonal_excess, which rows are forced) follow it.
 """
 
 from __future__ import annotations
@@ -34,14 +38,17 @@ SPECIAL = "special_tokens"  # reported only when the inputs contain special toke
 POSITION_METRICS = ("entropy", "entropy_norm", "first_token", "diagonal", "distance", "sink_window")
 
 
-def valid_keys(attention_mask: Tensor, causal: bool) -> Tensor:
-    """Keys each query may attend to: real tokens, and for causal models j <= i."""
+def valid_keys(attention_mask: Tensor, causal: bool, span: int | None = None) -> Tensor:
+    """Keys each query may attend to: real tokens, for causal models j <= i, and within the window `span`."""
     real = attention_mask.bool()  # [batch, key]
     keys = real[:, None, :] & real[:, :, None]  # [batch, query, key]
+    n = attention_mask.shape[-1]
+    i = torch.arange(n, device=attention_mask.device)  # [n]
+    offset = i[None, :] - i[:, None]  # [query, key]: j - i
     if causal:
-        n = attention_mask.shape[-1]
-        lower = torch.ones(n, n, dtype=torch.bool, device=attention_mask.device).tril()  # [query, key]
-        keys = keys & lower  # [batch, query, key]
+        keys = keys & (offset <= 0)  # [batch, query, key]
+    if span is not None:
+        keys = keys & ((offset > -span) if causal else (offset.abs() <= span))  # [batch, query, key]
     return keys
 
 
@@ -50,19 +57,32 @@ def positions(q0: int, rows: int, device: torch.device) -> Tensor:
     return torch.arange(q0, q0 + rows, device=device)  # [rows]
 
 
-def key_counts(i: Tensor, lengths: Tensor, causal: bool) -> Tensor:
-    """How many keys each query may see: i + 1 (causal) or the sequence length (encoder)."""
-    length = lengths[:, None]  # [batch, 1]
+def key_range(i: Tensor, lengths: Tensor, causal: bool, span: int | None = None) -> tuple[Tensor, Tensor]:
+    """The first and last key each query may see, [batch, rows] each: real keys, j <= i when causal, and
+    within the window `span` (causal: i - span < j; encoder: |i - j| <= span)."""
+    last = (lengths[:, None] - 1).expand(-1, i.shape[0])  # [batch, rows]
     if causal:
-        return torch.minimum(i[None, :] + 1, length)  # [batch, rows]
-    return length.expand(-1, i.shape[0])  # [batch, rows]
+        last = torch.minimum(last, i[None, :])  # [batch, rows]
+    elif span is not None:
+        last = torch.minimum(last, i[None, :] + span)  # [batch, rows]
+    reach = 0 if span is None else (span - 1 if causal else span)  # keys before i that a row sees
+    first = (i - reach).clamp(min=0)[None, :].expand_as(last) if span is not None else torch.zeros_like(last)
+    return first, last  # [batch, rows] each
 
 
-def window_key_counts(i: Tensor, lengths: Tensor, causal: bool, window: int = DIAGONAL_WINDOW) -> Tensor:
-    """How many valid keys lie within `window` of each query."""
-    before = i.clamp(max=window)[None, :]  # [1, rows]
-    after = (lengths[:, None] - 1 - i[None, :]).clamp(min=0, max=window)  # [batch, rows]
-    return before + 1 + (0 if causal else after)  # [batch, rows]
+def key_counts(i: Tensor, lengths: Tensor, causal: bool, span: int | None = None) -> Tensor:
+    """How many keys each query may see: i + 1 (causal) or the sequence length (encoder), within the window."""
+    first, last = key_range(i, lengths, causal, span)  # [batch, rows] each
+    return (last - first + 1).clamp(min=0)  # [batch, rows]
+
+
+def window_key_counts(
+    i: Tensor, lengths: Tensor, causal: bool, window: int = DIAGONAL_WINDOW, span: int | None = None
+) -> Tensor:
+    """How many keys the query may see lie within `window` of it."""
+    first, last = key_range(i, lengths, causal, span)  # [batch, rows] each
+    lo, hi = torch.maximum(first, i[None, :] - window), torch.minimum(last, i[None, :] + window)  # [batch, rows]
+    return (hi - lo + 1).clamp(min=0)  # [batch, rows]
 
 
 def row_entropy(p: Tensor) -> Tensor:
@@ -70,10 +90,10 @@ def row_entropy(p: Tensor) -> Tensor:
     return torch.special.entr(p).sum(dim=-1)  # [batch, head, rows]
 
 
-def row_offset(p: Tensor, offset: int, q0: int = 0) -> Tensor:
+def row_offset(p: Tensor, offset: int, q0: int = 0, k0: int = 0) -> Tensor:
     """p[i, i + offset] for every query i = q0 + row, and 0 where that key is not in the block."""
     rows, keys = p.shape[-2:]
-    d = q0 + offset  # the diagonal, in block coordinates, that holds key i + offset
+    d = q0 + offset - k0  # the diagonal, in block coordinates, that holds key i + offset
     out = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)  # [batch, head, rows]
     if d >= keys or d <= -rows:
         return out
@@ -83,12 +103,12 @@ def row_offset(p: Tensor, offset: int, q0: int = 0) -> Tensor:
     return out
 
 
-def row_diagonal(p: Tensor, q0: int = 0, window: int = DIAGONAL_WINDOW) -> Tensor:
+def row_diagonal(p: Tensor, q0: int = 0, window: int = DIAGONAL_WINDOW, k0: int = 0) -> Tensor:
     """Attention mass on keys within `window` positions of the query, read off the diagonals."""
-    return sum(row_offset(p, offset, q0) for offset in range(-window, window + 1))  # [batch, head, rows]
+    return sum(row_offset(p, offset, q0, k0) for offset in range(-window, window + 1))  # [batch, head, rows]
 
 
-def row_distance(p: Tensor, q0: int = 0) -> Tensor:
+def row_distance(p: Tensor, q0: int = 0, k0: int = 0) -> Tensor:
     """Mean attention distance sum_j p_ij |i - j|, in tokens.
 
     Keys before and after the block's own positions are weighed by a matrix product (their distances
@@ -98,13 +118,13 @@ def row_distance(p: Tensor, q0: int = 0) -> Tensor:
     rows, keys = p.shape[-2:]
     q1 = q0 + rows
     i = positions(q0, rows, p.device).to(p.dtype)  # [rows]
-    lo, hi = min(q0, keys), min(q1, keys)
-    j = torch.arange(lo, hi, device=p.device, dtype=p.dtype)  # [strip]
+    lo, hi = min(max(q0 - k0, 0), keys), min(max(q1 - k0, 0), keys)  # the keys at the rows' own positions
+    j = torch.arange(k0 + lo, k0 + hi, device=p.device, dtype=p.dtype)  # [strip]
     out = (p[..., lo:hi] * (i[:, None] - j[None, :]).abs()).sum(dim=-1)  # [batch, head, rows]
     if lo > 0:  # keys before the block: |i - j| = (q0 - j) + (i - q0)
-        out = out + _split_distance(p[..., :lo], q0 - torch.arange(lo, device=p.device), i - q0)
+        out = out + _split_distance(p[..., :lo], q0 - k0 - torch.arange(lo, device=p.device), i - q0)
     if keys > hi:  # keys after it (encoders): |i - j| = (j - q1) + (q1 - i)
-        out = out + _split_distance(p[..., hi:], torch.arange(keys - hi, device=p.device) + (hi - q1), q1 - i)
+        out = out + _split_distance(p[..., hi:], torch.arange(hi, keys, device=p.device) + (k0 - q1), q1 - i)
     return out
 
 
@@ -122,19 +142,19 @@ def row_entropy_norm(entropy: Tensor, n_keys: Tensor) -> Tensor:
     return torch.where(usable, entropy / torch.log(k.clamp(min=2)), torch.nan)  # [batch, head, rows]
 
 
-def row_first_token(p: Tensor) -> Tensor:
-    """Attention mass on the sequence's first token (the "sink")."""
-    return p[..., 0]  # [batch, head, rows]
+def row_first_token(p: Tensor, k0: int = 0) -> Tensor:
+    """Attention mass on the sequence's first token (the "sink"); 0 when the block's keys start after it."""
+    return p[..., 0] if k0 == 0 else torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)  # [batch, head, rows]
 
 
-def row_special(p: Tensor, special: Tensor) -> Tensor:
-    """Attention mass on special-token keys ([CLS], [SEP], BOS, ...); `special` is [batch, keys]."""
-    flags = special[:, None, : p.shape[-1], None].to(p.dtype)  # [batch, 1, keys, 1]
+def row_special(p: Tensor, special: Tensor, k0: int = 0) -> Tensor:
+    """Attention mass on special-token keys ([CLS], [SEP], BOS, ...); `special` is [batch, all keys]."""
+    flags = special[:, None, k0 : k0 + p.shape[-1], None].to(p.dtype)  # [batch, 1, keys, 1]
     return (p @ flags)[..., 0]  # [batch, head, rows]
 
 
 def row_sink_window(
-    p: Tensor, q0: int, causal: bool, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW
+    p: Tensor, q0: int, causal: bool, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, k0: int = 0
 ) -> Tensor:
     """Mass on the first `sink` keys plus the `window` most recent ones (j > i - window).
 
@@ -148,49 +168,53 @@ def row_sink_window(
     if not causal or first_row >= rows:
         return out
     i = positions(q0 + first_row, rows - first_row, p.device)  # [m]
-    lo = int(i[0]) - window + 1  # keys before lo are outside every window of these rows (lo >= sink)
-    strip = p[..., first_row:, lo:keys]  # [batch, head, m, strip]
-    j = torch.arange(lo, keys, device=p.device)  # [strip]
+    lo = max(int(i[0]) - window + 1, k0)  # keys before lo are outside every window of these rows (lo >= sink)
+    strip = p[..., first_row:, lo - k0 : keys]  # [batch, head, m, strip]
+    j = torch.arange(lo, k0 + keys, device=p.device)  # [strip]
     recent = (j[None, :] > i[:, None] - window) & (j[None, :] <= i[:, None])  # [m, strip]
-    out[..., first_row:] = p[..., first_row:, :sink].sum(dim=-1) + torch.where(recent, strip, 0.0).sum(dim=-1)
+    sinks = p[..., first_row:, : max(0, sink - k0)].sum(dim=-1)  # [batch, head, m]: the first keys, if in the block
+    out[..., first_row:] = sinks + torch.where(recent, strip, 0.0).sum(dim=-1)
     return out
 
 
 def block_row_stats(
     p: Tensor, q0: int, lengths: Tensor, causal: bool, special: Tensor | None = None,
-    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, entropy: Tensor | None = None,
+    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, entropy: Tensor | None = None, k0: int = 0,
+    span: int | None = None,
 ) -> dict[str, Tensor]:
     """Every row statistic of a block of query rows, [batch, head, rows] each (padded rows included).
 
+    The block's keys start at position `k0`; the layer attends within the window `span` (None: every key).
     `entropy`, when the caller already has it (the blocked attention gets it from the softmax), is used
     instead of computing it from p.
     """
     p = p.float()  # [batch, head, rows, keys]; no copy when the model runs in float32
     i = positions(q0, p.shape[-2], p.device)  # [rows]
-    n_keys = key_counts(i, lengths, causal)[:, None, :]  # [batch, 1, rows]
+    first_key = key_range(i, lengths, causal, span)[0][:, None, :]  # [batch, 1, rows]
+    n_keys = key_counts(i, lengths, causal, span)[:, None, :]  # [batch, 1, rows]
     entropy = row_entropy(p) if entropy is None else entropy  # [batch, head, rows]
-    diagonal = row_diagonal(p, q0)  # [batch, head, rows]
-    in_window = window_key_counts(i, lengths, causal)[:, None, :]  # [batch, 1, rows]
+    diagonal = row_diagonal(p, q0, k0=k0)  # [batch, head, rows]
+    in_window = window_key_counts(i, lengths, causal, span=span)[:, None, :]  # [batch, 1, rows]
     chance = in_window / n_keys.clamp(min=1)  # [batch, 1, rows]
-    has_previous = (n_keys >= 2) & (i >= 1)[None, None, :]  # [batch, 1, rows]
+    has_previous = (n_keys >= 2) & (i[None, None, :] - 1 >= first_key)  # [batch, 1, rows]
     window_open = in_window < n_keys  # [batch, 1, rows]
-    first = row_first_token(p)  # [batch, head, rows]
+    first = row_first_token(p, k0)  # [batch, head, rows]
     per_row = {
         "entropy": entropy,
         "entropy_norm": row_entropy_norm(entropy, n_keys[:, 0]),
         "diagonal": diagonal,
         "first_token": first,
-        "previous_token": torch.where(has_previous, row_offset(p, -1, q0), torch.nan),
-        "self": torch.where(n_keys >= 2, row_offset(p, 0, q0), torch.nan),
-        "distance": row_distance(p, q0),
+        "previous_token": torch.where(has_previous, row_offset(p, -1, q0, k0), torch.nan),
+        "self": torch.where(n_keys >= 2, row_offset(p, 0, q0, k0), torch.nan),
+        "distance": row_distance(p, q0, k0),
         "diagonal_excess": diagonal - chance,
-        "sink_window": row_sink_window(p, q0, causal, sink, window),
+        "sink_window": row_sink_window(p, q0, causal, sink, window, k0),
         "entropy_unforced": torch.where(n_keys >= 2, entropy, torch.nan),
         "diagonal_unforced": torch.where(window_open, diagonal, torch.nan),
         "first_token_unforced": torch.where(n_keys >= 2, first, torch.nan),
     }
     if special is not None:
-        per_row[SPECIAL] = row_special(p, special)
+        per_row[SPECIAL] = row_special(p, special, k0)
     return per_row
 
 
@@ -261,22 +285,22 @@ def _ratio(total: Tensor, count: Tensor) -> Tensor:
 
 def sentence_sums(
     p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None,
-    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int | None = None,
+    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int | None = None, span: int | None = None,
 ) -> SentenceSums:
-    """The sums of a whole map [batch, head, query, key]: one block at q0 = 0."""
+    """The sums of a whole map [batch, head, query, key]: one block at q0 = 0; `span` is the layer's window."""
     lengths = attention_mask.sum(dim=-1)  # [batch]
     bins = bins or bin_count(p.shape[-2])
     sums = SentenceSums()
-    sums.add(block_row_stats(p, 0, lengths, causal, special, sink, window), 0, lengths, bins)
+    sums.add(block_row_stats(p, 0, lengths, causal, special, sink, window, span=span), 0, lengths, bins)
     return sums
 
 
 def sentence_stats(
     p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None,
-    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW,
+    sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, span: int | None = None,
 ) -> dict[str, Tensor]:
     """Per-sentence, per-head means of every row statistic, over the real query rows.
 
     `special`, a bool mask [batch, key] of special-token positions, adds `special_tokens`.
     """
-    return sentence_sums(p, attention_mask, causal, special, sink, window).means()  # each [batch, head]
+    return sentence_sums(p, attention_mask, causal, special, sink, window, span=span).means()  # each [batch, head]

@@ -294,7 +294,7 @@ def attention_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
     spec = getattr(type(model), "_can_record_outputs", None) or {}
     target = spec.get("attentions")
     if target is None:
-        return []
+        return _own_attention_modules(model)
     target_class = getattr(target, "target_class", target)
     class_name = getattr(target, "class_name", None)
     layer_name = getattr(target, "layer_name", None)
@@ -307,6 +307,25 @@ def attention_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
         if (by_class or by_name) and in_layer:
             found.append((module, index))
     return found
+
+
+def _own_attention_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The attention modules of a model that computes attention itself (GPT-J, Falcon, BLOOM, MPT): the outermost
+    modules whose class is named *Attention, in layer order; each returns (output, weights) when the model runs
+    with `output_attentions=True` (forward_kwargs asks for it)."""
+    if "output_attentions" not in inspect.signature(model.forward).parameters:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Attention") and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, module))
+    return [(module, 1) for _, module in found]
+
+
+def asks_for_attentions(model: nn.Module) -> bool:
+    """Whether the model returns its attention weights only when asked (`output_attentions=True`)."""
+    spec = getattr(type(model), "_can_record_outputs", None) or {}
+    return spec.get("attentions") is None and bool(_own_attention_modules(model))
 
 
 class LastLayerDone(Exception):
@@ -356,6 +375,8 @@ def forward_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
     kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False
+    if asks_for_attentions(model):
+        kwargs["output_attentions"] = True  # its attention modules hand back their weights only then
     return kwargs
 
 

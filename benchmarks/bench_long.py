@@ -16,6 +16,14 @@ Part 2, a tiny random Llama (4 layers, 4 query heads, 2 KV heads, 64 wide, room 
 on one random sequence of 1k ... 32k tokens: time and peak memory of the blocked run, so that O(n)
 memory and O(n^2) time are visible, and a check that the positions.csv bins that lie inside a 2,048-token
 prefix equal an independent eager computation on that prefix (causal: a row sees only the keys before it).
+
+Part 3 (--part zoo), the other architectures (tests/zoo.py's tiny models, 2 layers x 4 heads of 8, room for 40k
+positions): tiny Qwen2, Mistral with a sliding window of 4,096 and Gemma 2 (window 4,096 on alternate layers,
+soft-capping) at 1k ... 32k tokens, blocked statistics attention, each length in its own process. Targets: peak
+memory within +25% from the shortest to the longest length; a windowed model's time grows linearly past its
+window (the time per token from 8k to 32k stays flat, printed as the ratio of the last to the 8k one). Then one
+16k-token sequence through tiny gpt_neox, qwen2, mistral (sliding window), gemma2, phi3 and modernbert: the
+process's peak memory, target under 1.5 GiB.
 """
 
 from __future__ import annotations
@@ -33,6 +41,11 @@ from bench_analyze import peak_mib  # benchmarks/ is on sys.path when a script t
 
 LICENCE = Path("/usr/share/common-licenses/GPL-3")
 TARGET_TIME = 2.0  # blocked / sdpa forward time, at most
+TARGET_GROWTH = 1.25  # zoo: peak memory at the longest length / at the shortest, at most
+TARGET_16K_MIB = 1536  # zoo: a 16k-token sequence's process peak
+ZOO_WINDOW = 4096
+ZOO_SCALING = ("qwen2", "mistral (sliding window)", "gemma2")
+ZOO_16K = ("gpt_neox", "qwen2", "mistral (sliding window)", "gemma2", "phi3", "modernbert")
 TARGET_MEMORY = 1.3  # blocked / sdpa peak RSS, at most
 PREFIX = 2048
 
@@ -73,6 +86,10 @@ def child(args) -> dict:
         loaded = load_model("smollm2-135m", "cpu")
         ids = document_ids(loaded.tokenizer, args.n)
         x = torch.tensor([ids])  # [batch, seq]
+    elif args.part == "zoo":
+        loaded = load_model(str(zoo_folder(args.work, args.how)), "cpu")
+        x = torch.randint(3, loaded.model.config.vocab_size, (1, args.n), generator=torch.Generator().manual_seed(0))
+        args.how = "blocked"
     else:
         loaded = load_model(str(args.work / "tiny"), "cpu")
         x = torch.randint(3, loaded.model.config.vocab_size, (1, args.n), generator=torch.Generator().manual_seed(0))
@@ -89,6 +106,51 @@ def spawn(part: str, how: str, n: int, work: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{part}/{how}/{n} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def zoo_folder(work: Path, name: str) -> Path:
+    """tests/zoo.py's `name` with room for 40k positions (and a window of 4,096 where it has one), built once."""
+    import re
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from zoo import ZOO, make
+
+    folder = work / re.sub(r"\W+", "_", name)
+    if not (folder / "config.json").is_file():
+        settings = ZOO[name][1]
+        overrides = {"max_position_embeddings": 40_000}
+        if settings.get("sliding_window"):
+            overrides["sliding_window"] = ZOO_WINDOW
+        if name == "modernbert":
+            overrides.update(local_attention=128, global_rope_theta=160_000.0)
+        make(name, folder, **overrides)
+    return folder
+
+
+def zoo(work: Path, lengths: list[int]) -> None:
+    print(f"\nOther architectures (tests/zoo.py, 2 layers x 4 heads of 8), one random sequence, blocked statistics "
+          f"attention; windows of {ZOO_WINDOW}")
+    print(f"{'model':<26} {'tokens':>7} {'seconds':>8} {'us/token':>9} {'peak MiB':>9}")
+    for name in ZOO_SCALING:
+        zoo_folder(work, name)
+        runs = {n: spawn("zoo", name, n, work) for n in lengths}
+        for n, r in runs.items():
+            print(f"{name:<26} {n:>7} {r['seconds']:>8.1f} {1e6 * r['seconds'] / n:>9.1f} {r['peak_mib']:>9.0f}")
+        growth = runs[max(lengths)]["peak_mib"] / runs[min(lengths)]["peak_mib"]
+        verdict = "met" if growth <= TARGET_GROWTH else "MISSED"
+        line = f"{name}: peak memory {max(lengths)} / {min(lengths)} tokens = {growth:.2f} "
+        line += f"(target <= {TARGET_GROWTH}: {verdict})"
+        past = [n for n in lengths if n >= 2 * ZOO_WINDOW]
+        if "window" in name and len(past) >= 2:
+            per_token = [runs[n]["seconds"] / n for n in past]
+            line += f"; time per token, {past[-1]} / {past[0]} tokens: {per_token[-1] / per_token[0]:.2f} (linear: ~1)"
+        print(line)
+    print(f"\nOne 16,384-token sequence, blocked statistics attention (target: peak under {TARGET_16K_MIB} MiB)")
+    for name in ZOO_16K:
+        zoo_folder(work, name)
+        r = spawn("zoo", name, 16_384, work)
+        verdict = "met" if r["peak_mib"] < TARGET_16K_MIB else "MISSED"
+        print(f"{name:<26} {r['seconds']:>8.1f} s {r['peak_mib']:>9.0f} MiB ({verdict})")
 
 
 def build_tiny(work: Path) -> None:
@@ -144,7 +206,8 @@ def prefix_check(work: Path, n: int) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("smollm2", "tiny", "both"), default="both")
+    parser.add_argument("--part", choices=("smollm2", "tiny", "zoo", "both"), default="both",
+                        help="both: smollm2 and tiny; zoo: the other architectures")
     parser.add_argument("--tokens", type=int, default=3600, help="SmolLM2 document length")
     parser.add_argument("--eager", action="store_true", help="also time the eager hook path on SmolLM2 (slow)")
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768", help="tiny-model lengths")
@@ -170,6 +233,8 @@ def main() -> None:
         m = runs["blocked"]["peak_mib"] / runs["sdpa"]["peak_mib"]
         print(f"blocked / sdpa: time {t:.2f} (target <= {TARGET_TIME}: {'met' if t <= TARGET_TIME else 'MISSED'}), "
               f"peak memory {m:.2f} (target <= {TARGET_MEMORY}: {'met' if m <= TARGET_MEMORY else 'MISSED'})")
+    if args.part == "zoo":
+        zoo(work, [int(n) for n in args.lengths.split(",")])
     if args.part in ("tiny", "both"):
         build_tiny(work)
         lengths = [int(n) for n in args.lengths.split(",")]

@@ -71,8 +71,12 @@ def test_blocked_statistics_equal_the_eager_ones(loaded, eager_result, rows):
 
 def test_auto_uses_the_blocked_path_for_supported_models(loaded):
     result = analyze_loaded(loaded, corpus_of(SENTENCES[:2]), resamples=5)
+    features = result.run["attention"].pop("features")
     assert result.run["attention"] == {"requested": "auto", "path": "blocked", "block_budget_mib": 64,
                                        "sink_tokens": 4, "window": 256}
+    assert features == {"causal": loaded.causal, "query_heads_per_kv_head": loaded.num_heads // loaded.num_kv_heads,
+                        "sliding_window": None, "softcap": None, "attention_sinks": False,
+                        "scale": [pytest.approx(loaded.head_dim**-0.5)]}
 
 
 def test_the_output_equals_eager_attention_with_grouped_query_heads_and_padding():
@@ -181,38 +185,82 @@ def test_positions_table_on_a_uniform_model(uniform_gpt2_dir):
                                       "entropy_norm", "first_token", "diagonal", "distance", "sink_window"}
 
 
-def test_a_model_feature_the_kernel_lacks_is_refused(llama_dir):
+def test_an_attention_argument_the_kernel_lacks_is_refused_by_name(llama_dir, monkeypatch):
+    """Support is decided by what a model passes, not by its name: an ALiBi-like bias refuses the blocked path."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaAttention.forward
+
+    def with_bias(self, *args, **kwargs):
+        return original(self, *args, position_bias=torch.zeros(1), **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", with_bias)
     loaded = load_model(str(llama_dir), "cpu")
-    loaded.model.config.sliding_window = 8
-    assert "sliding-window attention" in kernel.unsupported(loaded)
-    with pytest.raises(AttnprobeError, match="sliding-window attention.*--attention eager"):
+    assert "position_bias" in kernel.unsupported(loaded)
+    with pytest.raises(AttnprobeError, match="position_bias.*--attention eager"):
         analyze_loaded(loaded, corpus_of(SENTENCES[:2]), resamples=5, options=Options(attention="blocked"))
     auto = analyze_loaded(loaded, corpus_of(SENTENCES[:2]), resamples=5)
     assert auto.run["attention"]["path"] == "eager"
 
 
-@pytest.mark.parametrize(("kwarg", "feature"), [("softcap", "soft-capping"), ("sliding_window", "sliding-window"),
-                                                ("s_aux", "learned attention sinks")])
-def test_refused_arguments_of_the_attention_call(kwarg, feature):
-    q = torch.zeros(1, 1, 2, 4)
-    with pytest.raises(AttnprobeError, match=feature):
-        kernel.stats_attention(torch.nn.Module(), q, q, q, None, **{kwarg: 4})
+def features_of(**kwargs):
+    q = torch.zeros(1, 4, 2, 8)  # [batch, head, query, dim]
+    mask = kernel.stats_mask(1, 2, 2, attention_mask=torch.ones(1, 2))
+    return kernel.layer_features(torch.nn.Module(), q, q[:, :2], mask, None, kwargs.pop("dropout", 0.0), kwargs, None)
 
 
-def test_a_custom_mask_pattern_is_refused():
-    with pytest.raises(AttnprobeError, match="custom attention mask"):
-        kernel.stats_mask(1, 4, 4, mask_function=lambda *a: True, attention_mask=torch.ones(1, 4))
-    assert kernel.stats_mask(1, 4, 4, attention_mask=torch.ones(1, 4)).shape == (1, 4)  # never [n, n]
+def test_arguments_of_the_attention_call_are_implemented_or_refused():
+    features, sinks = features_of(softcap=30.0, s_aux=torch.ones(4), position_ids=torch.arange(2), use_cache=False)
+    assert features == kernel.LayerFeatures(causal=True, span=None, softcap=30.0, sinks=True, groups=2,
+                                            scale=8**-0.5)
+    assert sinks.shape == (4,)
+    for kwargs, feature in [({"sliding_window": 4}, "sliding window of 4 that its attention mask does not apply"),
+                            ({"position_bias": torch.zeros(2)}, "position_bias"), ({"dropout": 0.1}, "dropout"),
+                            ({"encoder_hidden_states": torch.zeros(1)}, "cross-attention"),
+                            ({"s_aux": torch.ones(3)}, "one logit per head")]:
+        with pytest.raises(kernel.Unsupported, match=feature):
+            features_of(**kwargs)
 
 
-def test_other_architectures_are_refused_or_take_the_eager_path():
-    other = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type="gemma2")))
-    assert "gemma2 architecture" in kernel.unsupported(other)
+def test_masks_are_read_by_what_they_do():
+    from transformers.masking_utils import (
+        and_masks,
+        chunked_causal_mask_function,
+        sliding_window_bidirectional_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    assert kernel.probe_mask(None, None) == (True, None)
+    assert kernel.probe_mask(lambda b, h, q, k: k <= q, None) == (True, None)  # the same rule, another function
+    assert kernel.probe_mask(lambda b, h, q, k: q >= 0, None) == (False, None)
+    assert kernel.probe_mask(sliding_window_causal_mask_function(4), 4) == (True, 4)
+    assert kernel.probe_mask(sliding_window_bidirectional_mask_function(3), 3) == (False, 3)
+    with pytest.raises(kernel.Unsupported, match="chunked, packed or custom"):
+        kernel.probe_mask(chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)), 4)
+    with pytest.raises(kernel.Unsupported, match="chunked, packed or custom"):
+        kernel.probe_mask(and_masks(lambda b, h, q, k: k <= q, lambda b, h, q, k: k != 1), None)
+    with pytest.raises(kernel.Unsupported, match="custom attention mask"):
+        kernel.probe_mask(lambda b, h, q, k: {}[0], None)
+    real = kernel.stats_mask(1, 4, 4, attention_mask=torch.ones(1, 4))
+    assert real.shape == (1, 4) and real.attnprobe_mask == (True, None)  # never [n, n]
+
+
+def test_a_model_that_computes_its_own_attention_is_refused():
+    class Own:
+        config = SimpleNamespace(model_type="gptj")
+
+        def _can_set_attn_implementation(self):
+            return False
+
+    assert "computes its attention itself" in kernel._config_reason(SimpleNamespace(model=Own()))
 
 
 def test_a_block_fits_the_budget():
     assert kernel.block_size(1, 9, 4096, 256 * 2**20) == 256 * 2**20 // (9 * 4096 * 4 * kernel.TEMPORARIES)
     assert kernel.block_size(8, 64, 10**6, 1) == 1
+    rows = kernel.block_size(1, 9, 10**6, 64 * 2**20, extra=4095)  # a windowed layer: r (r + 4095) cells
+    unit = 9 * 4 * kernel.TEMPORARIES
+    assert rows * (rows + 4095) * unit <= 64 * 2**20 < (rows + 1) * (rows + 4096) * unit
 
 
 def test_options_are_checked():

@@ -4,7 +4,7 @@ import json
 
 import pandas as pd
 import pytest
-from conftest import SENTENCES, make_llama
+from conftest import SENTENCES, make_gpt2
 from test_cli import assert_one_line_error, run
 
 
@@ -33,7 +33,9 @@ def test_split_file_is_one_sequence_on_the_blocked_path(long_results):
     run_info = json.loads((out / "run.json").read_text())
     assert run_info["sentences"] == 1 and run_info["longest_sequence"] == run_info["tokens"] > 60
     assert run_info["attention"] == {"requested": "auto", "path": "blocked", "block_budget_mib": 64,
-                                     "sink_tokens": 1, "window": 8}
+                                     "sink_tokens": 1, "window": 8, "features": {
+                                         "causal": True, "query_heads_per_kv_head": 2, "sliding_window": None,
+                                         "softcap": None, "attention_sinks": False, "scale": [8**-0.5]}}
     assert run_info["model"]["kv_heads"] == 2 and run_info["model"]["head_dim"] == 8
     assert run_info["distributed"] == {"world_size": 1, "sentences_per_rank": [1]}
     heads = pd.read_csv(out / "heads.csv")
@@ -93,13 +95,13 @@ def test_kv_scheme_on_an_encoder_is_one_line(bert_dir, corpus_file, tmp_path):
     assert_one_line_error(run("classify", "--out", out, "--scheme", "kv"), "is an encoder")
 
 
-def test_a_sliding_window_model_is_refused_by_blocked_and_noted_by_auto(corpus_file, tmp_path):
-    folder = make_llama(tmp_path / "sliding")
+def test_a_feature_blocked_lacks_is_refused_by_blocked_and_noted_by_auto(corpus_file, tmp_path):
+    folder = make_gpt2(tmp_path / "reordered")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 4}))
+    (folder / "config.json").write_text(json.dumps({**config, "reorder_and_upcast_attn": True}))
     blocked = run("analyze", "--model", folder, "--corpus", corpus_file, "--out", tmp_path / "a", "--device", "cpu",
                   "--attention", "blocked")
-    assert_one_line_error(blocked, "sliding-window attention", "--attention eager")
+    assert_one_line_error(blocked, "reorder_and_upcast_attn", "--attention eager")
     assert not (tmp_path / "a").exists()
     auto = run("analyze", "--model", folder, "--corpus", corpus_file, "--out", tmp_path / "b", "--device", "cpu",
                "--resamples", "5")

@@ -38,10 +38,13 @@ def test_leaking_attention_is_caught():
     p = torch.full((1, 1, 3, 3), 1 / 3)  # [batch, head, query, key]: uniform, future included
     capture = verify_module.Capture(maps=[p], inputs=[])
     mask = torch.ones(1, 3, dtype=torch.long)
-    keys = verify_module.valid_keys(mask, causal=True)[:, None]
-    check = verify_module.masked_keys_are_zero(capture, keys, mask.bool()[:, None, :, None])
+    check = verify_module.masked_keys_are_zero(capture, mask, True, [None])
     assert not check.passed and check.max_abs_diff == pytest.approx(1 / 3)
     assert verify_module.rows_sum_to_one(capture, mask).passed
+    causal = torch.tensor([[[[1, 0, 0], [0.5, 0.5, 0], [0.25, 0.25, 0.5]]]])  # row 2 sees key 0: a window of 2 leaks
+    assert verify_module.masked_keys_are_zero(verify_module.Capture(maps=[causal], inputs=[]), mask, True, [3]).passed
+    leak = verify_module.masked_keys_are_zero(verify_module.Capture(maps=[causal], inputs=[]), mask, True, [2])
+    assert not leak.passed and leak.max_abs_diff == pytest.approx(0.25)
 
 
 def test_verify_command_prints_every_check(gpt2_dir):
@@ -72,8 +75,8 @@ def test_blocked_checks_pass_within_float32_bounds_and_catch_a_wrong_kernel(gpt2
     assert "blocks of" in checks["blocked statistics = eager"].note
     real = verify_module.kernel.softmax_with_entropy
 
-    def hotter(scores):
-        return real(scores * 1.01)
+    def hotter(scores, *rest):
+        return real(scores * 1.01, *rest)
 
     monkeypatch.setattr(verify_module.kernel, "softmax_with_entropy", hotter)
     checks = {c.name: c for c in verify(gpt2, list(DEFAULT_SENTENCES))}
@@ -81,9 +84,9 @@ def test_blocked_checks_pass_within_float32_bounds_and_catch_a_wrong_kernel(gpt2
     assert not checks["blocked position bins = eager"].passed
 
 
-def test_blocked_checks_are_skipped_where_the_kernel_does_not_apply(llama_dir):
-    loaded = load_model(str(llama_dir), "cpu")
-    loaded.model.config.sliding_window = 4
+def test_blocked_checks_are_skipped_where_the_kernel_does_not_apply(gpt2_dir):
+    loaded = load_model(str(gpt2_dir), "cpu")
+    loaded.model.config.reorder_and_upcast_attn = True
     checks = {c.name: c for c in verify(loaded, list(DEFAULT_SENTENCES[:2]))}
     assert checks["blocked statistics = eager"].skipped
-    assert "sliding-window" in checks["blocked statistics = eager"].note
+    assert "reorder_and_upcast_attn" in checks["blocked statistics = eager"].note

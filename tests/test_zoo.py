@@ -1,0 +1,142 @@
+"""Every architecture of the zoo (tests/zoo.py) against transformers' own eager maps.
+
+Architectures whose attention runs through AttentionInterface run on blocked attention by default, and their
+blocked statistics equal the statistics of their eager maps to float32's bound (relative above 1), with padding
+and blocks of 3 rows, so that a block border falls inside the sliding window of 4. Those that compute attention
+themselves (GPT-J, Falcon, BLOOM, MPT) run on the eager hooks, whose maps are the ones the model returns with
+output_attentions=True. The README's table of architectures is the discovery's own list.
+"""
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import FLOAT32_TOLERANCE, SENTENCES
+from test_blocked import assert_close, corpus_of
+from zoo import WINDOW, ZOO, make
+
+from attnprobe import kernel
+from attnprobe.analysis import Options, analyze_loaded, pad_batch
+from attnprobe.errors import AttnprobeError
+from attnprobe.metrics import sentence_stats
+from attnprobe.model import forward_kwargs, load_model
+
+OWN_ATTENTION = {"gptj", "falcon", "falcon (alibi)", "bloom", "mpt"}  # compute attention themselves in 5.23
+README = Path(__file__).resolve().parent.parent / "README.md"
+SINK, RECENT = 1, 3  # small, so that sink_window is defined on the test sentences
+
+
+@pytest.fixture(scope="module")
+def zoo_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    return lambda name: make(name, root / re.sub(r"\W+", "_", name)) if not (root / re.sub(
+        r"\W+", "_", name) / "config.json").is_file() else root / re.sub(r"\W+", "_", name)
+
+
+def analyzed(loaded, attention, **options):
+    return analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=3, resamples=5, keep_per_sentence=True,
+                          options=Options(attention=attention, sink=SINK, window=RECENT, **options))
+
+
+@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION))
+def test_blocked_statistics_equal_the_eager_maps(zoo_dir, name):
+    loaded = load_model(str(zoo_dir(name)), "cpu")
+    found = kernel.discover(loaded)
+    assert found.reason is None and len(found.features) == loaded.num_layers
+    eager = analyzed(loaded, "eager")
+    blocked = analyzed(loaded, "auto", block_rows=3)  # auto picks blocked
+    assert blocked.run["attention"]["path"] == "blocked", blocked.run["attention"]
+    assert blocked.run["attention"]["features"] == found.record()
+    for column in eager.per_sentence.columns:
+        if column != "category":
+            assert_close(blocked.per_sentence[column], eager.per_sentence[column], f"{name} {column}")
+    for column in eager.positions.columns:
+        assert_close(blocked.positions[column], eager.positions[column], f"{name} positions {column}")
+    np.testing.assert_allclose(blocked.example["maps"], eager.example["maps"], atol=FLOAT32_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", sorted(OWN_ATTENTION))
+def test_models_that_compute_attention_themselves_run_on_the_hooks(zoo_dir, name):
+    loaded = load_model(str(zoo_dir(name)), "cpu")
+    assert "computes its attention itself" in kernel.unsupported(loaded)
+    with pytest.raises(AttnprobeError, match="computes its attention itself.*--attention eager"):
+        analyzed(loaded, "blocked")
+    result = analyzed(loaded, "auto")
+    assert result.run["attention"]["path"] == "eager" and "itself" in result.run["attention"]["why_eager"]
+    # the oracle: the maps the model itself returns for the whole batch at once, with output_attentions=True
+    ids = [loaded.tokenizer(t)["input_ids"] for t in SENTENCES[:3]]
+    input_ids, mask = pad_batch(ids, loaded.device)
+    with torch.inference_mode():
+        maps = loaded.model(**forward_kwargs(loaded.model, input_ids, mask)).attentions
+    assert len(maps) == loaded.num_layers
+    rows = result.per_sentence[result.per_sentence["sentence"] < 3]
+    for layer, p in enumerate(maps):
+        expected = sentence_stats(p, mask, True, sink=SINK, window=RECENT)  # [batch, head] each
+        for column in ("entropy", "distance", "first_token", "sink_window", "entropy_norm"):
+            got = rows[rows["layer"] == layer].sort_values(["sentence", "head"])[column].to_numpy()
+            assert_close(got, expected[column].flatten().numpy(), f"{name} {column}")
+
+
+@pytest.mark.parametrize("name", ["mistral (sliding window)", "modernbert"])
+@pytest.mark.parametrize("attention", ["blocked", "eager"])
+def test_a_uniform_head_in_a_windowed_layer_spreads_over_its_window(zoo_dir, tmp_path, name, attention):
+    """Zero query weights: every row is uniform over the keys its window lets it see, a closed form:
+    entropy ln k and entropy_norm 1, with k = min(i + 1, W) (causal) or the keys within W of i (encoder)."""
+    loaded = load_model(str(zoo_dir(name)), "cpu")
+    for module in loaded.model.modules():
+        for weight_name in ("q_proj", "Wqkv"):
+            projection = getattr(module, weight_name, None)
+            if isinstance(projection, torch.nn.Linear):
+                rows = slice(0, projection.out_features // 3) if weight_name == "Wqkv" else slice(None)
+                with torch.no_grad():
+                    projection.weight[rows] = 0
+                    if projection.bias is not None:
+                        projection.bias[rows] = 0
+    spans = kernel.discover(loaded).spans(loaded.num_layers)
+    assert WINDOW in spans or (name == "modernbert" and WINDOW // 2 in spans)
+    result = analyzed(loaded, attention, block_rows=3)
+    frame = result.per_sentence
+    lengths = [len(loaded.tokenizer(t)["input_ids"]) for t in SENTENCES]
+    for layer, span in enumerate(spans):
+        for s, n in enumerate(lengths):
+            counts = []
+            for i in range(n):
+                lo = 0 if span is None else max(0, i - span + 1 if loaded.causal else i - span)
+                hi = i if loaded.causal else (n - 1 if span is None else min(n - 1, i + span))
+                counts.append(hi - lo + 1)
+            got = frame[(frame["sentence"] == s) & (frame["layer"] == layer)]
+            want = sum(math.log(k) for k in counts) / n
+            assert np.allclose(got["entropy"], want, atol=FLOAT32_TOLERANCE), (layer, s, got["entropy"], want)
+            if any(k >= 2 for k in counts):
+                assert np.allclose(got["entropy_norm"], 1.0, atol=FLOAT32_TOLERANCE), (layer, s)
+
+
+def readme_table() -> dict[str, tuple[str, str]]:
+    """README's architecture table: name -> (path, features)."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("<!-- architectures: begin -->")
+    end = text.index("<!-- architectures: end -->")
+    rows = {}
+    for line in text[start:end].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] not in ("architecture", "---"):
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    return rows
+
+
+def test_the_readme_table_is_the_discovery_s_own_list(zoo_dir):
+    table = readme_table()
+    assert set(table) == set(ZOO)
+    for name in ZOO:
+        loaded = load_model(str(zoo_dir(name)), "cpu")
+        found = kernel.discover(loaded)
+        path = "blocked" if found.reason is None else "eager (hooks)"
+        features = ", ".join(found.labels()) or "-"
+        if name in OWN_ATTENTION:
+            features = "ALiBi" if "alibi" in name or name in ("bloom", "mpt") else "-"
+        assert table[name] == (path, features), name
+    blocked = sum(path == "blocked" for path, _ in table.values())
+    assert blocked >= 25

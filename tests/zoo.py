@@ -1,0 +1,79 @@
+"""The model zoo: one tiny random model per architecture of transformers, saved like a user's checkpoint.
+
+Each entry is a config class and its settings: 2 layers, 4 heads of size 8 (key/value heads fewer where the
+architecture groups them), a sliding window of 4 where it has one, so that the test sentences (up to 16
+tokens) run past it. `make(name, folder)` saves the model and a word-level tokenizer and returns the folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import SENTENCES, save_tokenizer
+
+H = 32  # hidden size: 4 heads of 8
+COMMON = {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+          "max_position_embeddings": 128}
+GROUPED = {**COMMON, "num_key_value_heads": 2}
+WINDOW = 4
+
+# name -> (config class in transformers, settings). Names are what a researcher would call the model.
+ZOO: dict[str, tuple[str, dict]] = {
+    "gpt2": ("GPT2Config", {"n_embd": H, "n_layer": 2, "n_head": 4, "n_positions": 128}),
+    "llama": ("LlamaConfig", GROUPED),
+    "bert": ("BertConfig", COMMON),
+    "gpt_neox": ("GPTNeoXConfig", COMMON),
+    "opt": ("OPTConfig", {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64,
+                          "max_position_embeddings": 128, "word_embed_proj_dim": H}),
+    "qwen2": ("Qwen2Config", GROUPED),
+    "qwen3": ("Qwen3Config", {**GROUPED, "head_dim": 8}),
+    "mistral": ("MistralConfig", {**GROUPED, "sliding_window": None}),
+    "mistral (sliding window)": ("MistralConfig", {**GROUPED, "sliding_window": WINDOW}),
+    "gemma": ("GemmaConfig", {**COMMON, "num_key_value_heads": 1, "head_dim": 8}),
+    "gemma2": ("Gemma2Config", {**GROUPED, "head_dim": 8, "sliding_window": WINDOW, "query_pre_attn_scalar": 16,
+                                "attn_logit_softcapping": 5.0}),
+    "gemma3_text": ("Gemma3TextConfig", {**GROUPED, "head_dim": 8, "sliding_window": WINDOW,
+                                         "query_pre_attn_scalar": 16}),
+    "phi": ("PhiConfig", COMMON),
+    "phi3": ("Phi3Config", GROUPED),
+    "olmo": ("OlmoConfig", COMMON),
+    "olmo2": ("Olmo2Config", COMMON),
+    "stablelm": ("StableLmConfig", {**COMMON, "num_key_value_heads": 4, "partial_rotary_factor": 0.5}),
+    "starcoder2": ("Starcoder2Config", {**GROUPED, "sliding_window": WINDOW}),
+    "gpt_bigcode": ("GPTBigCodeConfig", {"n_embd": H, "n_layer": 2, "n_head": 4, "n_positions": 128,
+                                         "multi_query": True}),
+    "cohere": ("CohereConfig", GROUPED),
+    "granite": ("GraniteConfig", GROUPED),
+    "gpt_oss": ("GptOssConfig", {**GROUPED, "head_dim": 8, "num_local_experts": 2, "num_experts_per_tok": 1,
+                                 "sliding_window": WINDOW}),
+    "roberta": ("RobertaConfig", {**COMMON, "max_position_embeddings": 130}),
+    "xlm-roberta": ("XLMRobertaConfig", {**COMMON, "max_position_embeddings": 130}),
+    "distilbert": ("DistilBertConfig", {"dim": H, "n_layers": 2, "n_heads": 4, "hidden_dim": 64,
+                                        "max_position_embeddings": 128}),
+    "electra": ("ElectraConfig", {**COMMON, "embedding_size": H}),
+    "albert": ("AlbertConfig", {**COMMON, "embedding_size": 16}),
+    "modernbert": ("ModernBertConfig", {**COMMON, "global_attn_every_n_layers": 2, "local_attention": WINDOW}),
+    "gptj": ("GPTJConfig", {"n_embd": H, "n_layer": 2, "n_head": 4, "n_positions": 128, "rotary_dim": 4}),
+    "falcon": ("FalconConfig", {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4}),
+    "falcon (alibi)": ("FalconConfig", {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                        "alibi": True}),
+    "bloom": ("BloomConfig", {"hidden_size": H, "n_layer": 2, "n_head": 4}),
+    "mpt": ("MptConfig", {"d_model": H, "n_layers": 2, "n_heads": 4, "max_seq_len": 128}),
+}
+
+
+def make(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save the zoo's `name` (random weights, initializer range 0.4 for sharp, varied heads) to `folder`;
+    `overrides` change its settings (the long-document benchmark asks for more positions and a wider window)."""
+    import torch
+    import transformers
+
+    class_name, settings = ZOO[name]
+    vocab = save_tokenizer(folder, SENTENCES)
+    torch.manual_seed(seed)
+    config = getattr(transformers, class_name)(vocab_size=max(vocab, 64), pad_token_id=0,
+                                               **{**settings, **overrides})
+    config.initializer_range = 0.4
+    model = transformers.AutoModel.from_config(config, attn_implementation="eager")
+    model.save_pretrained(folder)
+    return folder
