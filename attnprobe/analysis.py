@@ -144,6 +144,9 @@ def analyze_loaded(
     }
     if measured.path == "eager" and options.attention == "auto":
         run["attention"]["why_eager"] = kernel.unsupported(loaded)
+    if measured.path == "fused":  # the others (windows, soft-capping, sinks) ran blocked
+        run["attention"]["fused_layers"] = kernel.discover(loaded).fused_layers()
+        run["attention"]["fused_min_tokens"] = fused_from(measured.path, options.attention)
     run["summary"] = summary
     run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
                         "method": "poisson"}
@@ -170,7 +173,7 @@ def more_examples(
 ) -> list[dict[str, Any]]:
     """The maps of the other example sentences (`Scan.others`), each run alone after the corpus pass."""
     found = []
-    with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
+    with kernel.statistics_attention(loaded) if path != "eager" else nullcontext():
         for index, sentence, ids in scanned.others:
             n = min(len(ids), EXAMPLE_MAX_TOKENS)
             maps = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
@@ -212,11 +215,21 @@ class Options:
     block_rows: int | None = None  # a fixed block size instead (tests)
 
 
-ATTENTION_CHOICES = ("auto", "blocked", "eager")
+ATTENTION_CHOICES = ("auto", "fused", "blocked", "eager")
+
+
+def fused_from(path: str, attention: str) -> int | None:
+    """The shortest batch the fused kernel runs: always under --attention fused; under auto from
+    kernel.FUSED_MIN_TOKENS on (shorter batches run blocked, where the fused kernel's extra calls cost more
+    than they save); never otherwise."""
+    if path != "fused":
+        return None
+    return 0 if attention == "fused" else kernel.FUSED_MIN_TOKENS
 
 
 def attention_path(loaded: LoadedModel, attention: str) -> str:
-    """`blocked` (attnprobe's statistics attention, O(n) memory) or `eager` (hooks on eager maps).
+    """`fused` (the fused kernel's logsumexp), `blocked` (attnprobe's statistics attention, O(n) memory) or
+    `eager` (hooks on eager maps).
 
     `attention` is one of ATTENTION_CHOICES (check_options has checked it).
     """
@@ -224,9 +237,9 @@ def attention_path(loaded: LoadedModel, attention: str) -> str:
         return "eager"
     reason = kernel.unsupported(loaded)
     if reason is None:
-        return "blocked"
-    if attention == "blocked":
-        raise AttnprobeError(f"--attention blocked does not implement {reason}: use --attention eager or auto")
+        return "fused" if attention == "auto" else attention
+    if attention != "auto":
+        raise AttnprobeError(f"--attention {attention} does not implement {reason}: use --attention eager or auto")
     return "eager"
 
 
@@ -234,7 +247,7 @@ def attention_path(loaded: LoadedModel, attention: str) -> str:
 class Measured:
     totals: Accumulator  # every statistic, summed over the sentences (all ranks merged)
     example_maps: np.ndarray  # [layer, head, query, key], the example's first tokens
-    path: str  # blocked or eager
+    path: str  # fused, blocked or eager
     per_sentence: dict[str, np.ndarray] | None = None  # per score [sentence, layer, head], when kept
 
 
@@ -285,7 +298,7 @@ def measure(
                 kept[name][batch] = value
 
     number = 0  # batches begun, over the whole run
-    with kernel.statistics_attention(loaded) if path == "blocked" else nullcontext():
+    with kernel.statistics_attention(loaded) if path != "eager" else nullcontext():
         for first, window in windows(corpus.stream(), WINDOW_SENTENCES):
             mine = [i - first for i in world.shard(first + len(window), first)]  # positions in the window
             count = -(-len(mine) // batch_size)
@@ -344,14 +357,15 @@ def measure_batch(
         for name, value in sums.bin_means().items():  # [batch, head, bin]
             bins[name][:, layer] = value
 
-    if path == "blocked":
+    if path != "eager":
         def on_sums(layer: int, sums: SentenceSums, maps: torch.Tensor | None) -> None:
             store(layer, sums)
             if maps is not None:
                 example_maps[layer] = maps  # [head, query, key]
 
         kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
-                         budget_mib=options.budget_mib, block_rows=options.block_rows, example=example)
+                         budget_mib=options.budget_mib, block_rows=options.block_rows, example=example,
+                         fused=fused_from(path, options.attention))
     else:
         spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
 
@@ -402,7 +416,7 @@ def check_options(
     if options is None:
         return
     if options.attention not in ATTENTION_CHOICES:
-        raise AttnprobeError(f"unknown --attention {options.attention!r}: use auto, blocked or eager")
+        raise AttnprobeError(f"unknown --attention {options.attention!r}: use auto, fused, blocked or eager")
     if options.sink < 0:
         raise AttnprobeError(f"--sink-tokens {options.sink} is negative: use 0 or more (default {SINK_TOKENS})")
     if options.window < 1:

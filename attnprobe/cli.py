@@ -69,6 +69,7 @@ class SplitChoice(str, Enum):
 
 class AttentionChoice(str, Enum):
     auto = "auto"
+    fused = "fused"
     blocked = "blocked"
     eager = "eager"
 

@@ -31,11 +31,20 @@ from torch import Tensor, nn
 
 from attnprobe import defaults
 from attnprobe.errors import AttnprobeError
-from attnprobe.metrics import RECENT_WINDOW, SINK_TOKENS, SentenceSums, block_row_stats
+from attnprobe.metrics import (
+    DIAGONAL_WINDOW,
+    RECENT_WINDOW,
+    SINK_TOKENS,
+    RowMasses,
+    SentenceSums,
+    block_row_stats,
+    row_stats,
+)
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs
 
 NAME = "attnprobe_stats"
 DEFAULT_BUDGET_MIB = defaults.BLOCK_MIB
+FUSED_MIN_TOKENS = 512  # --attention auto: the fused kernel from this length on (both paths are exact)
 TEMPORARIES = 6  # float32 tensors of a block's size alive at once: scores, softmax, statistics' temporaries
 
 # Arguments a model may pass to its attention function that change nothing here (when unset, or always).
@@ -85,6 +94,8 @@ class Batch:
     on_layer: LayerSums
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # filled as the layers run
     discovering: list[str] | None = None  # discover(): collect what is not implemented instead of refusing
+    fused: int | None = None  # through the fused kernel: layers it computes exactly, in batches this long or longer
+    fused_layers: set[int] = field(default_factory=set)  # the layers that did
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
@@ -117,6 +128,10 @@ class Discovery:
             "attention_sinks": any(f.sinks for f in self.features),
             "scale": sorted({f.scale for f in self.features}),
         }
+
+    def fused_layers(self) -> list[int]:
+        """The layers the fused path computes (the others run blocked)."""
+        return [k for k, f in enumerate(self.features or ()) if fusable(f)]
 
     def labels(self) -> list[str]:
         """Short names of the features beyond plain multi-head attention (the README's table)."""
@@ -331,9 +346,15 @@ def stats_attention(
                                      batch_info.discovering)
     layer = batch_info.layers[id(module)]
     batch_info.features[layer] = features
-    sums, example, output = attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
-                                   need_output=layer != batch_info.last_layer, span=features.span,
-                                   softcap=features.softcap, sinks=sinks)
+    need_output = layer != batch_info.last_layer
+    if batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features):
+        batch_info.fused_layers.add(layer)
+        sums, example, output = fused_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
+                                             need_output=need_output)
+    else:
+        sums, example, output = attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
+                                       need_output=need_output, span=features.span, softcap=features.softcap,
+                                       sinks=sinks)
     batch_info.on_layer(layer, sums, example)
     if layer == batch_info.last_layer:
         raise LastLayerDone  # nothing after the last attention can change a statistic
@@ -390,6 +411,169 @@ def attend(
             out = out.view(batch, heads, q1 - q0, dim).transpose(1, 2)  # [batch, r, head, dim]
             output[:, q0:q1] = out
     return sums, example, output
+
+
+def fusable(features: LayerFeatures) -> bool:
+    """Whether the fused identity computes this layer exactly: plain softmax attention over every allowed key
+    (soft-capping, windows and sinks stay on the blocked path)."""
+    return features.span is None and features.softcap is None and not features.sinks
+
+
+def _right_padded(padding: Tensor | None, batch: int, n: int, device: torch.device) -> Tensor:
+    real = torch.ones(batch, n, dtype=torch.bool, device=device) if padding is None else padding  # [batch, key]
+    if real.dim() != 2 or real.shape[-1] != n or bool((real[:, 1:] & ~real[:, :-1]).any()):
+        raise AttnprobeError("attnprobe's statistics attention takes a right-padded [batch, key] mask "
+                             f"(got shape {tuple(real.shape)}, or padding on the left): pad on the right")
+    return real
+
+
+def flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Tensor | None,
+          scale: float) -> tuple[Tensor, Tensor]:
+    """The fused attention kernel: (output [batch, head, query, dim], logsumexp of each row [batch, head, query]).
+
+    CPU: aten's flash attention for CPU (Q, K, V of one head size). Elsewhere: the softmax of the scores by
+    SDPA's math reference, in blocks of rows, so the fused path stays exact wherever it runs.
+    """
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=additive, scale=scale)[:2]
+        return out, lse
+    scores = (query @ key.transpose(-1, -2)).mul_(scale)  # [batch, head, q, k]: off-CPU fallback, O(n^2)
+    if causal:
+        n = scores.shape[-1]
+        scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+    if additive is not None:
+        scores = scores + additive
+    lse = scores.logsumexp(dim=-1)  # [batch, head, q]
+    return (scores - lse[..., None]).exp() @ value, lse
+
+
+def fused_attend(
+    query: Tensor, key: Tensor, value: Tensor, padding: Tensor | None, scaling: float | None, causal: bool,
+    info: Batch, need_output: bool = True,
+) -> tuple[SentenceSums, Tensor | None, Tensor | None]:
+    """The attention output from the fused kernel and every row statistic without a map.
+
+    A second fused call in float32 takes the keys as values (centred on their mean, so that the scores and the
+    logsumexp stay small) with extra value channels: the key's position (centred), 1 on the first `sink` keys and
+    1 on special tokens. For a 0/-inf mask ln p_ij = s_ij - lse_i, so the entropy is
+    H_i = lse_i - scale q_i . (sum_j p_ij k_j); single weights (first key, previous, self, the +-2 diagonal) are
+    exp(s_ij - lse_i) for those j; the mean distance is i - E[j] (causal) or, for encoders, E[j] - i plus twice
+    the causal part sum_{j<=i} p_ij (i - j) from a third, causal call; the recent window of sink_window is a
+    banded sum over the W keys before each row.
+    """
+    batch, heads, n, dim = query.shape
+    groups = heads // key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    real = _right_padded(padding, batch, n, query.device)  # [batch, key]
+    lengths = real.sum(dim=-1)  # [batch]
+    key_h = key.repeat_interleave(groups, dim=1) if groups > 1 else key  # [batch, head, key, dim]
+    value_h = value.repeat_interleave(groups, dim=1) if groups > 1 else value  # [batch, head, key, dim]
+    hidden = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
+    output = None
+    if need_output:
+        additive = None if hidden is None else torch.zeros(
+            hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, float("-inf"))
+        out, _ = flash(query, key_h, value_h, causal, additive, scale)  # [batch, head, q, dim]
+        output = out.transpose(1, 2)  # [batch, q, head, dim]
+    q = query.float()  # [batch, head, q, dim]
+    keys = key_h.float()  # [batch, head, key, dim]
+    weight = real[:, None, :, None].float()  # [batch, 1, key, 1]
+    centre = (keys * weight).sum(dim=2, keepdim=True) / lengths.clamp(min=1)[:, None, None, None]  # [b, h, 1, dim]
+    keys = keys - centre  # [batch, head, key, dim]: softmax unchanged, scores and lse smaller
+    j = torch.arange(n, device=q.device, dtype=torch.float32)  # [key]
+    mid = (n - 1) / 2
+    channels = [keys, (j - mid).expand(batch, heads, n)[..., None],
+                (j < info.sink).float().expand(batch, heads, n)[..., None]]  # each [batch, head, key, c]
+    if info.special is not None:
+        channels.append(info.special[:, None, :n, None].float().expand(batch, heads, n, 1))
+    values = torch.cat(channels, dim=-1)  # [batch, head, key, dim + extra]
+    extra = values.shape[-1] - dim
+    additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
+        hidden, float("-inf"))  # [batch, 1, 1, key]
+    qp = nn.functional.pad(q, (0, extra))  # [batch, head, q, dim + extra]
+    mean, lse = flash(qp, nn.functional.pad(keys, (0, extra)), values, causal, additive32, scale)
+    entropy = lse - scale * (q * mean[..., :dim]).sum(dim=-1)  # [batch, head, q]
+    i = torch.arange(n, device=q.device)  # [q]
+
+    def weight_at(offset: int) -> Tensor:
+        """p[i, i + offset] for every row, 0 where that key is not allowed."""
+        at = (i + offset).clamp(0, n - 1)  # [q]
+        logit = scale * (q * keys[:, :, at]).sum(dim=-1)  # [batch, head, q]
+        allowed = (i + offset >= 0) & (i + offset < n)  # [q]
+        if causal:
+            allowed = allowed & (offset <= 0)
+        allowed = allowed[None, :] & real[:, at]  # [batch, q]
+        return torch.where(allowed[:, None, :], (logit - lse).exp(), 0.0)  # [batch, head, q]
+
+    near = {offset: weight_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
+    first = (scale * (q * keys[:, :, :1]).sum(dim=-1) - lse).exp()  # [batch, head, q]: key 0 is always allowed
+    position = mean[..., dim] + mid  # [batch, head, q]: E[j]
+    if causal:
+        distance = i - position  # [batch, head, q]
+    else:
+        distance = _encoder_distance(qp, keys, values, lse, position, additive32, scale, extra)
+    masses = RowMasses(
+        entropy=entropy, diagonal=sum(near.values()), first=first, previous=near[-1], self=near[0],
+        distance=distance, sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale),
+        special=None if info.special is None else mean[..., dim + 2],
+    )
+    sums = SentenceSums()
+    sums.add(row_stats(masses, 0, lengths, causal), 0, lengths, info.bins)
+    return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
+
+
+def _encoder_distance(
+    qp: Tensor, keys: Tensor, values: Tensor, lse: Tensor, position: Tensor, additive: Tensor | None, scale: float,
+    extra: int,
+) -> Tensor:
+    """sum_j p_ij |i - j| of an encoder row: E[j] - i + 2 sum_{j <= i} p_ij (i - j), the causal part from a causal
+    fused call (its own logsumexp, rescaled to the row's)."""
+    n, dim = keys.shape[-2], keys.shape[-1]
+    mid = (n - 1) / 2
+    i = torch.arange(n, device=qp.device)  # [q]
+    before, lse_before = flash(qp, nn.functional.pad(keys, (0, extra)), values, True, additive, scale)
+    share = (lse_before - lse).exp()  # [batch, head, q]: the mass on keys j <= i
+    below = share * ((i - mid) - before[..., dim])  # [batch, head, q]: sum_{j <= i} p_ij (i - j)
+    return position - i + 2 * below  # [batch, head, q]
+
+
+def _sink_window(
+    q: Tensor, keys: Tensor, lse: Tensor, sink_mass: Tensor, real: Tensor, causal: bool, info: Batch, scale: float,
+) -> Tensor:
+    """row_sink_window from the fused kernel's logsumexp: the first `sink` keys' mass (a value channel) plus a
+    banded sum over the `window` most recent keys, block by block (O(n window) memory)."""
+    batch, heads, n, _ = q.shape
+    out = torch.full((batch, heads, n), torch.nan, device=q.device)  # [batch, head, q]
+    start, window = info.sink + info.window, info.window
+    if not causal or start >= n:
+        return out
+    rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), window))  # keys <= 2 window
+    for q0 in range(start, n, rows):
+        q1 = min(n, q0 + rows)
+        k0 = q0 - window + 1  # >= sink: the window keys never reach the sink keys
+        logits = scale * (q[:, :, q0:q1] @ keys[:, :, k0:q1].transpose(-1, -2))  # [batch, head, r, keys]
+        i = torch.arange(q0, q1, device=q.device)[:, None]  # [r, 1]
+        j = torch.arange(k0, q1, device=q.device)[None, :]  # [1, keys]
+        band = (j > i - window) & (j <= i)  # [r, keys]
+        allowed = band[None] & real[:, None, k0:q1]  # [batch, r, keys]
+        recent = torch.where(allowed[:, None], (logits - lse[:, :, q0:q1, None]).exp(), 0.0).sum(dim=-1)
+        out[:, :, q0:q1] = sink_mass[:, :, q0:q1] + recent  # [batch, head, r]
+    return out
+
+
+def _fused_example(
+    info: Batch, q: Tensor, keys: Tensor, lse: Tensor, real: Tensor, causal: bool, scale: float
+) -> Tensor | None:
+    """The example sentence's first tokens' maps, from the scores and the row's logsumexp: [head, kept, kept]."""
+    if info.example is None:
+        return None
+    row, kept = info.example
+    logits = scale * (q[row, :, :kept] @ keys[row, :, :kept].transpose(-1, -2))  # [head, kept, kept]
+    allowed = real[row, None, :kept].expand(kept, kept)  # [kept, kept]
+    if causal:
+        allowed = allowed & torch.ones(kept, kept, dtype=torch.bool, device=q.device).tril()
+    return torch.where(allowed, (logits - lse[row, :, :kept, None]).exp(), 0.0)  # [head, kept, kept]
 
 
 def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool, k0: int = 0, span: int | None = None) -> None:
@@ -487,21 +671,25 @@ def run_batch(
     loaded: LoadedModel, input_ids: Tensor, attention_mask: Tensor, on_layer: LayerSums, *,
     special: Tensor | None = None, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int = 1,
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
-    discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None,
+    discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
+    fused_layers: set[int] | None = None,
 ) -> None:
     """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums.
 
     `features`, when given, receives each layer's LayerFeatures; `discovering` collects what is not implemented
-    instead of refusing it (discover()).
+    instead of refusing it (discover()). `fused`: run the layers `fusable` accepts through the fused kernel when
+    the batch is at least this many tokens long (0: always; None: never).
     """
     modules = attention_modules(loaded.model)
     info = Batch(
         layers={id(m): layer for layer, (m, _) in enumerate(modules)}, last_layer=len(modules) - 1,
         special=special, sink=sink, window=window, bins=bins, budget_bytes=int(budget_mib * 2**20),
-        block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering,
+        block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering, fused=fused,
     )
     if features is not None:
         info.features = features
+    if fused_layers is not None:
+        info.fused_layers = fused_layers
     seen: list[int] = []
 
     def record(layer: int, sums: SentenceSums, maps: Tensor | None) -> None:

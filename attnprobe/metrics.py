@@ -189,32 +189,61 @@ def block_row_stats(
     instead of computing it from p.
     """
     p = p.float()  # [batch, head, rows, keys]; no copy when the model runs in float32
-    i = positions(q0, p.shape[-2], p.device)  # [rows]
+    masses = RowMasses(
+        entropy=row_entropy(p) if entropy is None else entropy,
+        diagonal=row_diagonal(p, q0, k0=k0),
+        first=row_first_token(p, k0),
+        previous=row_offset(p, -1, q0, k0),
+        self=row_offset(p, 0, q0, k0),
+        distance=row_distance(p, q0, k0),
+        sink_window=row_sink_window(p, q0, causal, sink, window, k0),
+        special=None if special is None else row_special(p, special, k0),
+    )
+    return row_stats(masses, q0, lengths, causal, span)
+
+
+@dataclass
+class RowMasses:
+    """What each row's statistics are made of, [batch, head, rows] each: however the caller got them (from a
+    block of p, or from a fused kernel's logsumexp and value sums)."""
+
+    entropy: Tensor  # -sum p ln p
+    diagonal: Tensor  # mass on keys within DIAGONAL_WINDOW of the query
+    first: Tensor  # mass on key 0
+    previous: Tensor  # p[i, i - 1] (0 where that key is not there)
+    self: Tensor  # p[i, i]
+    distance: Tensor  # sum_j p_ij |i - j|
+    sink_window: Tensor  # row_sink_window's value (NaN where undefined)
+    special: Tensor | None = None  # mass on special-token keys
+
+
+def row_stats(masses: RowMasses, q0: int, lengths: Tensor, causal: bool, span: int | None = None) -> dict[str, Tensor]:
+    """The row statistics of METRICS (and special_tokens) from a block's masses: the scores that count a row's
+    keys (entropy_norm, diagonal_excess, the forced rows of the _unforced scores) follow the window `span`."""
+    i = positions(q0, masses.entropy.shape[-1], masses.entropy.device)  # [rows]
     first_key = key_range(i, lengths, causal, span)[0][:, None, :]  # [batch, 1, rows]
     n_keys = key_counts(i, lengths, causal, span)[:, None, :]  # [batch, 1, rows]
-    entropy = row_entropy(p) if entropy is None else entropy  # [batch, head, rows]
-    diagonal = row_diagonal(p, q0, k0=k0)  # [batch, head, rows]
     in_window = window_key_counts(i, lengths, causal, span=span)[:, None, :]  # [batch, 1, rows]
     chance = in_window / n_keys.clamp(min=1)  # [batch, 1, rows]
     has_previous = (n_keys >= 2) & (i[None, None, :] - 1 >= first_key)  # [batch, 1, rows]
     window_open = in_window < n_keys  # [batch, 1, rows]
-    first = row_first_token(p, k0)  # [batch, head, rows]
+    entropy, diagonal, first = masses.entropy, masses.diagonal, masses.first  # [batch, head, rows] each
     per_row = {
         "entropy": entropy,
         "entropy_norm": row_entropy_norm(entropy, n_keys[:, 0]),
         "diagonal": diagonal,
         "first_token": first,
-        "previous_token": torch.where(has_previous, row_offset(p, -1, q0, k0), torch.nan),
-        "self": torch.where(n_keys >= 2, row_offset(p, 0, q0, k0), torch.nan),
-        "distance": row_distance(p, q0, k0),
+        "previous_token": torch.where(has_previous, masses.previous, torch.nan),
+        "self": torch.where(n_keys >= 2, masses.self, torch.nan),
+        "distance": masses.distance,
         "diagonal_excess": diagonal - chance,
-        "sink_window": row_sink_window(p, q0, causal, sink, window, k0),
+        "sink_window": masses.sink_window,
         "entropy_unforced": torch.where(n_keys >= 2, entropy, torch.nan),
         "diagonal_unforced": torch.where(window_open, diagonal, torch.nan),
         "first_token_unforced": torch.where(n_keys >= 2, first, torch.nan),
     }
-    if special is not None:
-        per_row[SPECIAL] = row_special(p, special, k0)
+    if masses.special is not None:
+        per_row[SPECIAL] = masses.special
     return per_row
 
 

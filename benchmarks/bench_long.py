@@ -8,9 +8,10 @@ Part 1, SmolLM2-135M on one document (licence text, repeated if short, cut to --
 in its own process, which loads the model, warms it up on 8 tokens, then runs the document once.
   sdpa     - the base model under SDPA, no attention output (the floor);
   blocked  - attnprobe's statistics attention: every statistic of every row, by position bin too;
+  fused    - the same statistics from the fused kernel's logsumexp (--attention fused);
   eager    - (--eager) attnprobe's hook path on eager maps, as before blocked attention existed.
 It prints the forward time and the peak resident memory of each process, and the ratios blocked/sdpa
-(targets: time <= 2x, peak memory <= 1.3x).
+(targets: time <= 2x, peak memory <= 1.3x) and fused/sdpa (targets: time <= 1.3x, peak memory <= 1.1x).
 
 Part 2, a tiny random Llama (4 layers, 4 query heads, 2 KV heads, 64 wide, room for 40k positions)
 on one random sequence of 1k ... 32k tokens: time and peak memory of the blocked run, so that O(n)
@@ -41,6 +42,8 @@ from bench_analyze import peak_mib  # benchmarks/ is on sys.path when a script t
 
 LICENCE = Path("/usr/share/common-licenses/GPL-3")
 TARGET_TIME = 2.0  # blocked / sdpa forward time, at most
+TARGET_FUSED_TIME = 1.3  # fused / sdpa forward time, at most
+TARGET_FUSED_MEMORY = 1.1  # fused / sdpa peak RSS, at most
 TARGET_GROWTH = 1.25  # zoo: peak memory at the longest length / at the shortest, at most
 TARGET_16K_MIB = 1536  # zoo: a 16k-token sequence's process peak
 ZOO_WINDOW = 4096
@@ -70,9 +73,10 @@ def run_way(loaded, x, mask, way: str, sink: int = 4, window: int = 256) -> None
         if way == "sdpa":
             loaded.model.set_attn_implementation("sdpa")
             loaded.model(input_ids=x, attention_mask=mask, use_cache=False)
-        elif way == "blocked":
+        elif way in ("blocked", "fused"):
             with kernel.statistics_attention(loaded):
-                kernel.run_batch(loaded, x, mask, lambda *_: None, sink=sink, window=window, bins=bins)
+                kernel.run_batch(loaded, x, mask, lambda *_: None, sink=sink, window=window, bins=bins,
+                                 fused=0 if way == "fused" else None)
         else:
             stream_attention(loaded, x, mask, lambda _l, p: sentence_sums(p, mask, True, None, sink, window, bins))
 
@@ -223,7 +227,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} cores; work folder {work}")
     if args.part in ("smollm2", "both"):
-        ways = ("sdpa", "blocked", "eager") if args.eager else ("sdpa", "blocked")
+        ways = ("sdpa", "blocked", "fused", "eager") if args.eager else ("sdpa", "blocked", "fused")
         runs = {how: spawn("smollm2", how, args.tokens, work) for how in ways}
         print(f"\nSmolLM2-135M, one document of {args.tokens} tokens (forward time; peak RSS of the process)")
         print(f"{'way':<8} {'seconds':>8} {'peak MiB':>9}")
@@ -233,6 +237,11 @@ def main() -> None:
         m = runs["blocked"]["peak_mib"] / runs["sdpa"]["peak_mib"]
         print(f"blocked / sdpa: time {t:.2f} (target <= {TARGET_TIME}: {'met' if t <= TARGET_TIME else 'MISSED'}), "
               f"peak memory {m:.2f} (target <= {TARGET_MEMORY}: {'met' if m <= TARGET_MEMORY else 'MISSED'})")
+        t = runs["fused"]["seconds"] / runs["sdpa"]["seconds"]
+        m = runs["fused"]["peak_mib"] / runs["sdpa"]["peak_mib"]
+        print(f"fused / sdpa: time {t:.2f} (target <= {TARGET_FUSED_TIME}: "
+              f"{'met' if t <= TARGET_FUSED_TIME else 'MISSED'}), peak memory {m:.2f} (target <= "
+              f"{TARGET_FUSED_MEMORY}: {'met' if m <= TARGET_FUSED_MEMORY else 'MISSED'})")
     if args.part == "zoo":
         zoo(work, [int(n) for n in args.lengths.split(",")])
     if args.part in ("tiny", "both"):

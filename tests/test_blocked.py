@@ -69,11 +69,12 @@ def test_blocked_statistics_equal_the_eager_ones(loaded, eager_result, rows):
     assert_close(blocked.heads["entropy_ci_low"], eager_result.heads["entropy_ci_low"], "interval")
 
 
-def test_auto_uses_the_blocked_path_for_supported_models(loaded):
+def test_auto_uses_the_fused_path_for_supported_models(loaded):
     result = analyze_loaded(loaded, corpus_of(SENTENCES[:2]), resamples=5)
     features = result.run["attention"].pop("features")
-    assert result.run["attention"] == {"requested": "auto", "path": "blocked", "block_budget_mib": 64,
-                                       "sink_tokens": 4, "window": 256}
+    assert result.run["attention"] == {"requested": "auto", "path": "fused", "block_budget_mib": 64,
+                                       "sink_tokens": 4, "window": 256, "fused_min_tokens": 512,
+                                       "fused_layers": list(range(loaded.num_layers))}
     assert features == {"causal": loaded.causal, "query_heads_per_kv_head": loaded.num_heads // loaded.num_kv_heads,
                         "sliding_window": None, "softcap": None, "attention_sinks": False,
                         "scale": [pytest.approx(loaded.head_dim**-0.5)]}

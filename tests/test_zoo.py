@@ -41,21 +41,49 @@ def analyzed(loaded, attention, **options):
                           options=Options(attention=attention, sink=SINK, window=RECENT, **options))
 
 
-@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION))
-def test_blocked_statistics_equal_the_eager_maps(zoo_dir, name):
-    loaded = load_model(str(zoo_dir(name)), "cpu")
-    found = kernel.discover(loaded)
-    assert found.reason is None and len(found.features) == loaded.num_layers
-    eager = analyzed(loaded, "eager")
-    blocked = analyzed(loaded, "auto", block_rows=3)  # auto picks blocked
-    assert blocked.run["attention"]["path"] == "blocked", blocked.run["attention"]
-    assert blocked.run["attention"]["features"] == found.record()
+@pytest.fixture(scope="module")
+def eager_of(zoo_dir):
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            loaded = load_model(str(zoo_dir(name)), "cpu")
+            runs[name] = (loaded, analyzed(loaded, "eager"))
+        return runs[name]
+
+    return get
+
+
+def assert_same_statistics(got, eager, what):
     for column in eager.per_sentence.columns:
         if column != "category":
-            assert_close(blocked.per_sentence[column], eager.per_sentence[column], f"{name} {column}")
+            assert_close(got.per_sentence[column], eager.per_sentence[column], f"{what} {column}")
     for column in eager.positions.columns:
-        assert_close(blocked.positions[column], eager.positions[column], f"{name} positions {column}")
-    np.testing.assert_allclose(blocked.example["maps"], eager.example["maps"], atol=FLOAT32_TOLERANCE)
+        assert_close(got.positions[column], eager.positions[column], f"{what} positions {column}")
+    np.testing.assert_allclose(got.example["maps"], eager.example["maps"], atol=FLOAT32_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION))
+def test_blocked_statistics_equal_the_eager_maps(eager_of, name):
+    loaded, eager = eager_of(name)
+    found = kernel.discover(loaded)
+    assert found.reason is None and len(found.features) == loaded.num_layers
+    blocked = analyzed(loaded, "auto", block_rows=3)  # auto: short sentences run blocked
+    assert blocked.run["attention"]["path"] == "fused", blocked.run["attention"]
+    assert blocked.run["attention"]["fused_min_tokens"] > max(len(t) for t in loaded.tokenizer(SENTENCES)["input_ids"])
+    assert blocked.run["attention"]["features"] == found.record()
+    assert_same_statistics(blocked, eager, f"{name} blocked")
+
+
+@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION))
+def test_fused_statistics_equal_the_eager_maps(eager_of, name):
+    """--attention fused: the fused kernel on every layer it computes exactly (the others run blocked)."""
+    loaded, eager = eager_of(name)
+    fused = analyzed(loaded, "fused", block_rows=3)
+    assert fused.run["attention"]["path"] == "fused" and fused.run["attention"]["fused_min_tokens"] == 0
+    layers = fused.run["attention"]["fused_layers"]
+    assert layers == [k for k, f in enumerate(kernel.discover(loaded).features) if kernel.fusable(f)]
+    assert_same_statistics(fused, eager, f"{name} fused")
 
 
 @pytest.mark.parametrize("name", sorted(OWN_ATTENTION))
@@ -133,10 +161,11 @@ def test_the_readme_table_is_the_discovery_s_own_list(zoo_dir):
     for name in ZOO:
         loaded = load_model(str(zoo_dir(name)), "cpu")
         found = kernel.discover(loaded)
-        path = "blocked" if found.reason is None else "eager (hooks)"
+        fused = len(found.fused_layers()) if found.features else 0
+        path = "eager (hooks)" if found.reason else "fused" if fused == loaded.num_layers else \
+            "fused + blocked" if fused else "blocked"
         features = ", ".join(found.labels()) or "-"
         if name in OWN_ATTENTION:
             features = "ALiBi" if "alibi" in name or name in ("bloom", "mpt") else "-"
         assert table[name] == (path, features), name
-    blocked = sum(path == "blocked" for path, _ in table.values())
-    assert blocked >= 25
+    assert sum(path != "eager (hooks)" for path, _ in table.values()) >= 25

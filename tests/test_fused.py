@@ -1,0 +1,87 @@
+"""The fused path: every statistic from the fused kernel's logsumexp, against a float64 softmax computed here."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import FLOAT32_TOLERANCE, SENTENCES
+from test_blocked import assert_close, corpus_of
+
+from attnprobe import kernel
+from attnprobe.analysis import Options, analyze_loaded
+from attnprobe.metrics import bin_count, sentence_stats
+from attnprobe.model import load_model
+
+
+def sharp_heads(n: int, logits: float, seed: int = 0):
+    """q [2, 4, n, 16] and k, v [2, 2, n, 16] (grouped-query), scaled so that the largest logits reach about
+    `logits`; the second sequence is padded after two thirds."""
+    torch.manual_seed(seed)
+    b, h, kv, d = 2, 4, 2, 16
+    radius = math.sqrt(logits * math.sqrt(d))
+    q = torch.randn(b, h, n, d)
+    k = torch.randn(b, kv, n, d)
+    q = q / q.norm(dim=-1, keepdim=True) * radius
+    k = k / k.norm(dim=-1, keepdim=True) * radius + 0.3  # off-centre keys: the centring has work to do
+    v = torch.randn(b, kv, n, d)
+    real = torch.ones(b, n, dtype=torch.bool)
+    real[1, n - n // 3 :] = False
+    return q, k, v, real
+
+
+def oracle(q, k, real, causal):
+    """The float64 softmax map [batch, head, query, key] of the same scores and mask."""
+    groups = q.shape[1] // k.shape[1]
+    n = q.shape[2]
+    scores = (q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    allowed = real[:, None, None, :] & (torch.ones(n, n, dtype=torch.bool).tril() if causal else True)
+    return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1), scores
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("n", "logits"), [(40, 50.0), (700, 48.0)])
+def test_fused_statistics_equal_a_float64_softmax_with_sharp_heads(causal, n, logits):
+    q, k, v, real = sharp_heads(n, logits)
+    special = torch.zeros(2, n, dtype=torch.bool)
+    special[:, 0] = special[:, 5] = True
+    info = kernel.Batch(layers={}, last_layer=0, special=special, sink=2, window=8, bins=bin_count(n),
+                        budget_bytes=2**20, block_rows=None, example=(1, 12), on_layer=lambda *_: None)
+    sums, example, output = kernel.fused_attend(q, k, v, real, None, causal, info)
+    p, scores = oracle(q, k, real, causal)
+    assert float(scores[scores.isfinite()].abs().max()) > 0.7 * logits  # the heads are as sharp as promised
+    expected = sentence_stats(p, real.long(), causal, special, sink=2, window=8)
+    for name, value in sums.means().items():
+        assert_close(value.double(), expected[name], name)
+    np.testing.assert_allclose(example, p[1, :, :12, :12].float(), atol=FLOAT32_TOLERANCE)
+    reference = (p.float() @ v.repeat_interleave(2, 1)).transpose(1, 2)  # [batch, query, head, dim]
+    assert float((output - reference)[real].abs().max()) < FLOAT32_TOLERANCE * max(1.0, float(reference.abs().max()))
+
+
+def test_auto_fuses_batches_from_the_threshold_on(llama_dir, monkeypatch):
+    """auto runs the fused kernel on batches of FUSED_MIN_TOKENS or more and blocked below: both equal eager."""
+    monkeypatch.setattr(kernel, "FUSED_MIN_TOKENS", 12)  # the test sentences run 3 to 16 tokens
+    loaded = load_model(str(llama_dir), "cpu")
+    ran = []
+    real = kernel.fused_attend
+
+    def counted(query, *args, **kwargs):
+        ran.append(query.shape[2])
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(kernel, "fused_attend", counted)
+    runs = {a: analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=2, resamples=5, keep_per_sentence=True,
+                              options=Options(attention=a, sink=1, window=4)) for a in ("auto", "eager")}
+    assert runs["auto"].run["attention"]["path"] == "fused" and runs["auto"].run["attention"]["fused_min_tokens"] == 12
+    assert ran and min(ran) >= 12  # some batches fused, none shorter than the threshold ...
+    assert min(len(t) for t in loaded.tokenizer(SENTENCES)["input_ids"]) < 12  # ... though shorter ones ran
+    for column in runs["eager"].per_sentence.columns:
+        if column != "category":
+            assert_close(runs["auto"].per_sentence[column], runs["eager"].per_sentence[column], column)
+
+
+def test_layers_the_identity_does_not_cover_are_not_fused():
+    plain = kernel.LayerFeatures(causal=True, span=None, softcap=None, sinks=False, groups=1, scale=0.125)
+    assert kernel.fusable(plain)
+    for change in ({"span": 4}, {"softcap": 30.0}, {"sinks": True}):
+        assert not kernel.fusable(kernel.LayerFeatures(**{**plain.__dict__, **change}))
