@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from attnprobe.metrics import (
 )
 from attnprobe.model import LoadedModel, as_loaded, quiet_transformers, stream_attention
 from attnprobe.resume import Checkpointing, State, Stopped, check_fingerprint
+from attnprobe.sources import weights_fingerprint
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
 EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
@@ -127,7 +129,8 @@ def analyze_loaded(
     if on_batch is not None and checkpointing and checkpointing.resume_from is not None:
         raise AttnprobeError("--per-sentence cannot continue a stopped run: the rows before the stop are gone; "
                              "drop --resume to start again with --per-sentence, or drop --per-sentence")
-    fingerprint = run_fingerprint(loaded, corpus, batch_size, resamples, seed, options, world.size)
+    fingerprint = run_fingerprint(loaded, corpus, batch_size, resamples, seed, options, world.size,
+                                  weights=checkpointing is not None)
     if checkpointing is not None and checkpointing.resume_from is not None:
         check_fingerprint(checkpointing.resume_from.fingerprint, fingerprint)
     measured = measure(loaded, corpus, scanned, batch_size, progress, options, world, shape,
@@ -183,15 +186,29 @@ def more_examples(
 
 def run_fingerprint(
     loaded: LoadedModel, corpus: Corpus, batch_size: int, resamples: int, seed: int, options: Options,
-    processes: int = 1,
+    processes: int = 1, weights: bool = True,
 ) -> dict[str, Any]:
-    """Everything that decides the results of a run: a checkpoint resumes only the same run."""
+    """Everything that decides the results of a run: a checkpoint resumes only the same run.
+
+    `weights`: fingerprint the model's weights too (model_sha256; see `model_weights`), which reads them."""
     return {
-        "model": loaded.source, "model_sha256": loaded.origin.get("gguf_sha256"), "dtype": loaded.dtype,
+        "model": loaded.source, "model_sha256": model_weights(loaded) if weights else None, "dtype": loaded.dtype,
         "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
         "window": options.window, "block_mib": options.budget_mib, "version": __version__, "processes": processes,
     }
+
+
+def model_weights(loaded: LoadedModel) -> str | None:
+    """What identifies the weights: a GGUF file's sha256, a local folder's `sources.weights_fingerprint`, a hub
+    model's commit; None for a model the caller loaded (attnprobe cannot tell where its weights came from)."""
+    if loaded.origin.get("gguf_sha256"):
+        return loaded.origin["gguf_sha256"]
+    if loaded.origin.get("loaded_by") == "caller":
+        return None
+    if Path(loaded.source).is_dir():
+        return weights_fingerprint(loaded.source)
+    return f"revision:{loaded.revision}" if loaded.revision else None
 
 
 def sentence_categories(corpus: Corpus, sentences: list[Sentence]) -> list[str] | None:

@@ -64,6 +64,11 @@ class Stopped(AttnprobeError):
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint made with another model, corpus or settings."""
     differs = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+    if "model_sha256" in differs and "model" not in differs:
+        raise AttnprobeError(
+            f"the model's weights at {current.get('model')} changed since the checkpoint was made (their fingerprint "
+            "differs): resume with the weights it was made with, or run without --resume to start again"
+        )
     if differs:
         key = differs[0]
         raise AttnprobeError(

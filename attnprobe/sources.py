@@ -123,6 +123,32 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+HASH_LIMIT_BYTES = 1 << 30  # weights up to 1 GiB are hashed whole; larger ones by name, size and mtime
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    """A fingerprint of a model folder's weights and config, which a resumed run must find unchanged.
+
+    Up to HASH_LIMIT_BYTES of weight files (and config.json) are hashed whole ("sha256:..."); a larger model
+    is fingerprinted by each file's name, size and modification time ("stat:..."), as reading gigabytes
+    at every start would be slow. Either changes when the weights are re-saved at the same path.
+    """
+    folder = Path(folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES
+                   or p.name == "config.json" or p.name.endswith(".index.json")))
+    stats = [(p.name, p.stat()) for p in files]
+    digest = hashlib.sha256()
+    if sum(stat.st_size for _, stat in stats) <= HASH_LIMIT_BYTES:
+        for path in files:
+            digest.update(f"{path.name}\0".encode())
+            digest.update(file_sha256(path).encode())
+        return f"sha256:{digest.hexdigest()}"
+    for name, stat in stats:
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return f"stat:{digest.hexdigest()}"
+
+
 def gguf_folder(path: Path, digest: str, on_status: Status | None = None) -> Path:
     """A normal save_pretrained folder converted from the GGUF file, made once and cached by its hash.
 
