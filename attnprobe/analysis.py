@@ -274,6 +274,7 @@ def measure(
     start = 0
     if checkpointing is not None and checkpointing.resume_from is not None:
         state = checkpointing.resume_from
+        state.check_fits(totals.sums, total, tuple(example_maps.shape))
         start = state.batches_done
         totals.sums = {key: value.copy() for key, value in state.sums.items()}
         if state.example_maps is not None:

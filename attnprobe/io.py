@@ -442,11 +442,18 @@ def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
             raise AttnprobeError(f"no {name} in {out}, but {', '.join(others)}: resume with as many processes as "
                                  "the stopped run (checkpoint.npz: one; checkpoint-rankR-of-N.npz: torchrun N)")
         raise AttnprobeError(f"no {name} in {out}: nothing to resume; run without --resume")
+    import zipfile
+
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return State.from_arrays({key: data[key] for key in data.files})
-    except (OSError, KeyError, ValueError) as err:
-        raise AttnprobeError(f"{path} is unreadable ({err}): delete it and run without --resume") from err
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with data:
+            return State.from_arrays({key: data[key] for key in data.files}, str(path))
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as err:
+        reason = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
+        raise AttnprobeError(f"{path} is unreadable or damaged ({reason}): delete it and run without --resume") \
+            from err
 
 
 def read_example(out: str | Path) -> dict[str, Any] | None:

@@ -1,6 +1,8 @@
 """Nothing silently wrong (issue 21, cases 4 on): tampered or stale inputs get one plain line, not a wrong result."""
 
+import json
 
+import numpy as np
 import pytest
 from conftest import make_gpt2
 from test_cli import assert_one_line_error, run
@@ -61,3 +63,92 @@ def test_large_weights_are_fingerprinted_by_name_size_and_mtime(tmp_path, monkey
     assert first.startswith("stat:")
     (folder / "model.safetensors").write_bytes(b"y" * 101)
     assert sources.weights_fingerprint(folder) != first
+
+
+# case 5: a tampered checkpoint
+
+
+def tamper(out, change):
+    """Rewrite out/checkpoint.npz after `change(arrays)` (a dict of its arrays, changed in place)."""
+    path = out / "checkpoint.npz"
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {key: data[key] for key in data.files}
+    change(arrays)
+    with open(path, "wb") as handle:
+        np.savez_compressed(handle, **arrays)
+
+
+def set_meta(key, value):
+    def change(arrays):
+        meta = json.loads(str(arrays["meta"]))
+        meta[key] = value
+        arrays["meta"] = np.array(json.dumps(meta))
+
+    return change
+
+
+def first_sum(change_value):
+    def change(arrays):
+        key = sorted(k for k in arrays if k.startswith("sum:sum/"))[0]
+        arrays[key] = change_value(arrays[key])
+
+    return change
+
+
+def drop(name):
+    return lambda arrays: arrays.pop(name if name != "a sum" else sorted(k for k in arrays if k.startswith("sum:"))[0])
+
+
+TAMPERED = {
+    "batches_done huge": set_meta("batches_done", 10**9),
+    "batches_done negative": set_meta("batches_done", -5),
+    "batches_done fraction": set_meta("batches_done", 1.5),
+    "batches_done zero": set_meta("batches_done", 0),
+    "batches_done null": set_meta("batches_done", None),
+    "batches_done text": set_meta("batches_done", "2"),
+    "fingerprint missing": lambda arrays: arrays.update(meta=np.array(json.dumps({"batches_done": 1}))),
+    "meta a list": lambda arrays: arrays.update(meta=np.array("[1, 2]")),
+    "meta not json": lambda arrays: arrays.update(meta=np.array("{")),
+    "meta missing": drop("meta"),
+    "a sum missing": drop("a sum"),
+    "nan sum": first_sum(lambda value: value * np.nan),
+    "inf sum": first_sum(lambda value: value + np.inf),
+    "wrong shape": first_sum(lambda value: value[:1]),
+    "text sum": first_sum(lambda value: value.astype(str)),
+    "extra array": lambda arrays: arrays.update(junk=np.zeros(3)),
+    "example maps flat": lambda arrays: arrays.update(example_maps=np.zeros(3)),
+}
+
+
+@pytest.mark.parametrize("how", list(TAMPERED))
+def test_a_tampered_checkpoint_is_refused_in_one_line(gpt2_dir, corpus_file, tmp_path, how):
+    out = tmp_path / "out"
+    stopped_run(gpt2_dir, corpus_file, out)
+    tamper(out, TAMPERED[how])
+    saved = (out / "checkpoint.npz").read_bytes()
+    result = analyze(gpt2_dir, corpus_file, out, "--resume")
+    assert_one_line_error(result, str(out / "checkpoint.npz"), "delete it", "without --resume")
+    assert (out / "checkpoint.npz").read_bytes() == saved and not (out / "heads.csv").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated", b"\x93NUMPY", "npy"])
+def test_an_empty_truncated_or_foreign_checkpoint_is_refused_in_one_line(gpt2_dir, corpus_file, tmp_path, content):
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "checkpoint.npz"
+    if content == "npy":
+        np.save(path.with_suffix(".npy"), np.zeros(3))
+        path.with_suffix(".npy").rename(path)
+    else:
+        path.write_bytes(content)
+    result = analyze(gpt2_dir, corpus_file, out, "--resume")
+    assert_one_line_error(result, str(path), "delete it", "without --resume")
+    assert "Aborted" not in result.output
+
+
+def test_a_truncated_real_checkpoint_is_refused_in_one_line(gpt2_dir, corpus_file, tmp_path):
+    out = tmp_path / "out"
+    stopped_run(gpt2_dir, corpus_file, out)
+    path = out / "checkpoint.npz"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert_one_line_error(analyze(gpt2_dir, corpus_file, out, "--resume"), str(path), "without --resume")
