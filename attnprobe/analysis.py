@@ -292,6 +292,7 @@ def measure(
         special = pad_batch(special_ids, loaded.device)[0].bool() if SPECIAL in shape.names else None  # [b, seq]
         example = (batch.index(scanned.example_index), n) if scanned.example_index in batch else None
         stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, example, example_maps)
+        check_finite(loaded, stats, sentences, [len(t) for t in ids])
         labels = sentence_categories(corpus, sentences)
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
         if on_batch is not None:
@@ -337,6 +338,24 @@ def measure(
         kept = {name: v.cpu().numpy() for name, v in distributed.merge(
             world, {name: torch.from_numpy(v).to(loaded.device) for name, v in kept.items()}).items()}
     return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), path=path, per_sentence=kept)
+
+
+def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: list[Sentence],
+                 lengths: list[int]) -> None:
+    """Refuse a batch whose attention was NaN or infinite (broken weights, or an overflow in a low
+    precision): every sentence of 2 or more tokens has an entropy in every head. `stats` per score
+    [sentence, layer, head]."""
+    entropy = stats["entropy"]  # [sentence, layer, head]
+    broken = [k for k, n in enumerate(lengths) if n >= 2 and np.isnan(entropy[k]).any()]
+    broken += [k for k in range(len(lengths)) if any(np.isinf(v[k]).any() for v in stats.values())]
+    if not broken:
+        return
+    k = min(broken)
+    layer = next((int(i) for i in np.argwhere(~np.isfinite(entropy[k]))[:, 0]), 0)
+    fix = "its weights hold NaN or inf: check or re-save them" if loaded.dtype == "float32" else \
+        f"its weights hold NaN or inf, or {loaded.dtype} overflows: check the weights, or run with --dtype float32"
+    raise AttnprobeError(f"model {loaded.spec} gives NaN or infinite attention (layer {layer}, on corpus line "
+                         f"{sentences[k].line}): {fix}")
 
 
 def measure_batch(

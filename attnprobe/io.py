@@ -245,7 +245,21 @@ def csv_writer(frame: pd.DataFrame) -> Writer:
 
 
 def json_writer(data: dict[str, Any]) -> Writer:
-    return lambda path: path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    """Valid JSON always: a NaN or infinite number (a value that is undefined, such as an interval of too
+    few sentences) is written as null; `allow_nan=False` makes sure no bare NaN slips through."""
+    return lambda path: path.write_text(json.dumps(finite_json(data), indent=2, allow_nan=False) + "\n",
+                                        encoding="utf-8")
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every float that is NaN or infinite replaced by None (dicts, lists and tuples walked)."""
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if np.isfinite(value) else None
+    return value
 
 
 def npz_writer(**arrays: np.ndarray) -> Writer:

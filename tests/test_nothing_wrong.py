@@ -152,3 +152,35 @@ def test_a_truncated_real_checkpoint_is_refused_in_one_line(gpt2_dir, corpus_fil
     path = out / "checkpoint.npz"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert_one_line_error(analyze(gpt2_dir, corpus_file, out, "--resume"), str(path), "without --resume")
+
+
+# case 6: NaN weights
+
+
+@pytest.fixture(scope="module")
+def nan_gpt2_dir(tmp_path_factory):
+    import torch
+    from transformers import GPT2Model
+
+    folder = make_gpt2(tmp_path_factory.mktemp("nan_gpt2"))
+    model = GPT2Model.from_pretrained(folder)
+    with torch.no_grad():
+        model.h[1].attn.c_attn.weight.fill_(float("nan"))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("attention", ["blocked", "eager"])
+def test_nan_attention_stops_in_one_line(nan_gpt2_dir, corpus_file, tmp_path, attention):
+    out = tmp_path / "out"
+    result = analyze(nan_gpt2_dir, corpus_file, out, "--attention", attention)
+    assert_one_line_error(result, "NaN or infinite attention", "layer 1", "corpus line", "weights")
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_json_files_are_valid_json_with_null_for_undefined_numbers(tmp_path):
+    data = {"a": float("nan"), "b": [1.5, float("inf"), np.float32("nan")], "c": {"d": -np.inf, "e": np.float64(2)}}
+    io.write_files(tmp_path, {"x.json": io.json_writer(data)})
+    text = (tmp_path / "x.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"a": None, "b": [1.5, None, None], "c": {"d": None, "e": 2.0}}
