@@ -689,16 +689,23 @@ def compare(
     ] = None,
     score: Annotated[str, typer.Option("--score", help="The score printed and drawn (every score is written).")] = (
         "entropy"),
-    paired: Annotated[
-        bool | None, typer.Option("--paired/--unpaired", help="Insist on (refused unless the corpus and bootstrap "
-                                  "match) or decline the paired bootstrap; default: paired when they match.")
-    ] = None,
+    paired_flag: Annotated[
+        bool, typer.Option("--paired", help="Insist on the paired bootstrap (refused unless the corpus and "
+                           "bootstrap match); default: paired when they match.")
+    ] = False,
+    unpaired_flag: Annotated[
+        bool, typer.Option("--unpaired", help="Decline the paired bootstrap: resample each run on its own.")
+    ] = False,
     top: Annotated[int, typer.Option("--top", help="How many of the most changed heads to print.")] = 10,
 ) -> None:
     """B - A of every score of two runs, with 95% intervals: per head, or by relative depth when shapes differ."""
     from attnprobe import io, plotting
     from attnprobe.compare import compare as run_compare
 
+    if paired_flag and unpaired_flag:
+        raise AttnprobeError("--paired and --unpaired contradict each other: pass one (or neither, to pair "
+                             "when the corpus and bootstrap match)")
+    paired = True if paired_flag else False if unpaired_flag else None
     result = run_compare(out_a, out_b, score=score, paired=paired, top=top)
     target = out if out is not None else Path(out_b) / "compare"
     io.check_out_dir(target)

@@ -184,3 +184,27 @@ def test_json_files_are_valid_json_with_null_for_undefined_numbers(tmp_path):
     text = (tmp_path / "x.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text) == {"a": None, "b": [1.5, None, None], "c": {"d": None, "e": 2.0}}
+
+
+# case 8: contradictory options
+
+
+@pytest.fixture(scope="module")
+def analyzed(tmp_path_factory, gpt2_dir):
+    """One analyze run (3 sentences, 20 resamples), for the commands that read results."""
+    root = tmp_path_factory.mktemp("analyzed")
+    corpus = root / "c.txt"
+    corpus.write_text("The cat sat on the mat.\nRain fell.\nBirds sing.\n", encoding="utf-8")
+    out = root / "out"
+    result = analyze(gpt2_dir, corpus, out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_compare_refuses_paired_with_unpaired(analyzed, tmp_path):
+    for order in (["--paired", "--unpaired"], ["--unpaired", "--paired"]):
+        result = run("compare", analyzed, analyzed, "--out", tmp_path / "cmp", *order)
+        assert_one_line_error(result, "--paired and --unpaired", "pass one")
+    assert not (tmp_path / "cmp").exists()
+    assert run("compare", analyzed, analyzed, "--out", tmp_path / "cmp", "--unpaired").exit_code == 0
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["pairing"] == "unpaired"
