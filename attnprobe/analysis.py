@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__, defaults, distributed, kernel
+from attnprobe import __version__, defaults, distributed, kernel, limits
 from attnprobe.accumulate import Accumulator, Shape
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval
 from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus
@@ -432,6 +432,9 @@ def check_options(
         raise AttnprobeError(f"--resamples {resamples} is below 1: use 1 or more (default {DEFAULT_RESAMPLES})")
     if seed < 0:
         raise AttnprobeError(f"--seed {seed} is negative: use 0 or more")
+    limits.check_whole("--batch-size", batch_size, 1, limits.MAX_BATCH_SIZE, 8)
+    limits.check_whole("--resamples", resamples, 1, limits.MAX_RESAMPLES, DEFAULT_RESAMPLES)
+    limits.check_whole("--seed", seed, 0, limits.MAX_SEED)
     if options is None:
         return
     if options.attention not in ATTENTION_CHOICES:
@@ -440,8 +443,11 @@ def check_options(
         raise AttnprobeError(f"--sink-tokens {options.sink} is negative: use 0 or more (default {SINK_TOKENS})")
     if options.window < 1:
         raise AttnprobeError(f"--window {options.window} is below 1: use 1 or more (default {RECENT_WINDOW})")
-    if not options.budget_mib > 0:
+    if options.budget_mib <= 0:
         raise AttnprobeError(f"--block-mib {options.budget_mib} must be above 0 (default {DEFAULT_BUDGET_MIB})")
+    limits.check_real("--block-mib", options.budget_mib, 0.0, limits.MAX_BLOCK_MIB, DEFAULT_BUDGET_MIB, low_open=True)
+    limits.check_whole("--sink-tokens", options.sink, 0, limits.MAX_POSITIONS, SINK_TOKENS)
+    limits.check_whole("--window", options.window, 1, limits.MAX_POSITIONS, RECENT_WINDOW)
     if options.block_rows is not None and options.block_rows < 1:
         raise AttnprobeError(f"block_rows {options.block_rows} is below 1: use 1 or more, or None for the budget")
 

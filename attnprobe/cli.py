@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from attnprobe import __version__, defaults
+from attnprobe import __version__, defaults, limits
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import head_name
 
@@ -190,6 +190,7 @@ def analyze(
     sentences = read_corpus(corpus, split=split.value)
     if checkpoint_every < 0:
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
+    limits.check_real("--checkpoint-every", checkpoint_every, 0.0, limits.MAX_CHECKPOINT_SECONDS, 300)
     if max_memory and not device_map:
         raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
@@ -584,6 +585,7 @@ def verify(
 
     if sentences < 1:
         raise AttnprobeError(f"--sentences {sentences} is below 1: use 1 or more (default 4)")
+    limits.check_whole("--sentences", sentences, 1, limits.MAX_SENTENCES, 4)
     if corpus:
         texts = [s.text for s in itertools.islice(read_corpus(corpus).stream(), sentences)]
     else:
@@ -633,7 +635,7 @@ def probe(
     """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
     from attnprobe import io, plotting
     from attnprobe.model import load_model
-    from attnprobe.probe import KINDS, top_heads
+    from attnprobe.probe import KINDS, check_numbers, top_heads
     from attnprobe.probe import probe as run_probe
 
     try:
@@ -641,6 +643,7 @@ def probe(
     except ValueError:
         raise AttnprobeError(f"--lengths {lengths!r}: give whole numbers separated by commas, e.g. 10,20,40") from None
     kinds = tuple(k.value for k in kind) if kind else KINDS
+    check_numbers(length_list, sequences, resamples, batch_size, seed)
     io.check_out_dir(out)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnprobe import io
+from attnprobe import io, limits
 from attnprobe.bootstrap import CONFIDENCE, interval
 from attnprobe.classify import EXTENDED_TYPES, HEAD_TYPES, KV_TYPES
 from attnprobe.classify import classify as default_classify
@@ -341,6 +341,7 @@ def compare(
         raise AttnprobeError(f"--score {score!r} is not in both runs: use one of {', '.join(scores)}")
     if top < 1:
         raise AttnprobeError(f"--top {top} is below 1: use 1 or more (default {TOP_HEADS})")
+    limits.check_whole("--top", top, 1, limits.MAX_TOP, TOP_HEADS)
     pairing, why = choose_pairing(a, b, paired)
     ia, ib = draws(a, b, pairing)
     same = a.shape == b.shape

@@ -208,3 +208,44 @@ def test_compare_refuses_paired_with_unpaired(analyzed, tmp_path):
     assert not (tmp_path / "cmp").exists()
     assert run("compare", analyzed, analyzed, "--out", tmp_path / "cmp", "--unpaired").exit_code == 0
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["pairing"] == "unpaired"
+
+
+# case 11: every numeric option is bounded
+
+
+NUMBERS = [
+    ("analyze", "--resamples", "1000000000", "outside 1-100,000"),
+    ("analyze", "--batch-size", "100000", "outside 1-4,096"),
+    ("analyze", "--seed", str(2**40), "outside 0-4,294,967,295"),
+    ("analyze", "--block-mib", "inf", "not a finite number"),
+    ("analyze", "--block-mib", "nan", "not a finite number"),
+    ("analyze", "--block-mib", "1e12", "out of range: use a number above 0 and up to 1,048,576"),
+    ("analyze", "--window", "1000000000", "outside 1-10,000,000"),
+    ("analyze", "--sink-tokens", "1000000000", "outside 0-10,000,000"),
+    ("analyze", "--checkpoint-every", "nan", "not a finite number"),
+    ("analyze", "--checkpoint-every", "inf", "not a finite number"),
+    ("ablate", "--resamples", "1000000000", "outside 1-100,000"),
+    ("probe", "--sequences", "1000000000", "outside 1-100,000"),
+    ("probe", "--resamples", "1000000000", "outside 1-100,000"),
+    ("verify", "--sentences", "1000000000", "outside 1-100,000"),
+    ("classify", "--copy-max-entropy", "nan", "not a finite number"),
+    ("classify", "--copy-max-entropy", "inf", "not a finite number"),
+    ("classify", "--local-min-diagonal", "nan", "between 0 and 1"),
+    ("plot", "--dpi", "nan", "outside 10-1200"),
+    ("rollout", "--residual", "nan", "outside [0, 1]"),
+    ("compare", "--top", "1000000000", "outside 1-10,000"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value", "fragment"), NUMBERS)
+def test_every_numeric_option_is_bounded(gpt2_dir, corpus_file, analyzed, tmp_path, command, option, value, fragment):
+    model, corpus = ["--model", gpt2_dir], ["--corpus", corpus_file]
+    out = tmp_path / "out"
+    args = {"analyze": [*model, *corpus, "--out", out], "ablate": [*model, *corpus, "--out", out],
+            "probe": [*model, "--out", out], "verify": model, "classify": ["--out", analyzed],
+            "plot": ["--out", analyzed], "rollout": [*model, *corpus, "--out", out],
+            "compare": [analyzed, analyzed, "--out", out]}[command]
+    before = sorted(p.name for p in analyzed.iterdir())
+    result = run(command, *args, option, value)
+    assert_one_line_error(result, option, fragment)
+    assert not out.exists() and sorted(p.name for p in analyzed.iterdir()) == before
