@@ -107,25 +107,38 @@ def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[st
     `remove` names files left by an earlier run that would now be wrong; they go once the rest is in place.
     """
     out = check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
     staged: list[tuple[Path, Path]] = []
+    current = out
     try:
+        out.mkdir(parents=True, exist_ok=True)
         for name, write in writers.items():
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
+            current = out / name
+            current.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=current.parent, prefix=f".{current.name}.", suffix=".tmp")
             os.close(fd)
-            staged.append((Path(tmp), out / name))
+            staged.append((Path(tmp), current))
             write(Path(tmp))
-    except BaseException:
+        mode = 0o666 & ~_umask()
+        for tmp, final in staged:
+            current = final
+            os.chmod(tmp, mode)  # mkstemp makes 0600 files; results should read like any other file
+            os.replace(tmp, final)
+    except BaseException as err:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise write_error(current, err) from err
         raise
-    mode = 0o666 & ~_umask()
-    for tmp, final in staged:
-        os.chmod(tmp, mode)  # mkstemp makes 0600 files; results should read like any other file
-        os.replace(tmp, final)
     for name in remove:
         (out / name).unlink(missing_ok=True)
     return [final for _, final in staged]
+
+
+def write_error(path: Path, err: OSError) -> AttnprobeError:
+    """One line for a file that could not be written (a full disk, a quota, a read-only folder)."""
+    reason = err.strerror or (str(err).splitlines()[0] if str(err).strip() else type(err).__name__)
+    return AttnprobeError(f"cannot write {path} ({reason}); no half-written file is left: free some space or pass "
+                          "another --out, and run again")
 
 
 class SentenceWriter:
@@ -148,10 +161,17 @@ class SentenceWriter:
         fields = [("sentence", pa.int64()), ("line", pa.int64()), ("category", pa.string()), ("layer", pa.int32()),
                   ("head", pa.int32())] + [(name, pa.float64()) for name in self.names]
         self.schema = pa.schema(fields)
-        fd, tmp = tempfile.mkstemp(dir=self.out, prefix=f".{SENTENCES_FILE}.", suffix=".tmp")
-        os.close(fd)
-        self.tmp = Path(tmp)
-        self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        self.final = self.out / (SENTENCES_FILE if part is None else sentence_part(part))
+        self.tmp: Path | None = None
+        self.writer = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.out, prefix=f".{SENTENCES_FILE}.", suffix=".tmp")
+            os.close(fd)
+            self.tmp = Path(tmp)
+            self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        except OSError as err:
+            self.discard()
+            raise write_error(self.final, err) from err
         self.pending: list[Any] = []
         self.pending_rows = 0
 
@@ -180,21 +200,35 @@ class SentenceWriter:
     def _flush(self) -> None:
         import pyarrow as pa
 
-        if self.pending:
-            self.writer.write_table(pa.concat_tables(self.pending))
+        try:
+            if self.pending:
+                self.writer.write_table(pa.concat_tables(self.pending))
+        except OSError as err:
+            self.discard()
+            raise write_error(self.final, err) from err
         self.pending, self.pending_rows = [], 0
 
     def commit(self) -> Path:
         self._flush()
-        self.writer.close()
-        os.chmod(self.tmp, 0o666 & ~_umask())
-        final = self.out / (SENTENCES_FILE if self.part is None else sentence_part(self.part))
-        os.replace(self.tmp, final)
-        return final
+        try:
+            self.writer.close()
+            os.chmod(self.tmp, 0o666 & ~_umask())
+            os.replace(self.tmp, self.final)
+        except OSError as err:
+            self.discard()
+            raise write_error(self.final, err) from err
+        return self.final
 
     def discard(self) -> None:
-        self.writer.close()
-        self.tmp.unlink(missing_ok=True)
+        """Close and remove the temporary file (once; a full disk failing the close again is no matter)."""
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError:
+                pass
+            self.writer = None
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> SentenceWriter:
         return self
@@ -541,9 +575,13 @@ def read_examples(out: str | Path) -> list[dict[str, Any]]:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
 
 
+def text_writer(text: str) -> Writer:
+    return lambda path: path.write_text(text, encoding="utf-8")
+
+
 def write_report(out: str | Path, html: str) -> Path:
     """report.html (temporary name, then renamed)."""
-    return write_files(out, {REPORT_FILE: lambda path: path.write_text(html, encoding="utf-8")})[0]
+    return write_files(out, {REPORT_FILE: text_writer(html)})[0]
 
 
 def read_resamples(out: str | Path) -> dict[str, np.ndarray]:

@@ -1,6 +1,8 @@
 """Nothing silently wrong (issue 21, cases 4 on): tampered or stale inputs get one plain line, not a wrong result."""
 
+import errno
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -191,13 +193,14 @@ def test_json_files_are_valid_json_with_null_for_undefined_numbers(tmp_path):
 
 @pytest.fixture(scope="module")
 def analyzed(tmp_path_factory, gpt2_dir):
-    """One analyze run (3 sentences, 20 resamples), for the commands that read results."""
+    """One analyze and classify run (3 sentences, 20 resamples), for the commands that read results."""
     root = tmp_path_factory.mktemp("analyzed")
     corpus = root / "c.txt"
     corpus.write_text("The cat sat on the mat.\nRain fell.\nBirds sing.\n", encoding="utf-8")
     out = root / "out"
     result = analyze(gpt2_dir, corpus, out)
     assert result.exit_code == 0, result.output
+    assert run("classify", "--out", out).exit_code == 0
     return out
 
 
@@ -249,3 +252,63 @@ def test_every_numeric_option_is_bounded(gpt2_dir, corpus_file, analyzed, tmp_pa
     result = run(command, *args, option, value)
     assert_one_line_error(result, option, fragment)
     assert not out.exists() and sorted(p.name for p in analyzed.iterdir()) == before
+
+
+# case 12: a full disk
+
+
+def full_disk(monkeypatch):
+    """Every result writer writes a little, then fails as a full disk does."""
+    def failing(path):
+        path.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    for name in ("csv_writer", "json_writer", "npz_writer", "figure_writer", "examples_writer", "text_writer"):
+        monkeypatch.setattr(io, name, lambda *args, **kwargs: failing)
+
+
+def files_under(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("command", ["analyze", "ablate", "rollout", "probe", "classify", "plot", "report", "compare"])
+def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(gpt2_dir, corpus_file, analyzed, tmp_path,
+                                                                 monkeypatch, command):
+    results = tmp_path / "results"
+    shutil.copytree(analyzed, results)
+    before = {name: (results / name).read_bytes() for name in files_under(results)}
+    out = tmp_path / "out"
+    model, corpus, quick = ["--model", gpt2_dir], ["--corpus", corpus_file], ["--device", "cpu"]
+    args = {"analyze": [*model, *corpus, "--out", out, *quick, "--resamples", "20"],
+            "ablate": [*model, *corpus, "--out", out, *quick, "--resamples", "20", "--no-pruning"],
+            "rollout": [*model, *corpus, "--out", out, *quick],
+            "probe": [*model, "--out", out, *quick, "--lengths", "3", "--sequences", "2", "--resamples", "20"],
+            "classify": ["--out", results], "plot": ["--out", results], "report": ["--out", results],
+            "compare": [results, results, "--out", out]}[command]
+    full_disk(monkeypatch)
+    result = run(command, *args)
+    assert_one_line_error(result, "cannot write", "No space left on device", "another --out")
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+    assert not out.exists() or files_under(out) == []
+    assert {name: (results / name).read_bytes() for name in files_under(results)} == before
+
+
+def test_a_full_disk_during_per_sentence_rows_is_one_line(gpt2_dir, corpus_file, tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    def failing(self, table, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", failing)
+    out = tmp_path / "out"
+    result = analyze(gpt2_dir, corpus_file, out, "--per-sentence")
+    assert_one_line_error(result, "cannot write", str(out / "sentences.parquet"), "No space left on device")
+    assert files_under(out) == []
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line(gpt2_dir, corpus_file, tmp_path, monkeypatch):
+    full_disk(monkeypatch)
+    out = tmp_path / "out"
+    result = analyze(gpt2_dir, corpus_file, out, "--checkpoint-every", "0")
+    assert_one_line_error(result, "cannot write", str(out / "checkpoint.npz"), "No space left on device")
+    assert files_under(out) == []
