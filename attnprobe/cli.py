@@ -504,7 +504,7 @@ def plot(
     if chosen is not None and len(chosen) > MAX_PATTERN_HEADS:
         raise AttnprobeError(f"--heads names {len(chosen)} heads: head_patterns draws at most {MAX_PATTERN_HEADS}")
 
-    heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", *RULE_COLUMNS], "attnprobe analyze")
+    heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", "entropy", *RULE_COLUMNS], "attnprobe analyze")
     layers = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy", "entropy_head_std"], "attnprobe analyze")
     if (Path(out) / io.TYPES_FILE).exists():
         kv = "kv_head" in io.read_columns(out, io.TYPES_FILE)  # the kv scheme labels streaming / retrieval
@@ -898,7 +898,7 @@ def run_title(out: Path, what: str) -> str:
     try:
         run = json.loads((Path(out) / "run.json").read_text(encoding="utf-8"))
         return f"{what}: {run['model']['spec']} on {Path(run['corpus']['path']).name}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return what
 
 

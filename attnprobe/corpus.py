@@ -280,6 +280,16 @@ def _decode(path: Path, number: int, raw: bytes) -> str:
         ) from err
 
 
+def unencodable(text: str) -> int | None:
+    """The position of the first lone surrogate in `text` (a JSON "\\ud800" escape, or a byte that was not UTF-8
+    in a command-line argument), which no tokenizer takes; None when the text is plain Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
+
+
 def _row_sentence(path: Path, where: str, number: int, text, category) -> Sentence:
     """A Sentence from one row's `text` and `category` values, checked; `where` is "line" or "row"."""
     if not isinstance(text, str):
@@ -289,6 +299,12 @@ def _row_sentence(path: Path, where: str, number: int, text, category) -> Senten
         )
     if not text.strip():
         raise AttnprobeError(f"corpus {path} {where} {number}: 'text' is empty: give the row some text or remove it")
+    position = unencodable(text)
+    if position is not None:
+        raise AttnprobeError(
+            f"corpus {path} {where} {number}: 'text' holds a lone surrogate (\\u{ord(text[position]):04x}, character "
+            f"{position + 1}), which is not a character: fix the \\u escape"
+        )
     if category is not None:
         if not isinstance(category, str):
             raise AttnprobeError(
@@ -317,6 +333,11 @@ def _read_jsonl(path: Path, digest) -> Iterator[Sentence]:
                 f"corpus {path} line {number} is not valid JSON ({err.msg}, column {err.colno}): "
                 'write one JSON object per line, e.g. {"text": "The cat sat."}'
             ) from err
+        except RecursionError:
+            raise AttnprobeError(
+                f"corpus {path} line {number} is nested too deeply to read: "
+                'write one flat JSON object per line, e.g. {"text": "The cat sat."}'
+            ) from None
         if not isinstance(row, dict):
             raise AttnprobeError(
                 f"corpus {path} line {number} is {_JSON_TYPES.get(type(row), 'a value')}, not a JSON object: "

@@ -425,7 +425,7 @@ def _recorded_model(path: Path) -> str | None:
             with np.load(path, allow_pickle=False) as data:
                 return str(data["model"]) if "model" in data.files else None
         model = json.loads(path.read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError, KeyError, AttributeError, zipfile.BadZipFile):
+    except (OSError, ValueError, KeyError, AttributeError, RecursionError, zipfile.BadZipFile):
         return None
     if isinstance(model, dict):
         return model.get("source") or model.get("spec")
@@ -438,9 +438,15 @@ def read_json(out: str | Path, name: str, made_by: str) -> Any:
     if not path.is_file():
         raise AttnprobeError(f"no {name} in {out}: run `{made_by} --out {out}` first")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `{made_by}` again") from err
+    except RecursionError:
+        raise AttnprobeError(f"{path} is unreadable (nested too deeply); run `{made_by}` again") from None
+    if not isinstance(data, dict):
+        raise AttnprobeError(f"{path} is not a JSON object ({type(data).__name__}): it was not made by `{made_by}`; "
+                             "run it again")
+    return data
 
 
 def read_run(out: str | Path) -> dict[str, Any]:
@@ -452,6 +458,9 @@ def read_run(out: str | Path) -> dict[str, Any]:
         if not isinstance(run.get(section), dict) or any(k not in run[section] for k in keys):
             raise AttnprobeError(f"{path} lacks {section} settings (made by an older attnprobe): run `attnprobe "
                                  "analyze` again")
+    for section in ("summary", "bootstrap", "corpus"):
+        if section in run and not isinstance(run[section], dict):
+            raise AttnprobeError(f"{path} holds a {section} that is not an object: run `attnprobe analyze` again")
     numbers = [run["model"][k] for k in ("layers", "heads", "kv_heads", "head_dim")]
     numbers += [run["attention"][k] for k in ("sink_tokens", "window")] + [run.get("longest_sequence", 1)]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in numbers):

@@ -361,7 +361,7 @@ def _optional_grid(out: Path, name: str, catalogue: dict[str, tuple[str, str]], 
     info_file = io.ABLATE_RUN_FILE if made == "ablate" else io.PROBE_RUN_FILE
     try:
         spec = json.loads((out / info_file).read_text(encoding="utf-8"))["model"]["spec"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         spec = None
     if spec is not None and spec != run["model"]["spec"]:
         notes.append(f"{name} is from another model ({spec}, not {run['model']['spec']}): not shown")

@@ -144,6 +144,13 @@ def check_choice(corpus: Any | None, indices: list[int] | None, examples: list[s
     indices, examples = list(indices or []), list(examples or [])
     if any(not t.strip() for t in examples):
         raise AttnprobeError("--example is empty: pass a sentence, e.g. --example 'The cat sat on the mat.'")
+    from attnprobe.corpus import unencodable
+
+    for text in examples:
+        position = unencodable(text)
+        if position is not None:
+            raise AttnprobeError(f"--example holds a byte that is not UTF-8 (character {position + 1}, "
+                                 f"\\u{ord(text[position]):04x}): pass the sentence as UTF-8 text")
     if indices and corpus is None:
         raise AttnprobeError("--index picks a sentence of the corpus: pass --corpus too")
     if not indices and not examples and corpus is None:

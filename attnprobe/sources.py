@@ -103,6 +103,8 @@ def check_config(folder: Path) -> None:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AttnprobeError(f"corrupt model config {config}: {err}; re-save the model") from err
+    except RecursionError:
+        raise AttnprobeError(f"corrupt model config {config}: nested too deeply; re-save the model") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise AttnprobeError(f"corrupt model config {config}: no 'model_type'; re-save the model")
 

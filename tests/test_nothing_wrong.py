@@ -312,3 +312,62 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line(gpt2_dir, corpus_file
     result = analyze(gpt2_dir, corpus_file, out, "--checkpoint-every", "0")
     assert_one_line_error(result, "cannot write", str(out / "checkpoint.npz"), "No space left on device")
     assert files_under(out) == []
+
+
+# case 13: inputs built to break the reader
+
+
+def test_a_deeply_nested_jsonl_line_is_one_line(gpt2_dir, tmp_path):
+    corpus = tmp_path / "deep.jsonl"
+    corpus.write_text('{"text": "Rain fell."}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n", encoding="utf-8")
+    assert_one_line_error(analyze(gpt2_dir, corpus, tmp_path / "out"), "line 2", "nested too deeply")
+
+
+def test_a_lone_surrogate_is_one_line(gpt2_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "Rain fell."}\n{"text": "Birds \\ud800 sing."}\n', encoding="utf-8")
+    assert_one_line_error(analyze(gpt2_dir, corpus, tmp_path / "out"), "line 2", "lone surrogate", "\\ud800")
+    result = run("rollout", "--model", gpt2_dir, "--example", "Birds \udced sing.", "--out", tmp_path / "o2")
+    assert_one_line_error(result, "--example", "not UTF-8")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o2").exists()
+
+
+BROKEN_RUN = {
+    "a list": "[1, 2]\n",
+    "nested too deeply": "[" * 100_000 + "]" * 100_000 + "\n",
+    "summary null": None,
+}
+
+
+@pytest.mark.parametrize("how", list(BROKEN_RUN))
+@pytest.mark.parametrize("command", ["report", "classify-kv", "compare"])
+def test_a_broken_run_json_is_one_line(analyzed, tmp_path, how, command):
+    results = tmp_path / "results"
+    shutil.copytree(analyzed, results)
+    if BROKEN_RUN[how] is None:
+        data = json.loads((results / "run.json").read_text())
+        data["summary"] = None
+        (results / "run.json").write_text(json.dumps(data))
+    else:
+        (results / "run.json").write_text(BROKEN_RUN[how])
+    args = {"report": ["report", "--out", results], "classify-kv": ["classify", "--scheme", "kv", "--out", results],
+            "compare": ["compare", analyzed, results, "--out", tmp_path / "cmp"]}[command]
+    assert_one_line_error(run(*args), str(results / "run.json"))
+    assert not (results / "report.html").exists() and not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("how", ["no entropy", "text in entropy"])
+def test_plot_refuses_a_heads_csv_without_numeric_entropy(analyzed, tmp_path, how):
+    import pandas as pd
+
+    results = tmp_path / "results"
+    shutil.copytree(analyzed, results)
+    heads = pd.read_csv(results / "heads.csv")
+    if how == "no entropy":
+        heads = heads.drop(columns=["entropy"])
+    else:
+        heads["entropy"] = heads["entropy"].astype(str)
+        heads.loc[0, "entropy"] = "abc"
+    heads.to_csv(results / "heads.csv", index=False)
+    assert_one_line_error(run("plot", "--out", results), "heads.csv", "entropy")
+    assert not list(results.glob("*.png"))
