@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -58,6 +59,7 @@ Writer = Callable[[Path], None]  # writes one file at the given (temporary) path
 def check_out_dir(out: str | Path) -> Path:
     """Fail early if results could not be written to `out`; creates nothing."""
     out = Path(out)
+    _check_links(out)
     if out.exists() and not out.is_dir():
         raise AttnprobeError(f"--out {out} is a file: pass a folder (it is created if missing)")
     if out.is_dir():
@@ -70,6 +72,29 @@ def check_out_dir(out: str | Path) -> Path:
         raise AttnprobeError(f"--out {out} cannot be created: {parent} is a file; pass another folder")
     _check_writable(parent)
     return out
+
+
+def _check_links(out: Path) -> None:
+    """Refuse an --out that is (or lies under) a symlink pointing nowhere or at itself: the folder could not be
+    created, and only after the whole run."""
+    path = out
+    while True:
+        try:
+            path.stat()
+            return  # exists (through any links): the first existing ancestor is reached
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # ELOOP: a symlink loop; ENOTDIR: a file in the path
+            if err.errno == errno.ELOOP:
+                raise AttnprobeError(f"--out {out}: {path} is a symlink loop: remove it or pass another folder") \
+                    from None
+            return  # check_out_dir says what else is wrong
+        if path.is_symlink():
+            raise AttnprobeError(f"--out {out}: {path} is a symlink to {os.readlink(path)}, which does not exist: "
+                                 "remove the link, create its target, or pass another folder")
+        if path.parent == path:
+            return
+        path = path.parent
 
 
 def is_result_name(name: str) -> bool:

@@ -371,3 +371,22 @@ def test_plot_refuses_a_heads_csv_without_numeric_entropy(analyzed, tmp_path, ho
     heads.to_csv(results / "heads.csv", index=False)
     assert_one_line_error(run("plot", "--out", results), "heads.csv", "entropy")
     assert not list(results.glob("*.png"))
+
+
+# case 14: --out a dangling symlink or a symlink loop
+
+
+@pytest.mark.parametrize("how", ["dangling", "loop", "under a dangling link"])
+def test_a_broken_symlink_as_out_is_refused_before_the_run(gpt2_dir, corpus_file, tmp_path, how):
+    link = tmp_path / "link"
+    if how == "loop":
+        link.symlink_to(tmp_path / "link")
+    else:
+        link.symlink_to(tmp_path / "nowhere")
+    out = link / "sub" if how == "under a dangling link" else link
+    result = analyze(gpt2_dir, corpus_file, out)
+    assert_one_line_error(result, f"--out {out}", "symlink loop" if how == "loop" else "does not exist")
+    assert not (tmp_path / "nowhere").exists() and link.is_symlink()
+    fragment = "is a symlink loop" if how == "loop" else "is a symlink to"
+    assert_one_line_error(run("probe", "--model", gpt2_dir, "--out", out), fragment)
+    assert_one_line_error(run("rollout", "--model", gpt2_dir, "--example", "Rain fell.", "--out", out), fragment)
