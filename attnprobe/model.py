@@ -141,7 +141,11 @@ def load_model(
     cache_only = {} if resolved.local or hub_offline() or hub_reachable() else {"local_files_only": True}
     with quiet_transformers():
         try:
+            if resolved.local and not _has_tokenizer_files(source):
+                raise _no_tokenizer(spec, source)
             tokenizer = AutoTokenizer.from_pretrained(source, **cache_only)
+            if _empty_tokenizer(tokenizer):
+                raise _no_tokenizer(spec, source)
             with_head = lm_head and not _is_encoder(AutoConfig.from_pretrained(source, **cache_only))
             # weights_only: a pickled checkpoint is read by torch's safe loader, never unpickled freely
             model = (AutoModelForCausalLM if with_head else AutoModel).from_pretrained(
@@ -361,6 +365,8 @@ def forward_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
 
 def _load_error(spec: str, source: str, local: bool, err: Exception) -> AttnprobeError:
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if local and "backend tokenizer" in first_line:  # tokenizer_config.json without the files it names
+        return _no_tokenizer(spec, source)
     if local:
         return AttnprobeError(f"cannot load model from {source}: {first_line}")
     return AttnprobeError(
@@ -410,6 +416,34 @@ def _unreadable_safetensors(folder: Any) -> str | None:
         except (SafetensorError, OSError):
             return path.name
     return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt", "*.model",
+                   "*.tiktoken", "vocab.*")
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    from pathlib import Path
+
+    return any(any(Path(folder).glob(pattern)) for pattern in TOKENIZER_FILES)
+
+
+def _no_tokenizer(spec: str, source: str) -> AttnprobeError:
+    return AttnprobeError(
+        f"model {spec} has no tokenizer: {source} lacks its tokenizer files (tokenizer.json, vocab.json, "
+        "tokenizer.model, ...); save them there with tokenizer.save_pretrained(folder)"
+    )
+
+
+def _empty_tokenizer(tokenizer: Any) -> bool:
+    """A tokenizer transformers made up for a folder without tokenizer files: no vocabulary, so every text
+    gives no tokens (or only special ones)."""
+    if getattr(tokenizer, "vocab_size", None) == 0:
+        return True
+    try:
+        return not tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode is reported when it is used
+        return False
 
 
 def _is_encoder(config: Any) -> bool:

@@ -390,3 +390,19 @@ def test_a_broken_symlink_as_out_is_refused_before_the_run(gpt2_dir, corpus_file
     fragment = "is a symlink loop" if how == "loop" else "is a symlink to"
     assert_one_line_error(run("probe", "--model", gpt2_dir, "--out", out), fragment)
     assert_one_line_error(run("rollout", "--model", gpt2_dir, "--example", "Rain fell.", "--out", out), fragment)
+
+
+# case 17: a model folder without a tokenizer
+
+
+@pytest.mark.parametrize(("model", "removed"), [("gpt2", ["tokenizer.json", "tokenizer_config.json"]),
+                                                ("gpt2", ["tokenizer.json"]),
+                                                ("llama", ["tokenizer.json", "tokenizer_config.json"])])
+def test_a_model_without_a_tokenizer_says_so(gpt2_dir, llama_dir, corpus_file, tmp_path, model, removed):
+    folder = tmp_path / "model"
+    shutil.copytree({"gpt2": gpt2_dir, "llama": llama_dir}[model], folder)
+    for name in removed:
+        (folder / name).unlink()
+    result = analyze(folder, corpus_file, tmp_path / "out")
+    assert_one_line_error(result, f"model {folder} has no tokenizer", "tokenizer.json", "save_pretrained")
+    assert not (tmp_path / "out").exists()
