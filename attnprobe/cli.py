@@ -6,6 +6,7 @@ import functools
 import itertools
 import re
 import sys
+import time
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -183,6 +184,7 @@ def analyze(
     from attnprobe.model import load_model, parse_max_memory
     from attnprobe.resume import Checkpointing, Stopped
 
+    started = time.time()
     options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib)
     check_options(batch_size, resamples, seed, options)
     world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
@@ -194,6 +196,8 @@ def analyze(
     if max_memory and not device_map:
         raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
+    if world.size == 1:  # under torchrun another rank may be writing already: rank 0 cleans at the end
+        io.remove_stale_temps(out, started)  # what a killed run left (a half-written checkpoint, rows)
     saved = io.checkpoint_name(world.rank, world.size)  # under torchrun every rank saves its own
     waiting = io.checkpoint_files(out)  # of this process count or any other
     if waiting and not resume and not overwrite:
@@ -233,6 +237,7 @@ def analyze(
         raise typer.Exit(130) from None
     finally:
         distributed.leave(world)
+        release_offload(loaded)
     if not world.is_main:
         return
     files = {
@@ -260,6 +265,7 @@ def analyze(
     stale = [name for name in stale if (Path(out) / name).is_file()] + io.derived_files(out) if earlier else []
     written = [*io.write_files(out, files, remove=io.checkpoint_files(out)), *parquet]  # checkpoints: run complete
     io.remove_files(out, stale)
+    io.remove_stale_temps(out, started)
     run = result.run
     if stale:
         err_console.print(f"Note: removed {len(stale)} file(s) made from the earlier run in {out}, which no longer "
@@ -280,6 +286,13 @@ def analyze(
         )
     out_console.print(summary_table(run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def release_offload(loaded) -> None:
+    """Remove the temporary folder --device-map offloaded weights to (model.release_offload)."""
+    from attnprobe.model import release_offload as release
+
+    release(loaded)
 
 
 def truncation_message(run: dict) -> str:

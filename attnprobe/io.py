@@ -110,6 +110,31 @@ def is_result_name(name: str) -> bool:
     return name in fixed or bool(_CHECKPOINT_NAME.fullmatch(name))
 
 
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp")  # write_files' and SentenceWriter's (mkstemp)
+_PART_NAME = re.compile(r"\.sentences\.parquet\.rank\d+\.part")  # sentence_part's
+
+
+def remove_stale_temps(out: str | Path, before: float) -> list[str]:
+    """Remove what a killed run of attnprobe left in `out`: temporary files of its own names
+    (`.heads.csv.abc123_x.tmp`, `.checkpoint.npz.*.tmp`, `.sentences.parquet.*.tmp`) and torchrun's sentence
+    parts, last written before `before` (a time.time(): a file of a run going on now is newer). Nobody
+    else's files: only names attnprobe itself makes. Returns the names removed."""
+    folder = Path(out)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in folder.iterdir():
+        temp = _TEMP_NAME.fullmatch(path.name)
+        ours = bool(temp and is_result_name(temp["name"])) or bool(_PART_NAME.fullmatch(path.name))
+        try:
+            if ours and path.is_file() and not path.is_symlink() and path.stat().st_mtime < before:
+                path.unlink()
+                removed.append(path.name)
+        except OSError:
+            continue  # gone already, or not ours to remove
+    return sorted(removed)
+
+
 def check_inputs_apart(out: str | Path, inputs: dict[str, str | Path | None]) -> None:
     """Refuse a run whose results folder holds one of its inputs (option -> path) under a name attnprobe writes
     or removes there: the results would replace it. Checked as given and through symlinks."""

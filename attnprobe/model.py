@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -42,6 +43,7 @@ class LoadedModel:
     max_length: int  # longest input the model accepts, in tokens
     dtype: str = "float32"  # the model's weights and activations; statistics are always float32
     lm_head: nn.Module | None = None  # the causal-LM head, when loaded with lm_head=True (decoders only)
+    offload: str | None = None  # the temporary folder load_model made for --device-map's disk offload
 
     @property
     def num_layers(self) -> int:
@@ -129,9 +131,9 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    made = offload_dir() if device_map is not None and offload_folder is None else None
     placement = {} if device_map is None else {
-        "device_map": device_map, "max_memory": max_memory,
-        "offload_folder": offload_folder or tempfile.mkdtemp(prefix="attnprobe-offload-"),
+        "device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder or made,
     }
     resolved = resolve(spec, on_status)
     source = resolved.location
@@ -177,7 +179,46 @@ def load_model(
             torch_device = torch.device("cpu")
     head = model.get_output_embeddings() if with_head else None
     model = model.base_model if with_head else model
-    return _loaded(spec, source, resolved.origin, model, tokenizer, torch_device, dtype, head)
+    loaded = _loaded(spec, source, resolved.origin, model, tokenizer, torch_device, dtype, head)
+    loaded.offload = made
+    return loaded
+
+
+OFFLOAD_PREFIX = "attnprobe-offload-"  # + pid + "-" + mkdtemp's random part, in the temporary folder
+
+
+def offload_dir() -> str:
+    """A temporary folder for --device-map's disk offload, named by this process; removed by `release_offload`
+    (or at exit). Folders of processes that are gone (killed) are removed first."""
+    import atexit
+    import shutil
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{OFFLOAD_PREFIX}*"):
+        pid = folder.name[len(OFFLOAD_PREFIX):].split("-")[0]
+        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+    made = tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-")
+    atexit.register(shutil.rmtree, made, True)
+    return made
+
+
+def release_offload(loaded: LoadedModel | None) -> None:
+    """Remove the offload folder load_model made for `loaded` (the model cannot run afterwards if it used it)."""
+    import shutil
+
+    if loaded is not None and loaded.offload:
+        shutil.rmtree(loaded.offload, ignore_errors=True)
+        loaded.offload = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _loaded(

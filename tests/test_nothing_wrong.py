@@ -406,3 +406,57 @@ def test_a_model_without_a_tokenizer_says_so(gpt2_dir, llama_dir, corpus_file, t
     result = analyze(folder, corpus_file, tmp_path / "out")
     assert_one_line_error(result, f"model {folder} has no tokenizer", "tokenizer.json", "save_pretrained")
     assert not (tmp_path / "out").exists()
+
+
+# case 19: what a killed run left behind
+
+
+def test_a_killed_runs_temporary_files_are_removed_and_no_one_elses(gpt2_dir, corpus_file, tmp_path):
+    import os
+    import tempfile
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    ours = []
+    for name in ("checkpoint.npz", "sentences.parquet", "heads.csv", "checkpoint-rank1-of-2.npz"):
+        fd, path = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")  # as io.write_files names them
+        os.close(fd)
+        ours.append(os.path.basename(path))
+    (out / ".sentences.parquet.rank1.part").write_bytes(b"part")
+    ours.append(".sentences.parquet.rank1.part")
+    theirs = [".notes.txt.abcd1234.tmp", "mine.tmp", ".heads.csv.bak", ".heads.csv.abc.tmp", "heads.csv.abcd1234.tmp"]
+    for name in theirs:
+        (out / name).write_bytes(b"keep")
+    old = time.time() - 60
+    for name in ours + theirs:
+        os.utime(out / name, (old, old))
+    result = analyze(gpt2_dir, corpus_file, out)
+    assert result.exit_code == 0, result.output
+    left = {p.name for p in out.iterdir()}
+    assert not left & set(ours), left
+    assert set(theirs) <= left
+
+
+def test_a_temporary_file_of_a_run_going_on_is_kept(tmp_path):
+    import time
+
+    (tmp_path / ".checkpoint.npz.abcd1234.tmp").write_bytes(b"being written")
+    assert io.remove_stale_temps(tmp_path, time.time() - 60) == []
+    assert io.remove_stale_temps(tmp_path, time.time() + 60) == [".checkpoint.npz.abcd1234.tmp"]
+
+
+def test_device_map_leaves_no_offload_folder(gpt2_dir, corpus_file, tmp_path):
+    import os
+    import tempfile
+    from pathlib import Path
+
+    temp = Path(tempfile.gettempdir())
+    dead = temp / "attnprobe-offload-999999999-abcdefgh"  # a pid above any pid_max: a killed run's folder
+    dead.mkdir(exist_ok=True)
+    mine = f"attnprobe-offload-{os.getpid()}-"
+    before = {p.name for p in temp.glob(f"{mine}*")}
+    result = analyze(gpt2_dir, corpus_file, tmp_path / "out", "--device-map", "auto")
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in temp.glob(f"{mine}*")} == before
+    assert not dead.exists()
