@@ -460,3 +460,38 @@ def test_device_map_leaves_no_offload_folder(gpt2_dir, corpus_file, tmp_path):
     assert result.exit_code == 0, result.output
     assert {p.name for p in temp.glob(f"{mine}*")} == before
     assert not dead.exists()
+
+
+# case 16: mathtext in names
+
+
+def test_dollar_signs_in_model_and_folder_names_are_drawn_literally(gpt2_dir, corpus_file, analyzed, tmp_path):
+    model = tmp_path / "$m^$"
+    shutil.copytree(gpt2_dir, model)
+    result = run("ablate", "--model", model, "--corpus", corpus_file, "--out", tmp_path / "$out^$", "--device", "cpu",
+                 "--resamples", "20", "--no-pruning")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "$out^$" / "importance.png").stat().st_size > 0
+    a, b = tmp_path / "$a^$", tmp_path / "$b_{x}^$"
+    shutil.copytree(analyzed, a)
+    shutil.copytree(analyzed, b)
+    result = run("compare", a, b, "--out", tmp_path / "cmp")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
+
+
+def test_plot_draws_dollar_signs_in_names_literally(analyzed, tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(analyzed, results)
+    data = json.loads((results / "run.json").read_text())
+    data["model"]["spec"], data["corpus"]["path"] = "$m^$", "/tmp/$c^$.txt"
+    (results / "run.json").write_text(json.dumps(data))
+    result = run("plot", "--out", results)
+    assert result.exit_code == 0, result.output
+
+
+def test_plain_text_escapes_once():
+    from attnprobe.plotting import plain_text
+
+    assert plain_text("$a^$ b") == r"\$a^\$ b"
+    assert plain_text("x\x1by\nz", newlines=False) == "x\\x1by\\nz"
