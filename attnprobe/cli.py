@@ -15,10 +15,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from attnprobe import __version__, defaults, limits
 from attnprobe.errors import AttnprobeError
-from attnprobe.naming import head_name
+from attnprobe.naming import head_name, visible
 
 app = typer.Typer(
     help="Measure what the attention heads of a transformer do: entropy, locality, head types, plots.",
@@ -348,8 +349,8 @@ def stop_requests():
 def summary_table(run: dict) -> Table:
     s = run["summary"]
     table = Table(
-        title=f"{run['model']['spec']}: {run['model']['layers']} layers x {run['model']['heads']} heads, "
-        f"{run['sentences']} sentences, {run['tokens']} tokens"
+        title=Text(visible(f"{run['model']['spec']}: {run['model']['layers']} layers x {run['model']['heads']} heads, "
+                           f"{run['sentences']} sentences, {run['tokens']} tokens"))
     )
     table.add_column("layers")
     table.add_column("mean entropy (nats)", justify="right")
@@ -607,7 +608,7 @@ def verify(
         loaded = load_model(model, device.value, on_status=on_status)
     checks = run_verify(loaded, texts)
     shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
-    table = Table(title=f"verify {model}: {len(texts)} sentences, {shape}")
+    table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}")))
     table.add_column("check", no_wrap=True)
     table.add_column("max abs diff", justify="right")
     table.add_column("tolerance", justify="right")
@@ -755,7 +756,7 @@ def refresh_reports(target: Path) -> list[Path]:
 def print_comparison(info: dict, types) -> None:
     """The pairing and why, the overall difference, and the heads (or depths) that changed most."""
     score, a, b = info["score"], info["a"], info["b"]
-    out_console.print(f"A = {a['label']}, B = {b['label']}", markup=False, highlight=False)
+    out_console.print(visible(f"A = {a['label']}, B = {b['label']}"), markup=False, highlight=False)
     out_console.print(f"{info['pairing']}: {info['pairing_reason']}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(info["matching"], markup=False, highlight=False, soft_wrap=True)
     whole = info["overall"][score]
@@ -876,7 +877,8 @@ def importance_table(frame, run: dict) -> Table:
     ranked = frame.sort_values("rank")
     shown = ranked if len(ranked) <= 10 else ranked.iloc[list(range(5)) + list(range(len(ranked) - 5, len(ranked)))]
     rho = "n/a" if run["spearman"] is None else f"{run['spearman']:.3f}"
-    table = Table(title=f"{run['model']['spec']}: {run['method']} ablation, {run['sentences']} sentences",
+    heading = f"{run['model']['spec']}: {run['method']} ablation, {run['sentences']} sentences"
+    table = Table(title=Text(visible(heading)),
                   caption=f"rank 1 = most important; Spearman(gradient, {measure}) = {rho}")
     for column in ("rank", "head", measure, "95% interval", "gradient"):
         table.add_column(column, justify="right")
@@ -942,8 +944,6 @@ def rollout(
     dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
 ) -> None:
     """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
-    from rich.text import Text
-
     from attnprobe import io, plotting
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
@@ -962,12 +962,13 @@ def rollout(
     result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
     source = Path(corpus).name if corpus is not None and not example else None
     written = io.write_rollout(out, result, plotting.rollout_figure(result, model, source))
-    table = Table(title=f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}",
+    heading = f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}"
+    table = Table(title=Text(visible(heading)),
                   caption="mean share of the rows after the first on token 0 (a sink draws rollout to itself)")
     for column in ("sentence", "tokens", "rollout -> first token", "last layer -> first token"):
         table.add_column(column, justify="right" if column != "sentence" else "left")
     for s, text in enumerate(result.sentences):
-        table.add_row(Text(text if len(text) <= 50 else text[:47] + "..."), str(len(result.tokens[s])),
+        table.add_row(Text(visible(text if len(text) <= 50 else text[:47] + "...")), str(len(result.tokens[s])),
                       f"{first_token_share(result.rollout[s][-1]):.3f}", f"{first_token_share(result.raw[s]):.3f}")
     out_console.print(table)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import unicodedata
 from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any
@@ -23,7 +22,7 @@ from matplotlib.ticker import MaxNLocator
 from attnprobe import defaults
 from attnprobe.classify import ALL_TYPES, counts_per_layer
 from attnprobe.errors import AttnprobeError
-from attnprobe.naming import head_name
+from attnprobe.naming import head_name, visible
 
 TYPE_COLORS = {  # previous sits inside local and sink inside copy: each pair told apart by hue, not shade
     "previous": "#e6ab02", "local": "#1b9e77", "sink": "#e7298a", "copy": "#d95f02",
@@ -82,9 +81,7 @@ def plain_text(text: str, newlines: bool = True) -> str:
     """`text` as matplotlib should show it literally: `$` escaped (no mathtext), control characters as escapes
     (line breaks kept unless `newlines` is False). Every title, label and legend entry that holds text from
     outside attnprobe (a model or folder name, a corpus, a category, a token) goes through it, once."""
-    text = "".join(repr(ch)[1:-1] if unicodedata.category(ch) == "Cc" and not (newlines and ch == "\n") else ch
-                   for ch in text)
-    return text.replace("$", r"\$")
+    return visible(text, keep="\n" if newlines else "").replace("$", r"\$")
 
 
 def token_label(token: str, limit: int = LABEL_MAX_CHARS) -> str:

@@ -22,6 +22,7 @@ import pandas as pd
 
 from attnprobe import io
 from attnprobe.errors import AttnprobeError
+from attnprobe.naming import visible
 
 MAP_LEVELS = 255  # a weight p is stored as round(p * 255) in one byte: at most 1/510 off
 MAP_BUDGET = 20_000_000  # base64 characters of maps at most: a large model keeps fewer examples (with a note)
@@ -112,7 +113,7 @@ def compare_section(folder: Path) -> Section:
     """The comparison in `folder`: what was compared and how, the heads that changed most, compare.png."""
     info = io.read_json(folder, io.COMPARE_RUN_FILE, "attnprobe compare OUT_A OUT_B")
     score = info.get("score", "entropy")
-    lines = [f"B - A, A = {info['a']['label']}, B = {info['b']['label']}.", info.get("matching", ""),
+    lines = [visible(f"B - A, A = {info['a']['label']}, B = {info['b']['label']}."), info.get("matching", ""),
              f"{info.get('pairing', '')}: {info.get('pairing_reason', '')}."]
     rows = "".join(_change_row(change) for change in info.get("top") or [])
     table = (f"<table><caption>Largest changes of {html.escape(score)} whose 95% interval excludes 0</caption>"
@@ -197,7 +198,8 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
     if not examples:
         notes.append(f"no {io.EXAMPLES_FILE} or {io.EXAMPLE_FILE}: no attention patterns to show")
     data = {
-        "layers": n_layers, "heads": n_heads, "model": run["model"]["spec"], "causal": run["model"].get("causal"),
+        "layers": n_layers, "heads": n_heads, "model": visible(str(run["model"]["spec"])),
+        "causal": run["model"].get("causal"),
         "scores": scores, "values": values, "low": low, "high": high,
         "types": types, "scheme": scheme,
         "typeLetters": TYPE_LETTERS, "typeMeaning": TYPE_MEANING,
@@ -306,7 +308,7 @@ def provenance(run: dict[str, Any], out: Path) -> list[list[str]]:
         ("wall time", f"{run['wall_seconds']:.1f} s" if "wall_seconds" in run else None),
         ("results folder", str(out.resolve())),
     ]
-    return [[label, str(value)] for label, value in rows if value not in (None, "")]
+    return [[label, visible(str(value))] for label, value in rows if value not in (None, "")]
 
 
 def render(data: dict[str, Any], sections: list[Section] | tuple[Section, ...] = ()) -> str:

@@ -495,3 +495,28 @@ def test_plain_text_escapes_once():
 
     assert plain_text("$a^$ b") == r"\$a^\$ b"
     assert plain_text("x\x1by\nz", newlines=False) == "x\\x1by\\nz"
+
+
+# case 20: bidi and control characters in names
+
+
+def test_bidi_and_control_characters_in_a_model_name_show_as_escapes(gpt2_dir, corpus_file, tmp_path):
+    model = tmp_path / "model\u202egnp.exe\x07"
+    shutil.copytree(gpt2_dir, model)
+    out = tmp_path / "out"
+    result = analyze(model, corpus_file, out)
+    assert result.exit_code == 0, result.output
+    assert "\u202e" not in result.stdout and "\x07" not in result.stdout
+    assert "model\\u202egnp.exe\\x07" in result.stdout.replace("\n", "")
+    assert run("report", "--out", out).exit_code == 0
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert "\u202e" not in page and "\x07" not in page
+    assert "<title>attnprobe report: " in page and "model\\u202egnp.exe\\x07</title>" in page
+
+
+def test_visible_escapes_only_what_hides_or_reorders_text():
+    from attnprobe.naming import visible
+
+    assert visible("abc\u202edef\u2066x\u2069\x1b[31m") == "abc\\u202edef\\u2066x\\u2069\\x1b[31m"
+    assert visible("caf\u00e9 \u4e2d\u6587 \U0001f600 a\u200db") == "caf\u00e9 \u4e2d\u6587 \U0001f600 a\u200db"
+    assert visible("a\nb", keep="\n") == "a\nb"
