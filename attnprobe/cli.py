@@ -621,7 +621,8 @@ def verify(
     out_console.print(table)
     failed = [c.name for c in checks if not c.passed]
     if failed:
-        err_console.print(f"Error: {len(failed)} check(s) failed: {'; '.join(failed)}", markup=False)
+        err_console.print(f"Error: {len(failed)} check(s) failed: {'; '.join(failed)}", markup=False, highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(1)
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import tempfile
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -156,6 +157,12 @@ def load_model(
         except (SafetensorError, pickle.UnpicklingError, EOFError) as err:
             raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
         except RuntimeError as err:
+            if "ignore_mismatched_sizes" in str(err):  # transformers' load report: a tensor of another shape
+                raise AttnprobeError(
+                    f"cannot load model from {source}: a tensor in its weights has another shape than its config.json "
+                    "gives (weights and config of different models, or a tensor saved wrong): re-save the model "
+                    "with save_pretrained"
+                ) from err
             if not str(err).startswith("PytorchStreamReader"):  # torch's zip reader: a truncated .bin
                 raise
             raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
@@ -439,7 +446,8 @@ def _weights_error(spec: str, source: str, local: bool, origin: dict[str, Any], 
     pickles = sorted(p.name for p in folder.glob("*.bin")) if folder else []
     name = pickles[0] if len(pickles) == 1 else "its pickled .bin weights"
     return AttnprobeError(
-        f"{where}: {name} is not loadable: it is truncated, corrupt, or holds more than plain tensors, and "
+        f"{where}: {name} is not loadable: it is truncated, corrupt, holds more than plain tensors, or was pickled "
+        "with a protocol torch's safe loader does not read, and "
         "attnprobe reads pickled weights only with torch's safe loader (safetensors is the safe format): "
         f"convert {name} to safetensors (e.g. load it yourself with a trusted torch.load and "
         "save_pretrained(..., safe_serialization=True))"
@@ -507,15 +515,20 @@ def quiet_transformers():
 
     level = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
-    hub_logger = logging.getLogger("huggingface_hub")
-    hub_level = hub_logger.level
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "accelerate")]  # accelerate: offload notes
+    levels = [logger.level for logger in loggers]
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    hub_logger.setLevel(logging.ERROR)
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            # torch's safe loader on a .bin of another pickle protocol: it loads, or attnprobe says why in one line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            yield
     finally:
-        hub_logger.setLevel(hub_level)
+        for logger, before in zip(loggers, levels):
+            logger.setLevel(before)
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()

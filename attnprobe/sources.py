@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -183,6 +184,11 @@ def gguf_folder(path: Path, digest: str, on_status: Status | None = None) -> Pat
     return target
 
 
+# what reading a damaged GGUF file raises (a header alone, a huge key length, a tensor of the wrong shape)
+GGUF_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, RuntimeError, OverflowError, MemoryError,
+               struct.error)
+
+
 def convert_gguf(path: Path, folder: Path, on_status: Status | None = None) -> None:
     """De-quantize a GGUF model into `folder` (safetensors, float32) with its tokenizer; `on_status` hears each step."""
     say = on_status or (lambda _message: None)
@@ -190,29 +196,31 @@ def convert_gguf(path: Path, folder: Path, on_status: Status | None = None) -> N
         if importlib.util.find_spec(needed) is None:
             raise AttnprobeError(f"reading .gguf files needs the package {needed}: pip install gguf accelerate")
     from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    from attnprobe.model import quiet_transformers
+
     quiet_tqdm = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"  # the de-quantizing loop has a progress bar of its own
     try:
-        say("reading the tokenizer (step 1 of 4)")
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        say("de-quantizing the weights (step 2 of 4, the longest)")
-        quantized = AutoModel.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise AttnprobeError(f"cannot read GGUF file {path}: {str(err).splitlines()[0]}") from err
+        with quiet_transformers():  # e.g. "Can't find a way to retrieve missing config vocab_size": refused below
+            say("reading the tokenizer (step 1 of 4)")
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            say("de-quantizing the weights (step 2 of 4, the longest)")
+            quantized = AutoModel.from_pretrained(path.parent, gguf_file=path.name)
+            config = quantized.config
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config  # save_pretrained refuses GGUF-loaded models; a plain rebuild works
+            say("rebuilding the model without its GGUF quantization (step 3 of 4)")
+            plain = AutoModel.from_config(config)
+            plain.load_state_dict(quantized.state_dict())  # a tensor of the wrong shape: RuntimeError
+    except GGUF_ERRORS as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise AttnprobeError(f"cannot read GGUF file {path}: {first[:300]}") from err
     finally:
         if quiet_tqdm is None:
             os.environ.pop("TQDM_DISABLE", None)
         else:
             os.environ["TQDM_DISABLE"] = quiet_tqdm
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # save_pretrained refuses GGUF-loaded models; a plain rebuild it accepts
-    say("rebuilding the model without its GGUF quantization (step 3 of 4)")
-    plain = AutoModel.from_config(config)
-    plain.load_state_dict(quantized.state_dict())
     size = sum(t.numel() * t.element_size() for t in plain.state_dict().values())
     say(f"saving {size / 1e6:,.0f} MB of float32 weights (step 4 of 4)")
     plain.save_pretrained(folder)

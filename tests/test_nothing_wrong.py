@@ -3,6 +3,7 @@
 import errno
 import json
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -520,3 +521,79 @@ def test_visible_escapes_only_what_hides_or_reorders_text():
     assert visible("abc\u202edef\u2066x\u2069\x1b[31m") == "abc\\u202edef\\u2066x\\u2069\\x1b[31m"
     assert visible("caf\u00e9 \u4e2d\u6587 \U0001f600 a\u200db") == "caf\u00e9 \u4e2d\u6587 \U0001f600 a\u200db"
     assert visible("a\nb", keep="\n") == "a\nb"
+
+
+# case 21: library messages and wrapped errors
+
+
+def test_verify_failure_is_one_unwrapped_line(gpt2_dir, monkeypatch):
+    from attnprobe import verify
+    from attnprobe.verify import Check
+
+    checks = [Check(f"maps of layer {i} equal the model's own attention weights, batched and alone", 1.0, 1e-6)
+              for i in range(3)]
+    monkeypatch.setattr(verify, "verify", lambda loaded, texts: checks)
+    result = run("verify", "--model", gpt2_dir, "--device", "cpu")
+    assert_one_line_error(result, "3 check(s) failed", "layer 2")
+    assert len(result.stderr.strip().splitlines()[0]) > 80
+
+
+def cli_subprocess(*args):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "80"}
+    env.pop("TRANSFORMERS_VERBOSITY", None)  # as a user runs it: transformers at its default verbosity
+    return subprocess.run([sys.executable, "-m", "attnprobe", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_no_library_message_reaches_the_output(gpt2_dir, corpus_file, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(gpt2_dir, pickled)
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin", pickle_protocol=4)
+    (pickled / "model.safetensors").unlink()
+    done = cli_subprocess("analyze", "--model", pickled, "--corpus", corpus_file, "--out", tmp_path / "a",
+                          "--device", "cpu")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("Error: "), done.stderr
+    assert "pickle" in lines[0] and "safetensors" in lines[0]
+    done = cli_subprocess("analyze", "--model", gpt2_dir, "--corpus", corpus_file, "--out", tmp_path / "b",
+                          "--device", "cpu", "--resamples", "20", "--device-map", "auto", "--max-memory", "cpu=20KiB")
+    assert done.returncode == 0, done.stderr
+    assert "meta device" not in done.stderr and "[transformers]" not in done.stderr and "Warning:" not in \
+        done.stderr.replace("Warning: only", ""), done.stderr
+
+
+# case 15: damaged weights
+
+
+def test_a_safetensors_tensor_of_the_wrong_shape_is_one_line(gpt2_dir, corpus_file, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(gpt2_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights["h.0.attn.c_attn.weight"] = torch.zeros(5, 7)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    assert_one_line_error(analyze(model, corpus_file, tmp_path / "out"), str(model), "another shape", "re-save")
+
+
+@pytest.mark.parametrize("content", [
+    b"GGUF",  # the magic alone
+    b"GGUF" + struct.pack("<IQQ", 3, 0, 0),  # a header and nothing else
+    b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**62) + b"abc",  # a key 2^62 bytes long
+])
+def test_a_damaged_gguf_is_one_line(corpus_file, tmp_path, content):
+    pytest.importorskip("gguf")
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    result = analyze(path, corpus_file, tmp_path / "out")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert errors == [errors[0]] and f"cannot read GGUF file {path}" in errors[0], result.stderr
