@@ -7,7 +7,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import torch
 from attnprobe import __version__, defaults, distributed, kernel, limits
 from attnprobe.accumulate import Accumulator, Shape
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval
-from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus
+from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus, clip_text
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel import DEFAULT_BUDGET_MIB
 from attnprobe.metrics import (
@@ -484,7 +484,7 @@ def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens
     cut: list[tuple[int, int]] = []
     for start in range(0, len(sentences), TOKENIZE_CHUNK):
         chunk = sentences[start : start + TOKENIZE_CHUNK]
-        texts = [s.text for s in chunk]
+        texts = [clip_text(s.text, loaded.max_length) for s in chunk]  # a huge line: only what can be kept
         with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
             full = loaded.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
             kept = loaded.tokenizer(
@@ -552,6 +552,7 @@ def scan(loaded: LoadedModel, corpus: Corpus) -> Scan:
     """Tokenize the corpus once, chunk by chunk, keeping only totals, the longest and the example sentence."""
     result = Scan()
     for first, chunk in windows(corpus.stream(), TOKENIZE_CHUNK):
+        chunk = [clipped(s, loaded.max_length) for s in chunk]  # an example keeps the cut text, not 50 MB
         tokens = tokenize_sentences(loaded, chunk)
         result.sentences += len(chunk)
         result.truncated += tokens.truncated
@@ -564,6 +565,12 @@ def scan(loaded: LoadedModel, corpus: Corpus) -> Scan:
                 result.example_index, result.example, result.example_ids = first + k, chunk[k], ids
             result.offer(first + k, chunk[k], ids)
     return result
+
+
+def clipped(sentence: Sentence, max_tokens: int) -> Sentence:
+    """`sentence` with its text cut by `clip_text` (the same object when it is short enough)."""
+    text = clip_text(sentence.text, max_tokens)
+    return sentence if text is sentence.text else replace(sentence, text=text)
 
 
 def _closer(length: int, best: int) -> bool:

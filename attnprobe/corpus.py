@@ -45,6 +45,17 @@ class Sentence:
     category: str | None  # from the nearest `# category: <name>` line above, or the row's `category`, if any
 
 
+CHARS_PER_TOKEN = 32  # generous: tokenizers average 3-5 characters per token of text, rarely over 16
+
+
+def clip_text(text: str, max_tokens: int) -> str:
+    """`text` cut to `max_tokens` x CHARS_PER_TOKEN characters before it is tokenized: a model keeps at most
+    `max_tokens` tokens of it, and tokenizing a 50 MB line whole would take minutes and gigabytes only to
+    cut it there."""
+    limit = max(1, max_tokens) * CHARS_PER_TOKEN
+    return text if len(text) <= limit else text[:limit]
+
+
 class Corpus:
     """A corpus file, read as a stream: `stream()` yields its sentences afresh from the file each time.
 

@@ -597,3 +597,39 @@ def test_a_damaged_gguf_is_one_line(corpus_file, tmp_path, content):
     assert result.exit_code == 1 and "Traceback" not in result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
     assert errors == [errors[0]] and f"cannot read GGUF file {path}" in errors[0], result.stderr
+
+
+# case 10: one huge line
+
+
+class CountingTokenizer:
+    """A tokenizer that remembers the longest text it was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def __call__(self, texts, *args, **kwargs):
+        for text in [texts] if isinstance(texts, str) else texts:
+            self.longest = max(self.longest, len(text))
+        return self.tokenizer(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_huge_line_is_cut_before_it_is_tokenized(gpt2_dir, tmp_path, suffix):
+    from attnprobe.corpus import CHARS_PER_TOKEN
+
+    huge = "The cat sat on the mat. " * 200_000  # 4.8 MB on one line
+    corpus = tmp_path / f"c{suffix}"
+    lines = ["Rain fell.", huge, "Birds sing."]
+    corpus.write_text("\n".join(json.dumps({"text": t}) if suffix == ".jsonl" else t for t in lines) + "\n",
+                      encoding="utf-8")
+    loaded = load_model(str(gpt2_dir), "cpu")
+    loaded.tokenizer = CountingTokenizer(loaded.tokenizer)
+    result = analyze_loaded(loaded, read_corpus(corpus), resamples=20)
+    assert 0 < loaded.tokenizer.longest <= loaded.max_length * CHARS_PER_TOKEN
+    assert result.run["truncated_sentences"] == 1 and result.run["truncated_lines"][0]["line"] == 2
+    assert result.run["longest_sequence"] == loaded.max_length
+    assert all(len(example["sentence"]) <= loaded.max_length * CHARS_PER_TOKEN for example in result.examples)
