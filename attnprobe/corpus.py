@@ -258,6 +258,9 @@ def _check_file(path: Path, unit: str) -> None:
         raise AttnprobeError(f"corpus {path} is a directory: pass {unit}")
     if not path.exists():
         raise AttnprobeError(f"corpus file not found: {path}: check the path to --corpus")
+    if not path.is_file():  # a device (/dev/zero never ends), a FIFO (waits for a writer) or a socket
+        raise AttnprobeError(f"corpus {path} is not a regular file (a device, pipe or socket): save the text to a "
+                             f"file and pass {unit}")
 
 
 def _raw_lines(path: Path, digest) -> Iterator[tuple[int, bytes]]:

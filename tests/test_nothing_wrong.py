@@ -633,3 +633,21 @@ def test_a_huge_line_is_cut_before_it_is_tokenized(gpt2_dir, tmp_path, suffix):
     assert result.run["truncated_sentences"] == 1 and result.run["truncated_lines"][0]["line"] == 2
     assert result.run["longest_sequence"] == loaded.max_length
     assert all(len(example["sentence"]) <= loaded.max_length * CHARS_PER_TOKEN for example in result.examples)
+
+
+# case 9: a corpus that is no file
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", ".jsonl fifo"])
+def test_a_corpus_that_is_not_a_regular_file_is_refused(gpt2_dir, tmp_path, kind):
+    import os
+
+    if kind == "/dev/zero":
+        corpus = "/dev/zero"
+    else:
+        corpus = tmp_path / ("c.jsonl" if kind.startswith(".jsonl") else "c.txt")
+        os.mkfifo(corpus)  # opening it would wait for a writer forever
+    for command in (["analyze", "--out", tmp_path / "out"], ["verify"], ["rollout", "--out", tmp_path / "out"]):
+        result = run(command[0], "--model", gpt2_dir, "--corpus", corpus, "--device", "cpu", *command[1:])
+        assert_one_line_error(result, f"corpus {corpus} is not a regular file")
+    assert not (tmp_path / "out").exists()
