@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import re
 import sys
 import time
@@ -83,17 +84,24 @@ class DeviceChoice(str, Enum):
 
 
 def friendly_errors(command):
-    """Turn the library's errors into one line on stderr and exit code 1."""
+    """Turn the library's errors into one line on stderr and exit code 1 (printed by torchrun's rank 0 alone)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except AttnprobeError as err:
-            err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
+            if is_main_process():
+                err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def is_main_process() -> bool:
+    """Not a torchrun rank other than 0: every rank checks the same inputs, so rank 0 alone says what is wrong
+    (read from the environment: no torch import)."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 @contextmanager
@@ -1019,7 +1027,8 @@ def main() -> None:
         if type(err).__name__ == "NoArgsIsHelpError":  # bare `attnprobe`: the help is the answer
             print(err.format_message())
             sys.exit(0)
-        err_console.print(f"Error: {usage_message(err)}", markup=False, highlight=False, soft_wrap=True)
+        if is_main_process():
+            err_console.print(f"Error: {usage_message(err)}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

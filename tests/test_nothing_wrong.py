@@ -651,3 +651,21 @@ def test_a_corpus_that_is_not_a_regular_file_is_refused(gpt2_dir, tmp_path, kind
         result = run(command[0], "--model", gpt2_dir, "--corpus", corpus, "--device", "cpu", *command[1:])
         assert_one_line_error(result, f"corpus {corpus} is not a regular file")
     assert not (tmp_path / "out").exists()
+
+
+# case 18: under torchrun, one line from rank 0
+
+
+@pytest.mark.parametrize(("rank", "lines"), [("0", 1), ("1", 0)])
+def test_under_torchrun_rank_0_alone_prints_the_error(capsys, monkeypatch, tmp_path, rank, lines):
+    from attnprobe.cli import main
+
+    monkeypatch.setenv("RANK", rank)
+    for args, code in ((["analyze", "--model", "m", "--corpus", tmp_path / "missing.txt", "--out", tmp_path / "o"], 1),
+                       (["analyze", "--model", "m", "--corpus", "c.txt", "--batch-size", "x"], 2)):
+        monkeypatch.setattr("sys.argv", ["attnprobe", *map(str, args)])
+        with pytest.raises(SystemExit) as ended:
+            main()
+        assert ended.value.code == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == lines and all(line.startswith("Error: ") for line in err), err
