@@ -528,6 +528,7 @@ def plot(
 
     heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", "entropy", *RULE_COLUMNS], "attnprobe analyze")
     layers = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy", "entropy_head_std"], "attnprobe analyze")
+    io.check_fits_heads(heads, layers, io.LAYERS_FILE, f"attnprobe analyze --out {out}")
     if (Path(out) / io.TYPES_FILE).exists():
         kv = "kv_head" in io.read_columns(out, io.TYPES_FILE)  # the kv scheme labels streaming / retrieval
         rule = ["sink_window"] if kv else list(RULE_COLUMNS)
@@ -539,6 +540,7 @@ def plot(
     categories = None
     if (Path(out) / io.CATEGORIES_FILE).exists():
         categories = io.read_table(out, io.CATEGORIES_FILE, ["category", "layer", "entropy"], "attnprobe analyze")
+        io.check_fits_heads(heads, categories, io.CATEGORIES_FILE, f"attnprobe analyze --out {out}")
     examples = io.read_examples(out)
     if not examples:
         raise AttnprobeError(f"no {io.EXAMPLE_FILE} in {out}: run `attnprobe analyze --out {out}` first")
@@ -560,6 +562,7 @@ def plot(
             out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max", "entropy", "first_token"],
             "attnprobe analyze",
         )
+        io.check_fits_heads(heads, positions, io.POSITIONS_FILE, f"attnprobe analyze --out {out}")
         title = run_title(out, "Attention by query position")
         figures[Path(POSITION_FIGURE).stem] = plotting.position_profile_figure(positions, title)
     figures.update({Path(name).stem: f for name, f in importance_figures(out, heads, types).items()})

@@ -108,6 +108,17 @@ def check_run(run: Run) -> None:
         if values.ndim != 3 or values.shape[1:] != (layers, heads) or values.shape[0] != resamples:
             raise AttnprobeError(f"{run.path / io.RESAMPLES_FILE} ({name} {values.shape}) does not match run.json "
                                  f"({resamples} resamples of {layers} x {heads} heads): {again}")
+    # heads.csv's intervals are the percentiles of these resamples: a resamples.npz of another run (another
+    # seed or corpus, the same shape) gives other ones
+    for name, values in run.resamples.items():
+        if f"{name}_ci_low" not in run.heads.columns or values.dtype.kind != "f":
+            continue
+        low, high = interval(values.astype(np.float64))  # [layer, head] each
+        saved = run.heads[[f"{name}_ci_low", f"{name}_ci_high"]].to_numpy(dtype=float)  # [layer x head, 2]
+        computed = np.stack([low.reshape(-1), high.reshape(-1)], axis=1)
+        if not np.allclose(computed, saved, rtol=1e-4, atol=1e-5, equal_nan=True):
+            raise AttnprobeError(f"{run.path / io.RESAMPLES_FILE} does not give the 95% intervals of "
+                                 f"{io.HEADS_FILE} ({name}): it is from another run; {again}")
 
 
 def scores_of(a: Run, b: Run) -> list[str]:

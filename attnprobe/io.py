@@ -395,6 +395,14 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
         raise AttnprobeError(
             f"{path} has values that are not numbers in {', '.join(not_numbers)}: run `{made_by}` again"
         )
+    for column in ("layer", "head", "bin"):
+        if column in columns:
+            values = frame[column].to_numpy(dtype=float)
+            bad = ~(np.isfinite(values) & (values >= 0) & (values == np.round(values)))
+            if bad.any():
+                raise AttnprobeError(f"{path} has a {column} that is not a whole number of 0 or more "
+                                     f"({frame[column].iloc[int(np.argmax(bad))]!r}): run `{made_by}` again")
+            frame[column] = frame[column].astype(np.int64)
     key = [c for c in ("category", "layer", "head", "bin") if c in columns]
     if key and frame.duplicated(key).any():
         raise AttnprobeError(f"{path} repeats a ({', '.join(key)}) row: run `{made_by}` again")
@@ -407,6 +415,18 @@ def read_columns(out: str | Path, name: str) -> list[str]:
         return list(pd.read_csv(Path(out) / name, nrows=0).columns)
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError):
         return []
+
+
+def check_fits_heads(heads: pd.DataFrame, other: pd.DataFrame, name: str, made_by: str) -> None:
+    """Refuse a table of `analyze` (layers.csv, positions.csv, categories.csv) from another run than heads.csv:
+    its layers (and heads, when it has them) must be heads.csv's."""
+    key = ["layer", "head"] if "head" in other.columns else ["layer"]
+    theirs = set(map(tuple, other[key].drop_duplicates().to_numpy().tolist()))
+    ours = set(map(tuple, heads[key].drop_duplicates().to_numpy().tolist()))
+    if theirs != ours:
+        what = "layers and heads" if len(key) == 2 else "layers"
+        raise AttnprobeError(f"{name} does not hold the {what} of heads.csv (it is from another run): run "
+                             f"`{made_by}` again")
 
 
 def check_same_heads(heads: pd.DataFrame, other: pd.DataFrame, name: str, made_by: str) -> None:

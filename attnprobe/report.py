@@ -152,6 +152,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
     heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", "entropy"], "attnprobe analyze")
     run = io.read_run(out)
     layers_table = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy"], "attnprobe analyze")
+    io.check_fits_heads(heads, layers_table, io.LAYERS_FILE, made_by)
     n_layers, n_heads = int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1
     if len(heads) != n_layers * n_heads or (run["model"]["layers"], run["model"]["heads"]) != (n_layers, n_heads):
         raise AttnprobeError(f"{io.HEADS_FILE} does not hold every head of the {run['model']['layers']} x "
@@ -407,6 +408,8 @@ def _categories(out: Path, n_layers: int) -> dict[str, Any] | None:
     if not (out / io.CATEGORIES_FILE).is_file():
         return None
     frame = io.read_table(out, io.CATEGORIES_FILE, ["category", "layer", "entropy"], "attnprobe analyze")
+    io.check_fits_heads(pd.DataFrame({"layer": range(n_layers)}), frame, io.CATEGORIES_FILE,
+                        f"attnprobe analyze --out {out}")
     lines = []
     for name, group in frame.groupby("category", sort=False):
         group = group.set_index("layer").reindex(range(n_layers))
@@ -425,6 +428,7 @@ def _positions(out: Path, heads: pd.DataFrame, n_layers: int, n_heads: int) -> d
         return None
     frame = io.read_table(out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max"],
                           "attnprobe analyze")
+    io.check_fits_heads(heads, frame, io.POSITIONS_FILE, f"attnprobe analyze --out {out}")
     bins = frame.drop_duplicates("bin").sort_values("bin")
     labels = [f"{int(a)}" if a == b else f"{int(a)}-{int(b)}" for a, b in zip(bins["position_min"],
                                                                               bins["position_max"])]

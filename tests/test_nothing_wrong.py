@@ -669,3 +669,62 @@ def test_under_torchrun_rank_0_alone_prints_the_error(capsys, monkeypatch, tmp_p
         assert ended.value.code == code
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == lines and all(line.startswith("Error: ") for line in err), err
+
+
+# case 7: result files of another run
+
+
+@pytest.fixture(scope="module")
+def other_runs(tmp_path_factory, gpt2_dir):
+    """Three runs over one tagged corpus: the 3-layer GPT-2 (seed 0 and seed 1) and a 2-layer Llama."""
+    from conftest import SENTENCES, make_llama
+
+    root = tmp_path_factory.mktemp("other_runs")
+    corpus = root / "c.txt"
+    corpus.write_text("# category: a\n" + "\n".join(SENTENCES[:4]) + "\n# category: b\n" + "\n".join(SENTENCES[4:]),
+                      encoding="utf-8")
+    llama = make_llama(root / "llama")
+    runs = {"gpt2": analyze(gpt2_dir, corpus, root / "gpt2"), "seed1": analyze(gpt2_dir, corpus, root / "seed1",
+                                                                                 "--seed", "1"),
+            "llama": analyze(llama, corpus, root / "llama_out")}
+    for result in runs.values():
+        assert result.exit_code == 0, result.output
+    folders = {"gpt2": root / "gpt2", "seed1": root / "seed1", "llama": root / "llama_out"}
+    for folder in folders.values():
+        assert run("classify", "--out", folder).exit_code == 0
+    return folders
+
+
+@pytest.mark.parametrize("name", ["positions.csv", "categories.csv", "layers.csv"])
+@pytest.mark.parametrize("command", ["plot", "report"])
+def test_a_table_of_a_run_of_another_shape_is_refused(other_runs, tmp_path, name, command):
+    results = tmp_path / "results"
+    shutil.copytree(other_runs["llama"], results)  # 2 layers
+    shutil.copy(other_runs["gpt2"] / name, results / name)  # 3 layers
+    assert_one_line_error(run(command, "--out", results), name, "another run")
+    assert not list(results.glob("*.png")) and not (results / "report.html").exists()
+
+
+def test_resamples_of_another_seed_are_not_paired(other_runs, tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(other_runs["gpt2"], results)
+    shutil.copy(other_runs["seed1"] / "resamples.npz", results / "resamples.npz")
+    result = run("compare", other_runs["gpt2"], results, "--out", tmp_path / "cmp")
+    assert_one_line_error(result, "resamples.npz", "another run")
+    assert not (tmp_path / "cmp").exists()
+    assert run("compare", other_runs["gpt2"], other_runs["seed1"], "--out", tmp_path / "ok").exit_code == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "0.5", "nan"])
+@pytest.mark.parametrize("command", ["plot", "report", "classify"])
+def test_a_heads_csv_with_a_layer_that_is_no_layer_is_refused(analyzed, tmp_path, value, command):
+    results = tmp_path / "results"
+    shutil.copytree(analyzed, results)
+    lines = (results / "heads.csv").read_text().splitlines()
+    first = lines[1].split(",")
+    first[0] = value
+    lines[1] = ",".join(first)
+    (results / "heads.csv").write_text("\n".join(lines) + "\n")
+    before = files_under(results)
+    assert_one_line_error(run(command, "--out", results), "heads.csv", "layer", "whole number")
+    assert files_under(results) == before
