@@ -7,18 +7,19 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__, defaults, distributed, kernel
+from attnprobe import __version__, defaults, distributed, kernel, limits
 from attnprobe.accumulate import Accumulator, Shape
 from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval
-from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus
+from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus, clip_text
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel import DEFAULT_BUDGET_MIB
 from attnprobe.metrics import (
@@ -33,6 +34,7 @@ from attnprobe.metrics import (
 )
 from attnprobe.model import LoadedModel, as_loaded, quiet_transformers, stream_attention
 from attnprobe.resume import Checkpointing, State, Stopped, check_fingerprint
+from attnprobe.sources import weights_fingerprint
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
 EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
@@ -127,7 +129,8 @@ def analyze_loaded(
     if on_batch is not None and checkpointing and checkpointing.resume_from is not None:
         raise AttnprobeError("--per-sentence cannot continue a stopped run: the rows before the stop are gone; "
                              "drop --resume to start again with --per-sentence, or drop --per-sentence")
-    fingerprint = run_fingerprint(loaded, corpus, batch_size, resamples, seed, options, world.size)
+    fingerprint = run_fingerprint(loaded, corpus, batch_size, resamples, seed, options, world.size,
+                                  weights=checkpointing is not None)
     if checkpointing is not None and checkpointing.resume_from is not None:
         check_fingerprint(checkpointing.resume_from.fingerprint, fingerprint)
     measured = measure(loaded, corpus, scanned, batch_size, progress, options, world, shape,
@@ -188,15 +191,29 @@ def more_examples(
 
 def run_fingerprint(
     loaded: LoadedModel, corpus: Corpus, batch_size: int, resamples: int, seed: int, options: Options,
-    processes: int = 1,
+    processes: int = 1, weights: bool = True,
 ) -> dict[str, Any]:
-    """Everything that decides the results of a run: a checkpoint resumes only the same run."""
+    """Everything that decides the results of a run: a checkpoint resumes only the same run.
+
+    `weights`: fingerprint the model's weights too (model_sha256; see `model_weights`), which reads them."""
     return {
-        "model": loaded.source, "model_sha256": loaded.origin.get("gguf_sha256"), "dtype": loaded.dtype,
+        "model": loaded.source, "model_sha256": model_weights(loaded) if weights else None, "dtype": loaded.dtype,
         "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
         "window": options.window, "block_mib": options.budget_mib, "version": __version__, "processes": processes,
     }
+
+
+def model_weights(loaded: LoadedModel) -> str | None:
+    """What identifies the weights: a GGUF file's sha256, a local folder's `sources.weights_fingerprint`, a hub
+    model's commit; None for a model the caller loaded (attnprobe cannot tell where its weights came from)."""
+    if loaded.origin.get("gguf_sha256"):
+        return loaded.origin["gguf_sha256"]
+    if loaded.origin.get("loaded_by") == "caller":
+        return None
+    if Path(loaded.source).is_dir():
+        return weights_fingerprint(loaded.source)
+    return f"revision:{loaded.revision}" if loaded.revision else None
 
 
 def sentence_categories(corpus: Corpus, sentences: list[Sentence]) -> list[str] | None:
@@ -272,6 +289,7 @@ def measure(
     start = 0
     if checkpointing is not None and checkpointing.resume_from is not None:
         state = checkpointing.resume_from
+        state.check_fits(totals.sums, total, tuple(example_maps.shape))
         start = state.batches_done
         totals.sums = {key: value.copy() for key, value in state.sums.items()}
         if state.example_maps is not None:
@@ -289,6 +307,7 @@ def measure(
         special = pad_batch(special_ids, loaded.device)[0].bool() if SPECIAL in shape.names else None  # [b, seq]
         example = (batch.index(scanned.example_index), n) if scanned.example_index in batch else None
         stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, example, example_maps)
+        check_finite(loaded, stats, sentences, [len(t) for t in ids])
         labels = sentence_categories(corpus, sentences)
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
         if on_batch is not None:
@@ -334,6 +353,24 @@ def measure(
         kept = {name: v.cpu().numpy() for name, v in distributed.merge(
             world, {name: torch.from_numpy(v).to(loaded.device) for name, v in kept.items()}).items()}
     return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), path=path, per_sentence=kept)
+
+
+def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: list[Sentence],
+                 lengths: list[int]) -> None:
+    """Refuse a batch whose attention was NaN or infinite (broken weights, or an overflow in a low
+    precision): every sentence of 2 or more tokens has an entropy in every head. `stats` per score
+    [sentence, layer, head]."""
+    entropy = stats["entropy"]  # [sentence, layer, head]
+    broken = [k for k, n in enumerate(lengths) if n >= 2 and np.isnan(entropy[k]).any()]
+    broken += [k for k in range(len(lengths)) if any(np.isinf(v[k]).any() for v in stats.values())]
+    if not broken:
+        return
+    k = min(broken)
+    layer = next((int(i) for i in np.argwhere(~np.isfinite(entropy[k]))[:, 0]), 0)
+    fix = "its weights hold NaN or inf: check or re-save them" if loaded.dtype == "float32" else \
+        f"its weights hold NaN or inf, or {loaded.dtype} overflows: check the weights, or run with --dtype float32"
+    raise AttnprobeError(f"model {loaded.spec} gives NaN or infinite attention (layer {layer}, on corpus line "
+                         f"{sentences[k].line}): {fix}")
 
 
 def measure_batch(
@@ -413,6 +450,9 @@ def check_options(
         raise AttnprobeError(f"--resamples {resamples} is below 1: use 1 or more (default {DEFAULT_RESAMPLES})")
     if seed < 0:
         raise AttnprobeError(f"--seed {seed} is negative: use 0 or more")
+    limits.check_whole("--batch-size", batch_size, 1, limits.MAX_BATCH_SIZE, 8)
+    limits.check_whole("--resamples", resamples, 1, limits.MAX_RESAMPLES, DEFAULT_RESAMPLES)
+    limits.check_whole("--seed", seed, 0, limits.MAX_SEED)
     if options is None:
         return
     if options.attention not in ATTENTION_CHOICES:
@@ -421,8 +461,11 @@ def check_options(
         raise AttnprobeError(f"--sink-tokens {options.sink} is negative: use 0 or more (default {SINK_TOKENS})")
     if options.window < 1:
         raise AttnprobeError(f"--window {options.window} is below 1: use 1 or more (default {RECENT_WINDOW})")
-    if not options.budget_mib > 0:
+    if options.budget_mib <= 0:
         raise AttnprobeError(f"--block-mib {options.budget_mib} must be above 0 (default {DEFAULT_BUDGET_MIB})")
+    limits.check_real("--block-mib", options.budget_mib, 0.0, limits.MAX_BLOCK_MIB, DEFAULT_BUDGET_MIB, low_open=True)
+    limits.check_whole("--sink-tokens", options.sink, 0, limits.MAX_POSITIONS, SINK_TOKENS)
+    limits.check_whole("--window", options.window, 1, limits.MAX_POSITIONS, RECENT_WINDOW)
     if options.block_rows is not None and options.block_rows < 1:
         raise AttnprobeError(f"block_rows {options.block_rows} is below 1: use 1 or more, or None for the budget")
 
@@ -459,7 +502,7 @@ def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens
     cut: list[tuple[int, int]] = []
     for start in range(0, len(sentences), TOKENIZE_CHUNK):
         chunk = sentences[start : start + TOKENIZE_CHUNK]
-        texts = [s.text for s in chunk]
+        texts = [clip_text(s.text, loaded.max_length) for s in chunk]  # a huge line: only what can be kept
         with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
             full = loaded.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
             kept = loaded.tokenizer(
@@ -527,6 +570,7 @@ def scan(loaded: LoadedModel, corpus: Corpus) -> Scan:
     """Tokenize the corpus once, chunk by chunk, keeping only totals, the longest and the example sentence."""
     result = Scan()
     for first, chunk in windows(corpus.stream(), TOKENIZE_CHUNK):
+        chunk = [clipped(s, loaded.max_length) for s in chunk]  # an example keeps the cut text, not 50 MB
         tokens = tokenize_sentences(loaded, chunk)
         result.sentences += len(chunk)
         result.truncated += tokens.truncated
@@ -539,6 +583,12 @@ def scan(loaded: LoadedModel, corpus: Corpus) -> Scan:
                 result.example_index, result.example, result.example_ids = first + k, chunk[k], ids
             result.offer(first + k, chunk[k], ids)
     return result
+
+
+def clipped(sentence: Sentence, max_tokens: int) -> Sentence:
+    """`sentence` with its text cut by `clip_text` (the same object when it is short enough)."""
+    text = clip_text(sentence.text, max_tokens)
+    return sentence if text is sentence.text else replace(sentence, text=text)
 
 
 def _closer(length: int, best: int) -> bool:

@@ -8,7 +8,7 @@ from numbers import Integral
 
 import pandas as pd
 
-from attnprobe import defaults
+from attnprobe import defaults, limits
 from attnprobe.errors import AttnprobeError
 
 
@@ -59,6 +59,7 @@ class Thresholds:
             raise AttnprobeError(f"--local-min-diagonal {self.local_min_diagonal} must be between 0 and 1")
         if self.copy_max_entropy < 0.0:
             raise AttnprobeError(f"--copy-max-entropy {self.copy_max_entropy} must be 0 or more (nats)")
+        limits.check_real("--copy-max-entropy", self.copy_max_entropy, 0.0, limits.MAX_ENTROPY_NATS)
         for option, value in (
             ("--broad-min-entropy-norm", self.broad_min_entropy_norm),
             ("--sink-min-first-token", self.sink_min_first_token),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import re
 import sys
+import time
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -14,10 +16,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from attnprobe import __version__, defaults
+from attnprobe import __version__, defaults, limits
 from attnprobe.errors import AttnprobeError
-from attnprobe.naming import head_name
+from attnprobe.naming import head_name, visible
 
 app = typer.Typer(
     help="Measure what the attention heads of a transformer do: entropy, locality, head types, plots.",
@@ -82,17 +85,24 @@ class DeviceChoice(str, Enum):
 
 
 def friendly_errors(command):
-    """Turn the library's errors into one line on stderr and exit code 1."""
+    """Turn the library's errors into one line on stderr and exit code 1 (printed by torchrun's rank 0 alone)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except AttnprobeError as err:
-            err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
+            if is_main_process():
+                err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def is_main_process() -> bool:
+    """Not a torchrun rank other than 0: every rank checks the same inputs, so rank 0 alone says what is wrong
+    (read from the environment: no torch import)."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 @contextmanager
@@ -184,6 +194,7 @@ def analyze(
     from attnprobe.model import load_model, parse_max_memory
     from attnprobe.resume import Checkpointing, Stopped
 
+    started = time.time()
     options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib)
     check_options(batch_size, resamples, seed, options)
     world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
@@ -191,9 +202,12 @@ def analyze(
     sentences = read_corpus(corpus, split=split.value)
     if checkpoint_every < 0:
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
+    limits.check_real("--checkpoint-every", checkpoint_every, 0.0, limits.MAX_CHECKPOINT_SECONDS, 300)
     if max_memory and not device_map:
         raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
+    if world.size == 1:  # under torchrun another rank may be writing already: rank 0 cleans at the end
+        io.remove_stale_temps(out, started)  # what a killed run left (a half-written checkpoint, rows)
     saved = io.checkpoint_name(world.rank, world.size)  # under torchrun every rank saves its own
     waiting = io.checkpoint_files(out)  # of this process count or any other
     if waiting and not resume and not overwrite:
@@ -233,6 +247,7 @@ def analyze(
         raise typer.Exit(130) from None
     finally:
         distributed.leave(world)
+        release_offload(loaded)
     if not world.is_main:
         return
     files = {
@@ -260,6 +275,7 @@ def analyze(
     stale = [name for name in stale if (Path(out) / name).is_file()] + io.derived_files(out) if earlier else []
     written = [*io.write_files(out, files, remove=io.checkpoint_files(out)), *parquet]  # checkpoints: run complete
     io.remove_files(out, stale)
+    io.remove_stale_temps(out, started)
     run = result.run
     if stale:
         err_console.print(f"Note: removed {len(stale)} file(s) made from the earlier run in {out}, which no longer "
@@ -280,6 +296,13 @@ def analyze(
         )
     out_console.print(summary_table(run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def release_offload(loaded) -> None:
+    """Remove the temporary folder --device-map offloaded weights to (model.release_offload)."""
+    from attnprobe.model import release_offload as release
+
+    release(loaded)
 
 
 def truncation_message(run: dict) -> str:
@@ -335,8 +358,8 @@ def stop_requests():
 def summary_table(run: dict) -> Table:
     s = run["summary"]
     table = Table(
-        title=f"{run['model']['spec']}: {run['model']['layers']} layers x {run['model']['heads']} heads, "
-        f"{run['sentences']} sentences, {run['tokens']} tokens"
+        title=Text(visible(f"{run['model']['spec']}: {run['model']['layers']} layers x {run['model']['heads']} heads, "
+                           f"{run['sentences']} sentences, {run['tokens']} tokens"))
     )
     table.add_column("layers")
     table.add_column("mean entropy (nats)", justify="right")
@@ -504,8 +527,9 @@ def plot(
     if chosen is not None and len(chosen) > MAX_PATTERN_HEADS:
         raise AttnprobeError(f"--heads names {len(chosen)} heads: head_patterns draws at most {MAX_PATTERN_HEADS}")
 
-    heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", *RULE_COLUMNS], "attnprobe analyze")
+    heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", "entropy", *RULE_COLUMNS], "attnprobe analyze")
     layers = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy", "entropy_head_std"], "attnprobe analyze")
+    io.check_fits_heads(heads, layers, io.LAYERS_FILE, f"attnprobe analyze --out {out}")
     if (Path(out) / io.TYPES_FILE).exists():
         kv = "kv_head" in io.read_columns(out, io.TYPES_FILE)  # the kv scheme labels streaming / retrieval
         rule = ["sink_window"] if kv else list(RULE_COLUMNS)
@@ -517,6 +541,7 @@ def plot(
     categories = None
     if (Path(out) / io.CATEGORIES_FILE).exists():
         categories = io.read_table(out, io.CATEGORIES_FILE, ["category", "layer", "entropy"], "attnprobe analyze")
+        io.check_fits_heads(heads, categories, io.CATEGORIES_FILE, f"attnprobe analyze --out {out}")
     examples = io.read_examples(out)
     if not examples:
         raise AttnprobeError(f"no {io.EXAMPLE_FILE} in {out}: run `attnprobe analyze --out {out}` first")
@@ -538,6 +563,7 @@ def plot(
             out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max", "entropy", "first_token"],
             "attnprobe analyze",
         )
+        io.check_fits_heads(heads, positions, io.POSITIONS_FILE, f"attnprobe analyze --out {out}")
         title = run_title(out, "Attention by query position")
         figures[Path(POSITION_FIGURE).stem] = plotting.position_profile_figure(positions, title)
     figures.update({Path(name).stem: f for name, f in importance_figures(out, heads, types).items()})
@@ -585,6 +611,7 @@ def verify(
 
     if sentences < 1:
         raise AttnprobeError(f"--sentences {sentences} is below 1: use 1 or more (default 4)")
+    limits.check_whole("--sentences", sentences, 1, limits.MAX_SENTENCES, 4)
     if corpus:
         texts = [s.text for s in itertools.islice(read_corpus(corpus).stream(), sentences)]
     else:
@@ -593,7 +620,7 @@ def verify(
         loaded = load_model(model, device.value, on_status=on_status)
     checks = run_verify(loaded, texts)
     shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
-    table = Table(title=f"verify {model}: {len(texts)} sentences, {shape}")
+    table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}")))
     table.add_column("check", no_wrap=True)
     table.add_column("max abs diff", justify="right")
     table.add_column("tolerance", justify="right")
@@ -606,7 +633,8 @@ def verify(
     out_console.print(table)
     failed = [c.name for c in checks if not c.passed]
     if failed:
-        err_console.print(f"Error: {len(failed)} check(s) failed: {'; '.join(failed)}", markup=False)
+        err_console.print(f"Error: {len(failed)} check(s) failed: {'; '.join(failed)}", markup=False, highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(1)
 
 
@@ -634,7 +662,7 @@ def probe(
     """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
     from attnprobe import io, plotting
     from attnprobe.model import load_model
-    from attnprobe.probe import KINDS, top_heads
+    from attnprobe.probe import KINDS, check_numbers, top_heads
     from attnprobe.probe import probe as run_probe
 
     try:
@@ -642,6 +670,7 @@ def probe(
     except ValueError:
         raise AttnprobeError(f"--lengths {lengths!r}: give whole numbers separated by commas, e.g. 10,20,40") from None
     kinds = tuple(k.value for k in kind) if kind else KINDS
+    check_numbers(length_list, sequences, resamples, batch_size, seed)
     io.check_out_dir(out)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
@@ -690,16 +719,23 @@ def compare(
     ] = None,
     score: Annotated[str, typer.Option("--score", help="The score printed and drawn (every score is written).")] = (
         "entropy"),
-    paired: Annotated[
-        bool | None, typer.Option("--paired/--unpaired", help="Insist on (refused unless the corpus and bootstrap "
-                                  "match) or decline the paired bootstrap; default: paired when they match.")
-    ] = None,
+    paired_flag: Annotated[
+        bool, typer.Option("--paired", help="Insist on the paired bootstrap (refused unless the corpus and "
+                           "bootstrap match); default: paired when they match.")
+    ] = False,
+    unpaired_flag: Annotated[
+        bool, typer.Option("--unpaired", help="Decline the paired bootstrap: resample each run on its own.")
+    ] = False,
     top: Annotated[int, typer.Option("--top", help="How many of the most changed heads to print.")] = 10,
 ) -> None:
     """B - A of every score of two runs, with 95% intervals: per head, or by relative depth when shapes differ."""
     from attnprobe import io, plotting
     from attnprobe.compare import compare as run_compare
 
+    if paired_flag and unpaired_flag:
+        raise AttnprobeError("--paired and --unpaired contradict each other: pass one (or neither, to pair "
+                             "when the corpus and bootstrap match)")
+    paired = True if paired_flag else False if unpaired_flag else None
     result = run_compare(out_a, out_b, score=score, paired=paired, top=top)
     target = out if out is not None else Path(out_b) / "compare"
     io.check_out_dir(target)
@@ -733,7 +769,7 @@ def refresh_reports(target: Path) -> list[Path]:
 def print_comparison(info: dict, types) -> None:
     """The pairing and why, the overall difference, and the heads (or depths) that changed most."""
     score, a, b = info["score"], info["a"], info["b"]
-    out_console.print(f"A = {a['label']}, B = {b['label']}", markup=False, highlight=False)
+    out_console.print(visible(f"A = {a['label']}, B = {b['label']}"), markup=False, highlight=False)
     out_console.print(f"{info['pairing']}: {info['pairing_reason']}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(info["matching"], markup=False, highlight=False, soft_wrap=True)
     whole = info["overall"][score]
@@ -854,7 +890,8 @@ def importance_table(frame, run: dict) -> Table:
     ranked = frame.sort_values("rank")
     shown = ranked if len(ranked) <= 10 else ranked.iloc[list(range(5)) + list(range(len(ranked) - 5, len(ranked)))]
     rho = "n/a" if run["spearman"] is None else f"{run['spearman']:.3f}"
-    table = Table(title=f"{run['model']['spec']}: {run['method']} ablation, {run['sentences']} sentences",
+    heading = f"{run['model']['spec']}: {run['method']} ablation, {run['sentences']} sentences"
+    table = Table(title=Text(visible(heading)),
                   caption=f"rank 1 = most important; Spearman(gradient, {measure}) = {rho}")
     for column in ("rank", "head", measure, "95% interval", "gradient"):
         table.add_column(column, justify="right")
@@ -889,7 +926,7 @@ def run_title(out: Path, what: str) -> str:
     try:
         run = json.loads((Path(out) / "run.json").read_text(encoding="utf-8"))
         return f"{what}: {run['model']['spec']} on {Path(run['corpus']['path']).name}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return what
 
 
@@ -920,8 +957,6 @@ def rollout(
     dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
 ) -> None:
     """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
-    from rich.text import Text
-
     from attnprobe import io, plotting
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
@@ -940,12 +975,13 @@ def rollout(
     result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
     source = Path(corpus).name if corpus is not None and not example else None
     written = io.write_rollout(out, result, plotting.rollout_figure(result, model, source))
-    table = Table(title=f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}",
+    heading = f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}"
+    table = Table(title=Text(visible(heading)),
                   caption="mean share of the rows after the first on token 0 (a sink draws rollout to itself)")
     for column in ("sentence", "tokens", "rollout -> first token", "last layer -> first token"):
         table.add_column(column, justify="right" if column != "sentence" else "left")
     for s, text in enumerate(result.sentences):
-        table.add_row(Text(text if len(text) <= 50 else text[:47] + "..."), str(len(result.tokens[s])),
+        table.add_row(Text(visible(text if len(text) <= 50 else text[:47] + "...")), str(len(result.tokens[s])),
                       f"{first_token_share(result.rollout[s][-1]):.3f}", f"{first_token_share(result.raw[s]):.3f}")
     out_console.print(table)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
@@ -995,7 +1031,8 @@ def main() -> None:
         if type(err).__name__ == "NoArgsIsHelpError":  # bare `attnprobe`: the help is the answer
             print(err.format_message())
             sys.exit(0)
-        err_console.print(f"Error: {usage_message(err)}", markup=False, highlight=False, soft_wrap=True)
+        if is_main_process():
+            err_console.print(f"Error: {usage_message(err)}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

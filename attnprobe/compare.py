@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnprobe import io
+from attnprobe import io, limits
 from attnprobe.bootstrap import CONFIDENCE, interval
 from attnprobe.classify import EXTENDED_TYPES, HEAD_TYPES, KV_TYPES
 from attnprobe.classify import classify as default_classify
@@ -108,6 +108,17 @@ def check_run(run: Run) -> None:
         if values.ndim != 3 or values.shape[1:] != (layers, heads) or values.shape[0] != resamples:
             raise AttnprobeError(f"{run.path / io.RESAMPLES_FILE} ({name} {values.shape}) does not match run.json "
                                  f"({resamples} resamples of {layers} x {heads} heads): {again}")
+    # heads.csv's intervals are the percentiles of these resamples: a resamples.npz of another run (another
+    # seed or corpus, the same shape) gives other ones
+    for name, values in run.resamples.items():
+        if f"{name}_ci_low" not in run.heads.columns or values.dtype.kind != "f":
+            continue
+        low, high = interval(values.astype(np.float64))  # [layer, head] each
+        saved = run.heads[[f"{name}_ci_low", f"{name}_ci_high"]].to_numpy(dtype=float)  # [layer x head, 2]
+        computed = np.stack([low.reshape(-1), high.reshape(-1)], axis=1)
+        if not np.allclose(computed, saved, rtol=1e-4, atol=1e-5, equal_nan=True):
+            raise AttnprobeError(f"{run.path / io.RESAMPLES_FILE} does not give the 95% intervals of "
+                                 f"{io.HEADS_FILE} ({name}): it is from another run; {again}")
 
 
 def scores_of(a: Run, b: Run) -> list[str]:
@@ -341,6 +352,7 @@ def compare(
         raise AttnprobeError(f"--score {score!r} is not in both runs: use one of {', '.join(scores)}")
     if top < 1:
         raise AttnprobeError(f"--top {top} is below 1: use 1 or more (default {TOP_HEADS})")
+    limits.check_whole("--top", top, 1, limits.MAX_TOP, TOP_HEADS)
     pairing, why = choose_pairing(a, b, paired)
     ia, ib = draws(a, b, pairing)
     same = a.shape == b.shape

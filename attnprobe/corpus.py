@@ -45,6 +45,17 @@ class Sentence:
     category: str | None  # from the nearest `# category: <name>` line above, or the row's `category`, if any
 
 
+CHARS_PER_TOKEN = 32  # generous: tokenizers average 3-5 characters per token of text, rarely over 16
+
+
+def clip_text(text: str, max_tokens: int) -> str:
+    """`text` cut to `max_tokens` x CHARS_PER_TOKEN characters before it is tokenized: a model keeps at most
+    `max_tokens` tokens of it, and tokenizing a 50 MB line whole would take minutes and gigabytes only to
+    cut it there."""
+    limit = max(1, max_tokens) * CHARS_PER_TOKEN
+    return text if len(text) <= limit else text[:limit]
+
+
 class Corpus:
     """A corpus file, read as a stream: `stream()` yields its sentences afresh from the file each time.
 
@@ -247,6 +258,9 @@ def _check_file(path: Path, unit: str) -> None:
         raise AttnprobeError(f"corpus {path} is a directory: pass {unit}")
     if not path.exists():
         raise AttnprobeError(f"corpus file not found: {path}: check the path to --corpus")
+    if not path.is_file():  # a device (/dev/zero never ends), a FIFO (waits for a writer) or a socket
+        raise AttnprobeError(f"corpus {path} is not a regular file (a device, pipe or socket): save the text to a "
+                             f"file and pass {unit}")
 
 
 def _raw_lines(path: Path, digest) -> Iterator[tuple[int, bytes]]:
@@ -280,6 +294,16 @@ def _decode(path: Path, number: int, raw: bytes) -> str:
         ) from err
 
 
+def unencodable(text: str) -> int | None:
+    """The position of the first lone surrogate in `text` (a JSON "\\ud800" escape, or a byte that was not UTF-8
+    in a command-line argument), which no tokenizer takes; None when the text is plain Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
+
+
 def _row_sentence(path: Path, where: str, number: int, text, category) -> Sentence:
     """A Sentence from one row's `text` and `category` values, checked; `where` is "line" or "row"."""
     if not isinstance(text, str):
@@ -289,6 +313,12 @@ def _row_sentence(path: Path, where: str, number: int, text, category) -> Senten
         )
     if not text.strip():
         raise AttnprobeError(f"corpus {path} {where} {number}: 'text' is empty: give the row some text or remove it")
+    position = unencodable(text)
+    if position is not None:
+        raise AttnprobeError(
+            f"corpus {path} {where} {number}: 'text' holds a lone surrogate (\\u{ord(text[position]):04x}, character "
+            f"{position + 1}), which is not a character: fix the \\u escape"
+        )
     if category is not None:
         if not isinstance(category, str):
             raise AttnprobeError(
@@ -317,6 +347,11 @@ def _read_jsonl(path: Path, digest) -> Iterator[Sentence]:
                 f"corpus {path} line {number} is not valid JSON ({err.msg}, column {err.colno}): "
                 'write one JSON object per line, e.g. {"text": "The cat sat."}'
             ) from err
+        except RecursionError:
+            raise AttnprobeError(
+                f"corpus {path} line {number} is nested too deeply to read: "
+                'write one flat JSON object per line, e.g. {"text": "The cat sat."}'
+            ) from None
         if not isinstance(row, dict):
             raise AttnprobeError(
                 f"corpus {path} line {number} is {_JSON_TYPES.get(type(row), 'a value')}, not a JSON object: "

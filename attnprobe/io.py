@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -58,6 +59,7 @@ Writer = Callable[[Path], None]  # writes one file at the given (temporary) path
 def check_out_dir(out: str | Path) -> Path:
     """Fail early if results could not be written to `out`; creates nothing."""
     out = Path(out)
+    _check_links(out)
     if out.exists() and not out.is_dir():
         raise AttnprobeError(f"--out {out} is a file: pass a folder (it is created if missing)")
     if out.is_dir():
@@ -72,6 +74,29 @@ def check_out_dir(out: str | Path) -> Path:
     return out
 
 
+def _check_links(out: Path) -> None:
+    """Refuse an --out that is (or lies under) a symlink pointing nowhere or at itself: the folder could not be
+    created, and only after the whole run."""
+    path = out
+    while True:
+        try:
+            path.stat()
+            return  # exists (through any links): the first existing ancestor is reached
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # ELOOP: a symlink loop; ENOTDIR: a file in the path
+            if err.errno == errno.ELOOP:
+                raise AttnprobeError(f"--out {out}: {path} is a symlink loop: remove it or pass another folder") \
+                    from None
+            return  # check_out_dir says what else is wrong
+        if path.is_symlink():
+            raise AttnprobeError(f"--out {out}: {path} is a symlink to {os.readlink(path)}, which does not exist: "
+                                 "remove the link, create its target, or pass another folder")
+        if path.parent == path:
+            return
+        path = path.parent
+
+
 def is_result_name(name: str) -> bool:
     """Whether attnprobe writes or removes a file of this name (relative to a results folder) in some command."""
     fixed = {HEADS_FILE, LAYERS_FILE, RUN_FILE, EXAMPLE_FILE, EXAMPLES_FILE, REPORT_FILE, TYPES_FILE, CATEGORIES_FILE,
@@ -83,6 +108,31 @@ def is_result_name(name: str) -> bool:
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,
                                                        COMPARE_RUN_FILE, COMPARE_FIGURE)}
     return name in fixed or bool(_CHECKPOINT_NAME.fullmatch(name))
+
+
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp")  # write_files' and SentenceWriter's (mkstemp)
+_PART_NAME = re.compile(r"\.sentences\.parquet\.rank\d+\.part")  # sentence_part's
+
+
+def remove_stale_temps(out: str | Path, before: float) -> list[str]:
+    """Remove what a killed run of attnprobe left in `out`: temporary files of its own names
+    (`.heads.csv.abc123_x.tmp`, `.checkpoint.npz.*.tmp`, `.sentences.parquet.*.tmp`) and torchrun's sentence
+    parts, last written before `before` (a time.time(): a file of a run going on now is newer). Nobody
+    else's files: only names attnprobe itself makes. Returns the names removed."""
+    folder = Path(out)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in folder.iterdir():
+        temp = _TEMP_NAME.fullmatch(path.name)
+        ours = bool(temp and is_result_name(temp["name"])) or bool(_PART_NAME.fullmatch(path.name))
+        try:
+            if ours and path.is_file() and not path.is_symlink() and path.stat().st_mtime < before:
+                path.unlink()
+                removed.append(path.name)
+        except OSError:
+            continue  # gone already, or not ours to remove
+    return sorted(removed)
 
 
 def check_inputs_apart(out: str | Path, inputs: dict[str, str | Path | None]) -> None:
@@ -107,25 +157,38 @@ def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[st
     `remove` names files left by an earlier run that would now be wrong; they go once the rest is in place.
     """
     out = check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
     staged: list[tuple[Path, Path]] = []
+    current = out
     try:
+        out.mkdir(parents=True, exist_ok=True)
         for name, write in writers.items():
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
+            current = out / name
+            current.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=current.parent, prefix=f".{current.name}.", suffix=".tmp")
             os.close(fd)
-            staged.append((Path(tmp), out / name))
+            staged.append((Path(tmp), current))
             write(Path(tmp))
-    except BaseException:
+        mode = 0o666 & ~_umask()
+        for tmp, final in staged:
+            current = final
+            os.chmod(tmp, mode)  # mkstemp makes 0600 files; results should read like any other file
+            os.replace(tmp, final)
+    except BaseException as err:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise write_error(current, err) from err
         raise
-    mode = 0o666 & ~_umask()
-    for tmp, final in staged:
-        os.chmod(tmp, mode)  # mkstemp makes 0600 files; results should read like any other file
-        os.replace(tmp, final)
     for name in remove:
         (out / name).unlink(missing_ok=True)
     return [final for _, final in staged]
+
+
+def write_error(path: Path, err: OSError) -> AttnprobeError:
+    """One line for a file that could not be written (a full disk, a quota, a read-only folder)."""
+    reason = err.strerror or (str(err).splitlines()[0] if str(err).strip() else type(err).__name__)
+    return AttnprobeError(f"cannot write {path} ({reason}); no half-written file is left: free some space or pass "
+                          "another --out, and run again")
 
 
 class SentenceWriter:
@@ -148,10 +211,17 @@ class SentenceWriter:
         fields = [("sentence", pa.int64()), ("line", pa.int64()), ("category", pa.string()), ("layer", pa.int32()),
                   ("head", pa.int32())] + [(name, pa.float64()) for name in self.names]
         self.schema = pa.schema(fields)
-        fd, tmp = tempfile.mkstemp(dir=self.out, prefix=f".{SENTENCES_FILE}.", suffix=".tmp")
-        os.close(fd)
-        self.tmp = Path(tmp)
-        self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        self.final = self.out / (SENTENCES_FILE if part is None else sentence_part(part))
+        self.tmp: Path | None = None
+        self.writer = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.out, prefix=f".{SENTENCES_FILE}.", suffix=".tmp")
+            os.close(fd)
+            self.tmp = Path(tmp)
+            self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        except OSError as err:
+            self.discard()
+            raise write_error(self.final, err) from err
         self.pending: list[Any] = []
         self.pending_rows = 0
 
@@ -180,21 +250,35 @@ class SentenceWriter:
     def _flush(self) -> None:
         import pyarrow as pa
 
-        if self.pending:
-            self.writer.write_table(pa.concat_tables(self.pending))
+        try:
+            if self.pending:
+                self.writer.write_table(pa.concat_tables(self.pending))
+        except OSError as err:
+            self.discard()
+            raise write_error(self.final, err) from err
         self.pending, self.pending_rows = [], 0
 
     def commit(self) -> Path:
         self._flush()
-        self.writer.close()
-        os.chmod(self.tmp, 0o666 & ~_umask())
-        final = self.out / (SENTENCES_FILE if self.part is None else sentence_part(self.part))
-        os.replace(self.tmp, final)
-        return final
+        try:
+            self.writer.close()
+            os.chmod(self.tmp, 0o666 & ~_umask())
+            os.replace(self.tmp, self.final)
+        except OSError as err:
+            self.discard()
+            raise write_error(self.final, err) from err
+        return self.final
 
     def discard(self) -> None:
-        self.writer.close()
-        self.tmp.unlink(missing_ok=True)
+        """Close and remove the temporary file (once; a full disk failing the close again is no matter)."""
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError:
+                pass
+            self.writer = None
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> SentenceWriter:
         return self
@@ -245,7 +329,21 @@ def csv_writer(frame: pd.DataFrame) -> Writer:
 
 
 def json_writer(data: dict[str, Any]) -> Writer:
-    return lambda path: path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    """Valid JSON always: a NaN or infinite number (a value that is undefined, such as an interval of too
+    few sentences) is written as null; `allow_nan=False` makes sure no bare NaN slips through."""
+    return lambda path: path.write_text(json.dumps(finite_json(data), indent=2, allow_nan=False) + "\n",
+                                        encoding="utf-8")
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every float that is NaN or infinite replaced by None (dicts, lists and tuples walked)."""
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if np.isfinite(value) else None
+    return value
 
 
 def npz_writer(**arrays: np.ndarray) -> Writer:
@@ -297,6 +395,14 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
         raise AttnprobeError(
             f"{path} has values that are not numbers in {', '.join(not_numbers)}: run `{made_by}` again"
         )
+    for column in ("layer", "head", "bin"):
+        if column in columns:
+            values = frame[column].to_numpy(dtype=float)
+            bad = ~(np.isfinite(values) & (values >= 0) & (values == np.round(values)))
+            if bad.any():
+                raise AttnprobeError(f"{path} has a {column} that is not a whole number of 0 or more "
+                                     f"({frame[column].iloc[int(np.argmax(bad))]!r}): run `{made_by}` again")
+            frame[column] = frame[column].astype(np.int64)
     key = [c for c in ("category", "layer", "head", "bin") if c in columns]
     if key and frame.duplicated(key).any():
         raise AttnprobeError(f"{path} repeats a ({', '.join(key)}) row: run `{made_by}` again")
@@ -309,6 +415,18 @@ def read_columns(out: str | Path, name: str) -> list[str]:
         return list(pd.read_csv(Path(out) / name, nrows=0).columns)
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError):
         return []
+
+
+def check_fits_heads(heads: pd.DataFrame, other: pd.DataFrame, name: str, made_by: str) -> None:
+    """Refuse a table of `analyze` (layers.csv, positions.csv, categories.csv) from another run than heads.csv:
+    its layers (and heads, when it has them) must be heads.csv's."""
+    key = ["layer", "head"] if "head" in other.columns else ["layer"]
+    theirs = set(map(tuple, other[key].drop_duplicates().to_numpy().tolist()))
+    ours = set(map(tuple, heads[key].drop_duplicates().to_numpy().tolist()))
+    if theirs != ours:
+        what = "layers and heads" if len(key) == 2 else "layers"
+        raise AttnprobeError(f"{name} does not hold the {what} of heads.csv (it is from another run): run "
+                             f"`{made_by}` again")
 
 
 def check_same_heads(heads: pd.DataFrame, other: pd.DataFrame, name: str, made_by: str) -> None:
@@ -377,7 +495,7 @@ def _recorded_model(path: Path) -> str | None:
             with np.load(path, allow_pickle=False) as data:
                 return str(data["model"]) if "model" in data.files else None
         model = json.loads(path.read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError, KeyError, AttributeError, zipfile.BadZipFile):
+    except (OSError, ValueError, KeyError, AttributeError, RecursionError, zipfile.BadZipFile):
         return None
     if isinstance(model, dict):
         return model.get("source") or model.get("spec")
@@ -390,9 +508,15 @@ def read_json(out: str | Path, name: str, made_by: str) -> Any:
     if not path.is_file():
         raise AttnprobeError(f"no {name} in {out}: run `{made_by} --out {out}` first")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `{made_by}` again") from err
+    except RecursionError:
+        raise AttnprobeError(f"{path} is unreadable (nested too deeply); run `{made_by}` again") from None
+    if not isinstance(data, dict):
+        raise AttnprobeError(f"{path} is not a JSON object ({type(data).__name__}): it was not made by `{made_by}`; "
+                             "run it again")
+    return data
 
 
 def read_run(out: str | Path) -> dict[str, Any]:
@@ -404,6 +528,9 @@ def read_run(out: str | Path) -> dict[str, Any]:
         if not isinstance(run.get(section), dict) or any(k not in run[section] for k in keys):
             raise AttnprobeError(f"{path} lacks {section} settings (made by an older attnprobe): run `attnprobe "
                                  "analyze` again")
+    for section in ("summary", "bootstrap", "corpus"):
+        if section in run and not isinstance(run[section], dict):
+            raise AttnprobeError(f"{path} holds a {section} that is not an object: run `attnprobe analyze` again")
     numbers = [run["model"][k] for k in ("layers", "heads", "kv_heads", "head_dim")]
     numbers += [run["attention"][k] for k in ("sink_tokens", "window")] + [run.get("longest_sequence", 1)]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in numbers):
@@ -442,11 +569,18 @@ def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
             raise AttnprobeError(f"no {name} in {out}, but {', '.join(others)}: resume with as many processes as "
                                  "the stopped run (checkpoint.npz: one; checkpoint-rankR-of-N.npz: torchrun N)")
         raise AttnprobeError(f"no {name} in {out}: nothing to resume; run without --resume")
+    import zipfile
+
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return State.from_arrays({key: data[key] for key in data.files})
-    except (OSError, KeyError, ValueError) as err:
-        raise AttnprobeError(f"{path} is unreadable ({err}): delete it and run without --resume") from err
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with data:
+            return State.from_arrays({key: data[key] for key in data.files}, str(path))
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as err:
+        reason = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
+        raise AttnprobeError(f"{path} is unreadable or damaged ({reason}): delete it and run without --resume") \
+            from err
 
 
 def read_example(out: str | Path) -> dict[str, Any] | None:
@@ -520,9 +654,13 @@ def read_examples(out: str | Path) -> list[dict[str, Any]]:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
 
 
+def text_writer(text: str) -> Writer:
+    return lambda path: path.write_text(text, encoding="utf-8")
+
+
 def write_report(out: str | Path, html: str) -> Path:
     """report.html (temporary name, then renamed)."""
-    return write_files(out, {REPORT_FILE: lambda path: path.write_text(html, encoding="utf-8")})[0]
+    return write_files(out, {REPORT_FILE: text_writer(html)})[0]
 
 
 def read_resamples(out: str | Path) -> dict[str, np.ndarray]:

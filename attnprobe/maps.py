@@ -45,6 +45,7 @@ def attention_maps(model: Any, text: str, *, device: str = "auto", max_tokens: i
     prefix equal the full maps cropped; an encoder sees only the tokens kept).
     """
     from attnprobe.analysis import token_labels
+    from attnprobe.corpus import clip_text
     from attnprobe.model import as_loaded, quiet_transformers, stream_attention
 
     if not isinstance(text, str) or not text.strip():
@@ -54,6 +55,7 @@ def attention_maps(model: Any, text: str, *, device: str = "auto", max_tokens: i
     loaded = as_loaded(model, device)
     import torch
 
+    text = clip_text(text, loaded.max_length)  # a huge text: only what the model keeps
     with quiet_transformers():
         ids = list(loaded.tokenizer(text, add_special_tokens=True)["input_ids"])
     if not ids:

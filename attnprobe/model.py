@@ -8,9 +8,11 @@ import logging
 import os
 import pickle
 import tempfile
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -42,6 +44,7 @@ class LoadedModel:
     max_length: int  # longest input the model accepts, in tokens
     dtype: str = "float32"  # the model's weights and activations; statistics are always float32
     lm_head: nn.Module | None = None  # the causal-LM head, when loaded with lm_head=True (decoders only)
+    offload: str | None = None  # the temporary folder load_model made for --device-map's disk offload
 
     @property
     def num_layers(self) -> int:
@@ -129,9 +132,9 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    made = offload_dir() if device_map is not None and offload_folder is None else None
     placement = {} if device_map is None else {
-        "device_map": device_map, "max_memory": max_memory,
-        "offload_folder": offload_folder or tempfile.mkdtemp(prefix="attnprobe-offload-"),
+        "device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder or made,
     }
     resolved = resolve(spec, on_status)
     source = resolved.location
@@ -141,7 +144,11 @@ def load_model(
     cache_only = {} if resolved.local or hub_offline() or hub_reachable() else {"local_files_only": True}
     with quiet_transformers():
         try:
+            if resolved.local and not _has_tokenizer_files(source):
+                raise _no_tokenizer(spec, source)
             tokenizer = AutoTokenizer.from_pretrained(source, **cache_only)
+            if _empty_tokenizer(tokenizer):
+                raise _no_tokenizer(spec, source)
             with_head = lm_head and not _is_encoder(AutoConfig.from_pretrained(source, **cache_only))
             # weights_only: a pickled checkpoint is read by torch's safe loader, never unpickled freely
             model = (AutoModelForCausalLM if with_head else AutoModel).from_pretrained(
@@ -150,6 +157,12 @@ def load_model(
         except (SafetensorError, pickle.UnpicklingError, EOFError) as err:
             raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
         except RuntimeError as err:
+            if "ignore_mismatched_sizes" in str(err):  # transformers' load report: a tensor of another shape
+                raise AttnprobeError(
+                    f"cannot load model from {source}: a tensor in its weights has another shape than its config.json "
+                    "gives (weights and config of different models, or a tensor saved wrong): re-save the model "
+                    "with save_pretrained"
+                ) from err
             if not str(err).startswith("PytorchStreamReader"):  # torch's zip reader: a truncated .bin
                 raise
             raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
@@ -173,7 +186,46 @@ def load_model(
             torch_device = torch.device("cpu")
     head = model.get_output_embeddings() if with_head else None
     model = model.base_model if with_head else model
-    return _loaded(spec, source, resolved.origin, model, tokenizer, torch_device, dtype, head)
+    loaded = _loaded(spec, source, resolved.origin, model, tokenizer, torch_device, dtype, head)
+    loaded.offload = made
+    return loaded
+
+
+OFFLOAD_PREFIX = "attnprobe-offload-"  # + pid + "-" + mkdtemp's random part, in the temporary folder
+
+
+def offload_dir() -> str:
+    """A temporary folder for --device-map's disk offload, named by this process; removed by `release_offload`
+    (or at exit). Folders of processes that are gone (killed) are removed first."""
+    import atexit
+    import shutil
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{OFFLOAD_PREFIX}*"):
+        pid = folder.name[len(OFFLOAD_PREFIX):].split("-")[0]
+        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+    made = tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-")
+    atexit.register(shutil.rmtree, made, True)
+    return made
+
+
+def release_offload(loaded: LoadedModel | None) -> None:
+    """Remove the offload folder load_model made for `loaded` (the model cannot run afterwards if it used it)."""
+    import shutil
+
+    if loaded is not None and loaded.offload:
+        shutil.rmtree(loaded.offload, ignore_errors=True)
+        loaded.offload = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _loaded(
@@ -382,6 +434,8 @@ def forward_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
 
 def _load_error(spec: str, source: str, local: bool, err: Exception) -> AttnprobeError:
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if local and "backend tokenizer" in first_line:  # tokenizer_config.json without the files it names
+        return _no_tokenizer(spec, source)
     if local:
         return AttnprobeError(f"cannot load model from {source}: {first_line}")
     return AttnprobeError(
@@ -413,7 +467,8 @@ def _weights_error(spec: str, source: str, local: bool, origin: dict[str, Any], 
     pickles = sorted(p.name for p in folder.glob("*.bin")) if folder else []
     name = pickles[0] if len(pickles) == 1 else "its pickled .bin weights"
     return AttnprobeError(
-        f"{where}: {name} is not loadable: it is truncated, corrupt, or holds more than plain tensors, and "
+        f"{where}: {name} is not loadable: it is truncated, corrupt, holds more than plain tensors, or was pickled "
+        "with a protocol torch's safe loader does not read, and "
         "attnprobe reads pickled weights only with torch's safe loader (safetensors is the safe format): "
         f"convert {name} to safetensors (e.g. load it yourself with a trusted torch.load and "
         "save_pretrained(..., safe_serialization=True))"
@@ -431,6 +486,34 @@ def _unreadable_safetensors(folder: Any) -> str | None:
         except (SafetensorError, OSError):
             return path.name
     return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt", "*.model",
+                   "*.tiktoken", "vocab.*")
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    from pathlib import Path
+
+    return any(any(Path(folder).glob(pattern)) for pattern in TOKENIZER_FILES)
+
+
+def _no_tokenizer(spec: str, source: str) -> AttnprobeError:
+    return AttnprobeError(
+        f"model {spec} has no tokenizer: {source} lacks its tokenizer files (tokenizer.json, vocab.json, "
+        "tokenizer.model, ...); save them there with tokenizer.save_pretrained(folder)"
+    )
+
+
+def _empty_tokenizer(tokenizer: Any) -> bool:
+    """A tokenizer transformers made up for a folder without tokenizer files: no vocabulary, so every text
+    gives no tokens (or only special ones)."""
+    if getattr(tokenizer, "vocab_size", None) == 0:
+        return True
+    try:
+        return not tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode is reported when it is used
+        return False
 
 
 def _is_encoder(config: Any) -> bool:
@@ -453,15 +536,20 @@ def quiet_transformers():
 
     level = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
-    hub_logger = logging.getLogger("huggingface_hub")
-    hub_level = hub_logger.level
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "accelerate")]  # accelerate: offload notes
+    levels = [logger.level for logger in loggers]
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    hub_logger.setLevel(logging.ERROR)
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            # torch's safe loader on a .bin of another pickle protocol: it loads, or attnprobe says why in one line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            yield
     finally:
-        hub_logger.setLevel(hub_level)
+        for logger, before in zip(loggers, levels):
+            logger.setLevel(before)
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()

@@ -6,11 +6,25 @@ CSV files keep separate `layer` and `head` columns; only what a person reads use
 from __future__ import annotations
 
 import re
+import unicodedata
 
 from attnprobe.errors import AttnprobeError
 
 _NAME = re.compile(r"L(\d+)H(\d+)", re.IGNORECASE)
 _DOTTED = re.compile(r"(\d+)\.(\d+)")  # the older layer.head form, still accepted on input
+
+
+# characters that reorder or hide the text around them: bidi embeddings, overrides and isolates, marks, and
+# line/paragraph separators (control characters, category Cc, are escaped too)
+_HIDDEN = {"\u061c", "\u200e", "\u200f", "\u2028", "\u2029", *map(chr, range(0x202A, 0x202F)),
+           *map(chr, range(0x2066, 0x206A))}
+
+
+def visible(text: str, keep: str = "") -> str:
+    """`text` with control and bidi characters written as escapes (`\\x1b`, `\\u202e`), so that a name shows what
+    it holds and cannot reverse or hide what follows it (characters in `keep`, e.g. a newline, stay)."""
+    return "".join(ch.encode("unicode_escape").decode("ascii")
+                   if (unicodedata.category(ch) == "Cc" or ch in _HIDDEN) and ch not in keep else ch for ch in text)
 
 
 def head_name(layer: int, head: int) -> str:

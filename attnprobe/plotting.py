@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import unicodedata
 from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any
@@ -23,7 +22,7 @@ from matplotlib.ticker import MaxNLocator
 from attnprobe import defaults
 from attnprobe.classify import ALL_TYPES, counts_per_layer
 from attnprobe.errors import AttnprobeError
-from attnprobe.naming import head_name
+from attnprobe.naming import head_name, visible
 
 TYPE_COLORS = {  # previous sits inside local and sink inside copy: each pair told apart by hue, not shade
     "previous": "#e6ab02", "local": "#1b9e77", "sink": "#e7298a", "copy": "#d95f02",
@@ -80,10 +79,9 @@ def any_script_figure(build: Callable[..., Figure]) -> Callable[..., Figure]:
 
 def plain_text(text: str, newlines: bool = True) -> str:
     """`text` as matplotlib should show it literally: `$` escaped (no mathtext), control characters as escapes
-    (line breaks kept unless `newlines` is False)."""
-    text = "".join(repr(ch)[1:-1] if unicodedata.category(ch) == "Cc" and not (newlines and ch == "\n") else ch
-                   for ch in text)
-    return text.replace("$", r"\$")
+    (line breaks kept unless `newlines` is False). Every title, label and legend entry that holds text from
+    outside attnprobe (a model or folder name, a corpus, a category, a token) goes through it, once."""
+    return visible(text, keep="\n" if newlines else "").replace("$", r"\$")
 
 
 def token_label(token: str, limit: int = LABEL_MAX_CHARS) -> str:
@@ -552,7 +550,7 @@ def draw_compared_layers(ax: Axes, layers: pd.DataFrame, score: str, labels: tup
         ax.fill_between(layers[x], layers[f"{score}_{side}_ci_low"], layers[f"{score}_{side}_ci_high"], color=color,
                         alpha=0.2, linewidth=0)
         ax.plot(layers[x], layers[f"{score}_{side}"], marker="o" if x == "layer" else None, markersize=3, color=color,
-                label=f"{side.upper()}: {label}")  # a depth grid interpolates between layers: no markers
+                label=plain_text(f"{side.upper()}: {label}"))  # a depth grid interpolates between layers: no markers
     ax.set_xlabel("relative depth, layer / (layers - 1)" if x == "depth" else "layer")
     ax.set_ylabel(f"{score}, mean over the layer's heads")
     ax.set_title(f"{score} by {'relative depth' if x == 'depth' else 'layer'} (bands: 95% intervals)", fontsize=10)
@@ -571,8 +569,9 @@ def draw_type_fractions(ax: Axes, types: pd.DataFrame | None, labels: tuple[str,
         return
     x = np.arange(len(types))
     for offset, side, label, color in ((-0.2, "a", labels[0], "#4d4d4d"), (0.2, "b", labels[1], "#d6604d")):
-        ax.bar(x + offset, types[f"fraction_{side}"], width=0.4, color=color, label=f"{side.upper()}: {label}")
-    ax.set_xticks(x, types["head_type"])
+        ax.bar(x + offset, types[f"fraction_{side}"], width=0.4, color=color,
+               label=plain_text(f"{side.upper()}: {label}"))
+    ax.set_xticks(x, [plain_text(str(kind)) for kind in types["head_type"]])
     ax.set_ylabel("fraction of heads")
     ax.legend(loc="best", fontsize=8)
 
@@ -663,7 +662,7 @@ def importance_heatmap_figure(importance: pd.DataFrame, title: str | None = None
     image = draw_head_grid(ax, cells, column, heading, "RdBu_r", vmin=-largest, vmax=largest)
     figure.colorbar(image, ax=ax, label=IMPORTANCE_LABELS[column])
     if title is not None:
-        figure.suptitle(title)
+        figure.suptitle(plain_text(title))
     return figure
 
 
@@ -674,7 +673,7 @@ def draw_importance_vs_entropy(ax: Axes, merged: pd.DataFrame, column: str) -> N
                 fmt="none", ecolor="#bbbbbb", elinewidth=0.6, zorder=1)
     for kind, group in merged.groupby("head_type", sort=False):
         ax.scatter(group["entropy"], group[column], s=14, color=TYPE_COLORS.get(str(kind), "#333333"),
-                   label=f"{kind} ({len(group)})", zorder=2)
+                   label=plain_text(f"{kind} ({len(group)})"), zorder=2)
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_xlabel("mean attention entropy (nats, heads.csv)")
     ax.set_ylabel(IMPORTANCE_LABELS[column])
@@ -694,7 +693,7 @@ def draw_importance_by_type(ax: Axes, merged: pd.DataFrame, column: str) -> None
         if len(values):
             ax.hlines(np.median(values), x - 0.3, x + 0.3, color="black", linewidth=1.5)
     ax.axhline(0.0, color="black", linewidth=0.6)
-    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_xticks(range(len(kinds)), [plain_text(str(kind)) for kind in kinds])
     ax.set_xlabel("head type (bar: median)")
     ax.set_ylabel(IMPORTANCE_LABELS[column])
     ax.set_title("Ablation by head type")
@@ -717,7 +716,7 @@ def importance_vs_type_figure(
     draw_importance_vs_entropy(left, merged, column)
     draw_importance_by_type(right, merged, column)
     if title is not None:
-        figure.suptitle(title)
+        figure.suptitle(plain_text(title))
     return figure
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__
+from attnprobe import __version__, limits
 from attnprobe.analysis import check_options, model_record, versions
 from attnprobe.bootstrap import DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
 from attnprobe.errors import AttnprobeError
@@ -176,6 +176,16 @@ def top_heads(scores: pd.DataFrame, kind: str, n: int = 5) -> pd.DataFrame:
     return scores.nlargest(n, kind)[columns]
 
 
+def check_numbers(lengths: tuple[int, ...], sequences: int, resamples: int, batch_size: int, seed: int) -> None:
+    """The numeric options on their own (before a model is loaded); `check` adds the model's context."""
+    if not lengths or min(lengths) < 2:
+        raise AttnprobeError(f"--lengths {','.join(map(str, lengths))}: every length must be 2 or more")
+    if sequences < 1:
+        raise AttnprobeError(f"--sequences {sequences} is below 1: use 1 or more (default {DEFAULT_SEQUENCES})")
+    limits.check_whole("--sequences", sequences, 1, limits.MAX_SEQUENCES, DEFAULT_SEQUENCES)
+    check_options(batch_size, resamples, seed)
+
+
 def check(
     loaded: LoadedModel, kinds: tuple[str, ...], lengths: tuple[int, ...], sequences: int, resamples: int,
     batch_size: int, seed: int, n_special: int,
@@ -184,11 +194,7 @@ def check(
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise AttnprobeError(f"unknown --kind {', '.join(unknown) or '(none)'}: use induction, duplicate or previous")
-    if not lengths or min(lengths) < 2:
-        raise AttnprobeError(f"--lengths {','.join(map(str, lengths))}: every length must be 2 or more")
-    if sequences < 1:
-        raise AttnprobeError(f"--sequences {sequences} is below 1: use 1 or more (default {DEFAULT_SEQUENCES})")
-    check_options(batch_size, resamples, seed)
+    check_numbers(lengths, sequences, resamples, batch_size, seed)
     longest = n_special + 2 * max(lengths)
     if longest > loaded.max_length:
         raise AttnprobeError(

@@ -22,6 +22,7 @@ import pandas as pd
 
 from attnprobe import io
 from attnprobe.errors import AttnprobeError
+from attnprobe.naming import visible
 
 MAP_LEVELS = 255  # a weight p is stored as round(p * 255) in one byte: at most 1/510 off
 MAP_BUDGET = 20_000_000  # base64 characters of maps at most: a large model keeps fewer examples (with a note)
@@ -112,7 +113,7 @@ def compare_section(folder: Path) -> Section:
     """The comparison in `folder`: what was compared and how, the heads that changed most, compare.png."""
     info = io.read_json(folder, io.COMPARE_RUN_FILE, "attnprobe compare OUT_A OUT_B")
     score = info.get("score", "entropy")
-    lines = [f"B - A, A = {info['a']['label']}, B = {info['b']['label']}.", info.get("matching", ""),
+    lines = [visible(f"B - A, A = {info['a']['label']}, B = {info['b']['label']}."), info.get("matching", ""),
              f"{info.get('pairing', '')}: {info.get('pairing_reason', '')}."]
     rows = "".join(_change_row(change) for change in info.get("top") or [])
     table = (f"<table><caption>Largest changes of {html.escape(score)} whose 95% interval excludes 0</caption>"
@@ -151,6 +152,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
     heads = io.read_table(out, io.HEADS_FILE, ["layer", "head", "entropy"], "attnprobe analyze")
     run = io.read_run(out)
     layers_table = io.read_table(out, io.LAYERS_FILE, ["layer", "entropy"], "attnprobe analyze")
+    io.check_fits_heads(heads, layers_table, io.LAYERS_FILE, made_by)
     n_layers, n_heads = int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1
     if len(heads) != n_layers * n_heads or (run["model"]["layers"], run["model"]["heads"]) != (n_layers, n_heads):
         raise AttnprobeError(f"{io.HEADS_FILE} does not hold every head of the {run['model']['layers']} x "
@@ -197,7 +199,8 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
     if not examples:
         notes.append(f"no {io.EXAMPLES_FILE} or {io.EXAMPLE_FILE}: no attention patterns to show")
     data = {
-        "layers": n_layers, "heads": n_heads, "model": run["model"]["spec"], "causal": run["model"].get("causal"),
+        "layers": n_layers, "heads": n_heads, "model": visible(str(run["model"]["spec"])),
+        "causal": run["model"].get("causal"),
         "scores": scores, "values": values, "low": low, "high": high,
         "types": types, "scheme": scheme,
         "typeLetters": TYPE_LETTERS, "typeMeaning": TYPE_MEANING,
@@ -306,7 +309,7 @@ def provenance(run: dict[str, Any], out: Path) -> list[list[str]]:
         ("wall time", f"{run['wall_seconds']:.1f} s" if "wall_seconds" in run else None),
         ("results folder", str(out.resolve())),
     ]
-    return [[label, str(value)] for label, value in rows if value not in (None, "")]
+    return [[label, visible(str(value))] for label, value in rows if value not in (None, "")]
 
 
 def render(data: dict[str, Any], sections: list[Section] | tuple[Section, ...] = ()) -> str:
@@ -361,7 +364,7 @@ def _optional_grid(out: Path, name: str, catalogue: dict[str, tuple[str, str]], 
     info_file = io.ABLATE_RUN_FILE if made == "ablate" else io.PROBE_RUN_FILE
     try:
         spec = json.loads((out / info_file).read_text(encoding="utf-8"))["model"]["spec"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         spec = None
     if spec is not None and spec != run["model"]["spec"]:
         notes.append(f"{name} is from another model ({spec}, not {run['model']['spec']}): not shown")
@@ -405,6 +408,8 @@ def _categories(out: Path, n_layers: int) -> dict[str, Any] | None:
     if not (out / io.CATEGORIES_FILE).is_file():
         return None
     frame = io.read_table(out, io.CATEGORIES_FILE, ["category", "layer", "entropy"], "attnprobe analyze")
+    io.check_fits_heads(pd.DataFrame({"layer": range(n_layers)}), frame, io.CATEGORIES_FILE,
+                        f"attnprobe analyze --out {out}")
     lines = []
     for name, group in frame.groupby("category", sort=False):
         group = group.set_index("layer").reindex(range(n_layers))
@@ -423,6 +428,7 @@ def _positions(out: Path, heads: pd.DataFrame, n_layers: int, n_heads: int) -> d
         return None
     frame = io.read_table(out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max"],
                           "attnprobe analyze")
+    io.check_fits_heads(heads, frame, io.POSITIONS_FILE, f"attnprobe analyze --out {out}")
     bins = frame.drop_duplicates("bin").sort_values("bin")
     labels = [f"{int(a)}" if a == b else f"{int(a)}-{int(b)}" for a, b in zip(bins["position_min"],
                                                                               bins["position_max"])]

@@ -144,6 +144,13 @@ def check_choice(corpus: Any | None, indices: list[int] | None, examples: list[s
     indices, examples = list(indices or []), list(examples or [])
     if any(not t.strip() for t in examples):
         raise AttnprobeError("--example is empty: pass a sentence, e.g. --example 'The cat sat on the mat.'")
+    from attnprobe.corpus import unencodable
+
+    for text in examples:
+        position = unencodable(text)
+        if position is not None:
+            raise AttnprobeError(f"--example holds a byte that is not UTF-8 (character {position + 1}, "
+                                 f"\\u{ord(text[position]):04x}): pass the sentence as UTF-8 text")
     if indices and corpus is None:
         raise AttnprobeError("--index picks a sentence of the corpus: pass --corpus too")
     if not indices and not examples and corpus is None:
@@ -185,8 +192,11 @@ def rollout_loaded(
         raise AttnprobeError("no example sentence: pass --example TEXT or a corpus with at least one sentence")
     if len(texts) > MAX_SENTENCES:
         raise AttnprobeError(f"{len(texts)} example sentences: rollout draws at most {MAX_SENTENCES}; pass fewer")
+    from attnprobe.corpus import clip_text
+
     with quiet_transformers():
-        full = [list(ids) for ids in loaded.tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+        full = [list(ids) for ids in loaded.tokenizer([clip_text(t, loaded.max_length) for t in texts],
+                                                      add_special_tokens=True)["input_ids"]]
     empty = [k for k, ids in enumerate(full) if not ids]
     if empty:
         raise AttnprobeError(f"example sentence {texts[empty[0]]!r} gives no tokens: pass another one")

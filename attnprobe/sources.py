@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -103,6 +104,8 @@ def check_config(folder: Path) -> None:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AttnprobeError(f"corrupt model config {config}: {err}; re-save the model") from err
+    except RecursionError:
+        raise AttnprobeError(f"corrupt model config {config}: nested too deeply; re-save the model") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise AttnprobeError(f"corrupt model config {config}: no 'model_type'; re-save the model")
 
@@ -121,6 +124,32 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+HASH_LIMIT_BYTES = 1 << 30  # weights up to 1 GiB are hashed whole; larger ones by name, size and mtime
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    """A fingerprint of a model folder's weights and config, which a resumed run must find unchanged.
+
+    Up to HASH_LIMIT_BYTES of weight files (and config.json) are hashed whole ("sha256:..."); a larger model
+    is fingerprinted by each file's name, size and modification time ("stat:..."), as reading gigabytes
+    at every start would be slow. Either changes when the weights are re-saved at the same path.
+    """
+    folder = Path(folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES
+                   or p.name == "config.json" or p.name.endswith(".index.json")))
+    stats = [(p.name, p.stat()) for p in files]
+    digest = hashlib.sha256()
+    if sum(stat.st_size for _, stat in stats) <= HASH_LIMIT_BYTES:
+        for path in files:
+            digest.update(f"{path.name}\0".encode())
+            digest.update(file_sha256(path).encode())
+        return f"sha256:{digest.hexdigest()}"
+    for name, stat in stats:
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return f"stat:{digest.hexdigest()}"
 
 
 def gguf_folder(path: Path, digest: str, on_status: Status | None = None) -> Path:
@@ -155,6 +184,11 @@ def gguf_folder(path: Path, digest: str, on_status: Status | None = None) -> Pat
     return target
 
 
+# what reading a damaged GGUF file raises (a header alone, a huge key length, a tensor of the wrong shape)
+GGUF_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, RuntimeError, OverflowError, MemoryError,
+               struct.error)
+
+
 def convert_gguf(path: Path, folder: Path, on_status: Status | None = None) -> None:
     """De-quantize a GGUF model into `folder` (safetensors, float32) with its tokenizer; `on_status` hears each step."""
     say = on_status or (lambda _message: None)
@@ -162,29 +196,31 @@ def convert_gguf(path: Path, folder: Path, on_status: Status | None = None) -> N
         if importlib.util.find_spec(needed) is None:
             raise AttnprobeError(f"reading .gguf files needs the package {needed}: pip install gguf accelerate")
     from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    from attnprobe.model import quiet_transformers
+
     quiet_tqdm = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"  # the de-quantizing loop has a progress bar of its own
     try:
-        say("reading the tokenizer (step 1 of 4)")
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        say("de-quantizing the weights (step 2 of 4, the longest)")
-        quantized = AutoModel.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise AttnprobeError(f"cannot read GGUF file {path}: {str(err).splitlines()[0]}") from err
+        with quiet_transformers():  # e.g. "Can't find a way to retrieve missing config vocab_size": refused below
+            say("reading the tokenizer (step 1 of 4)")
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            say("de-quantizing the weights (step 2 of 4, the longest)")
+            quantized = AutoModel.from_pretrained(path.parent, gguf_file=path.name)
+            config = quantized.config
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config  # save_pretrained refuses GGUF-loaded models; a plain rebuild works
+            say("rebuilding the model without its GGUF quantization (step 3 of 4)")
+            plain = AutoModel.from_config(config)
+            plain.load_state_dict(quantized.state_dict())  # a tensor of the wrong shape: RuntimeError
+    except GGUF_ERRORS as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise AttnprobeError(f"cannot read GGUF file {path}: {first[:300]}") from err
     finally:
         if quiet_tqdm is None:
             os.environ.pop("TQDM_DISABLE", None)
         else:
             os.environ["TQDM_DISABLE"] = quiet_tqdm
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # save_pretrained refuses GGUF-loaded models; a plain rebuild it accepts
-    say("rebuilding the model without its GGUF quantization (step 3 of 4)")
-    plain = AutoModel.from_config(config)
-    plain.load_state_dict(quantized.state_dict())
     size = sum(t.numel() * t.element_size() for t in plain.state_dict().values())
     say(f"saving {size / 1e6:,.0f} MB of float32 weights (step 4 of 4)")
     plain.save_pretrained(folder)

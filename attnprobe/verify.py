@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from attnprobe import kernel
 from attnprobe.analysis import pad_batch
+from attnprobe.corpus import clip_text
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import SentenceSums, bin_count, sentence_sums, valid_keys
 from attnprobe.model import LoadedModel, as_loaded, attention_modules, stream_attention
@@ -55,7 +56,8 @@ def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCE
     if isinstance(sentences, str) or not sentences or not all(isinstance(s, str) and s.strip() for s in sentences):
         raise AttnprobeError("sentences: expected a list of non-empty strings, e.g. [\"The cat sat.\", \"Rain fell.\"]")
     loaded = as_loaded(model, device)
-    ids = [t[: loaded.max_length] for t in loaded.tokenizer(list(sentences))["input_ids"]]
+    clipped = [clip_text(s, loaded.max_length) for s in sentences]  # a huge line: only what the model keeps
+    ids = [t[: loaded.max_length] for t in loaded.tokenizer(clipped)["input_ids"]]
     input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
     batched = capture(loaded, input_ids, mask)
     keys = valid_keys(mask, loaded.causal)[:, None]  # [batch, 1, query, key]

@@ -103,7 +103,8 @@ def test_long_example_sentence_keeps_only_its_first_tokens(gpt2_dir, tmp_path):
 ])
 def test_damaged_heads_csv(tmp_path, damage, message):
     heads = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0], "entropy_unforced": [0.1, 1.0, 2.0],
-                          "entropy_norm": [0.1, 0.5, 0.9], "diagonal_unforced": [0.9, 0.3, 0.2]})
+                          "entropy_norm": [0.1, 0.5, 0.9], "diagonal_unforced": [0.9, 0.3, 0.2],
+                          "entropy": [0.1, 1.0, 2.0]})  # plot draws entropy, and requires it
     damage(heads).to_csv(tmp_path / "heads.csv", index=False)
     for command in ("classify", "plot"):
         result = runner.invoke(app, [command, "--out", str(tmp_path)])
