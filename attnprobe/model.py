@@ -511,9 +511,10 @@ def _empty_tokenizer(tokenizer: Any) -> bool:
     if getattr(tokenizer, "vocab_size", None) == 0:
         return True
     try:
-        return not tokenizer("Hello world", add_special_tokens=False)["input_ids"]
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode is reported when it is used
+        vocabulary = set(tokenizer.get_vocab())
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot list its vocabulary is reported when it is used
         return False
+    return not vocabulary - set(getattr(tokenizer, "all_special_tokens", ()))  # nothing but special tokens
 
 
 def _is_encoder(config: Any) -> bool:

@@ -178,7 +178,8 @@ STATS_TOLERANCE = 1e-5  # blocked vs eager statistics, relative above 1: float32
 
 
 def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> list[Check]:
-    """attnprobe's blocked statistics against the same statistics of the eager maps, padded batch included.
+    """attnprobe's blocked and fused statistics against the same statistics of the eager maps, padded batch
+    included.
 
     The block size is chosen not to divide the length, so that a block border falls mid-sequence.
     Differences are relative for values above 1 (distance is in tokens). Per-sentence statistics must
@@ -187,11 +188,12 @@ def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -
     float32's through several layers, not one machine's digits. Position bins, whose mean can rest on a
     single row, to 1e-5 as well.
     """
-    names = ("blocked statistics = eager", "blocked position bins = eager")
+    names = ("blocked statistics = eager", "blocked position bins = eager", "fused statistics = eager")
     reason = kernel.unsupported(loaded)
     if reason is not None:
         note = f"blocked attention does not implement {reason}"
-        return [Check(names[0], None, STATS_TOLERANCE, note), Check(names[1], None, 1e-5, note)]
+        return [Check(names[0], None, STATS_TOLERANCE, note), Check(names[1], None, 1e-5, note),
+                Check(names[2], None, STATS_TOLERANCE, note)]
     n = input_ids.shape[1]
     rows = next(r for r in range(max(2, n // 3 + 1), n + 2) if n % r)  # a border mid-sequence
     sink, window, bins = 1, 3, bin_count(n)  # a small window, so that sink_window is defined on short sentences
@@ -200,14 +202,32 @@ def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -
     spans = kernel.discover(loaded).spans(loaded.num_layers)  # each layer's attention window
     stream_attention(loaded, input_ids, mask, lambda layer, p: eager.__setitem__(
         layer, sentence_sums(p, mask, loaded.causal, None, sink, window, bins, spans[layer])))
+    fused: dict[int, SentenceSums] = {}
     with kernel.statistics_attention(loaded):
         kernel.run_batch(loaded, input_ids, mask, lambda layer, sums, _maps: blocked.__setitem__(layer, sums),
                          sink=sink, window=window, bins=bins, block_rows=rows)
+        kernel.run_batch(loaded, input_ids, mask, lambda layer, sums, _maps: fused.__setitem__(layer, sums),
+                         sink=sink, window=window, bins=bins, block_rows=rows, fused=0)
     note = f"blocks of {rows} rows over {n} positions"
     means = [(eager[layer].means(), blocked[layer].means()) for layer in eager]
     by_bin = [(eager[layer].bin_means(), blocked[layer].bin_means()) for layer in eager]
+    layers = kernel.discover(loaded).fused_layers()
+    fused_note = f"layers {_ranges(layers)} fused, the others blocked" if layers else "no layer is fused: all blocked"
     return [Check(names[0], _relative_diff(means), STATS_TOLERANCE, note),
-            Check(names[1], _relative_diff(by_bin), 1e-5, note)]
+            Check(names[1], _relative_diff(by_bin), 1e-5, note),
+            Check(names[2], _relative_diff([(eager[layer].means(), fused[layer].means()) for layer in eager]),
+                  STATS_TOLERANCE, fused_note)]
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for layer in layers:
+        if spans and layer == spans[-1][1] + 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _relative_diff(pairs: list[tuple[dict[str, Tensor], dict[str, Tensor]]]) -> float:

@@ -19,7 +19,7 @@ def gpt2(gpt2_dir):
 
 def test_all_checks_pass_on_gpt2(gpt2):
     checks = verify(gpt2, list(DEFAULT_SENTENCES[:3]))
-    assert len(checks) == 7
+    assert len(checks) == 8
     for check in checks:
         assert check.passed and not check.skipped, check
         assert 0.0 <= check.max_abs_diff <= check.tolerance
@@ -52,7 +52,7 @@ def test_verify_command_prints_every_check(gpt2_dir):
     assert result.exit_code == 0, result.output
     for name in ("rows sum to 1", "future/padded keys get 0", "batched = one at a time", "eager output"):
         assert name in result.stdout
-    assert result.stdout.count("pass") == 7
+    assert result.stdout.count("pass") == 8
 
 
 def test_verify_command_fails_with_exit_1(gpt2_dir, monkeypatch):
@@ -82,6 +82,15 @@ def test_blocked_checks_pass_within_float32_bounds_and_catch_a_wrong_kernel(gpt2
     checks = {c.name: c for c in verify(gpt2, list(DEFAULT_SENTENCES))}
     assert not checks["blocked statistics = eager"].passed
     assert not checks["blocked position bins = eager"].passed
+    assert checks["fused statistics = eager"].passed  # the fused path takes no softmax of its own ...
+    assert checks["fused statistics = eager"].note == "layers 0-2 fused, the others blocked"
+    real_flash = verify_module.kernel.flash
+
+    def off(query, key, value, causal, additive, scale):
+        return real_flash(query, key, value, causal, additive, scale * 1.01)
+
+    monkeypatch.setattr(verify_module.kernel, "flash", off)  # ... but a kernel 1% off fails it
+    assert not {c.name: c for c in verify(gpt2, list(DEFAULT_SENTENCES))}["fused statistics = eager"].passed
 
 
 def test_blocked_checks_are_skipped_where_the_kernel_does_not_apply(gpt2_dir):
