@@ -1,6 +1,12 @@
 """The documentation stays in step with the code (issue 20): docs/commands.md is the CLI's own --help."""
 
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from attnprobe import cli_reference
 
@@ -35,3 +41,22 @@ def test_check_mode_says_how_to_regenerate(tmp_path, capsys):
     assert "python -m attnprobe.cli_reference" in capsys.readouterr().out
     assert cli_reference.main(["--page", str(stale)]) == 0
     assert cli_reference.main(["--check", "--page", str(stale)]) == 0
+
+
+def test_the_site_builds_with_every_link_and_page(tmp_path):
+    """`make docs` in a test: --strict fails on a link to a missing page or heading, or a page left out of nav."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        pytest.skip("mkdocs and mkdocs-material (dev extras) are not installed")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+               "--site-dir", str(tmp_path / "site")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "site" / "guides" / "analyze" / "index.html").is_file()
+
+
+def test_the_architecture_table_and_the_python_block_live_in_the_docs():
+    """tests/test_zoo.py and tests/test_notebook_api.py read these pages: the markers and the block must stay."""
+    page = (ROOT / "docs" / "long-documents.md").read_text(encoding="utf-8")
+    assert page.count("<!-- architectures: begin -->") == 1 and page.count("<!-- architectures: end -->") == 1
+    assert "# Using it from Python" in (ROOT / "docs" / "python-api.md").read_text(encoding="utf-8")
