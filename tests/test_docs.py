@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,20 @@ def test_the_architecture_table_and_the_python_block_live_in_the_docs():
     page = (ROOT / "docs" / "long-documents.md").read_text(encoding="utf-8")
     assert page.count("<!-- architectures: begin -->") == 1 and page.count("<!-- architectures: end -->") == 1
     assert "# Using it from Python" in (ROOT / "docs" / "python-api.md").read_text(encoding="utf-8")
+
+
+def test_the_readme_is_a_landing_page_whose_links_resolve():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.count("\n") <= 250
+    assert "make demo" in readme and "make test" in readme and ". .venv/bin/activate" in readme
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    assert any(target.startswith("docs/") for target in targets)
+    for target in targets:
+        if "://" not in target:
+            assert (ROOT / target).exists(), target
+
+
+def test_every_example_names_a_file_that_exists():
+    """The long-document examples once read a book.txt that nobody had."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        assert "book.txt" not in page.read_text(encoding="utf-8"), page
