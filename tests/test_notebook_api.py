@@ -1,5 +1,5 @@
 """`import attnprobe` as a notebook uses it (issue 13): the functions, what they accept, attention_maps, and the
-README's "Using it from Python" block, run on a tiny model."""
+Python API page's block (docs/python-api.md, "Using it from Python"), run on a tiny model."""
 
 import re
 import subprocess
@@ -13,7 +13,8 @@ from conftest import SENTENCES, make_gpt2
 import attnprobe
 from attnprobe import AttnprobeError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON_PAGE = ROOT / "docs" / "python-api.md"
 
 
 @pytest.fixture(scope="module")
@@ -142,17 +143,17 @@ def test_attention_maps_of_one_text(tiny):
         attnprobe.rollout([[1.0]])
 
 
-def readme_python_block() -> str:
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Using it from Python"):]
+def python_page_block() -> str:
+    text = PYTHON_PAGE.read_text(encoding="utf-8")
+    section = text[text.index("# Using it from Python"):]
     return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
 
 
-def test_readme_python_example_runs(tiny_dir, monkeypatch):
-    code = readme_python_block()
+def test_the_python_page_example_runs(tiny_dir, monkeypatch):
+    code = python_page_block()
     assert code.count('"minilm-l6"') == 1
-    monkeypatch.chdir(README.parent)  # the block reads corpora/sentences.txt
+    monkeypatch.chdir(ROOT)  # the block reads corpora/sentences.txt
     namespace: dict = {}
-    exec(compile(code.replace('"minilm-l6"', repr(str(tiny_dir))), "README.md", "exec"), namespace)
+    exec(compile(code.replace('"minilm-l6"', repr(str(tiny_dir))), "docs/python-api.md", "exec"), namespace)
     assert namespace["maps"].shape[:2] == (3, 4) and namespace["few"].run["notes"]
     assert namespace["result"].run["sentences"] == 100 and namespace["whole"].run["sentences"] == 1

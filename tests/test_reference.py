@@ -2,7 +2,7 @@
 
 The reference takes transformers' own `output_attentions` maps, one sentence at a time (no
 padding, no hooks, nothing stopped early), and computes every score row by row in Python from
-the definitions in the README. Every optimisation must leave the numbers unchanged (1e-5).
+the definitions in docs/metrics.md. Every optimisation must leave the numbers unchanged (1e-5).
 """
 
 import math

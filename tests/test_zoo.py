@@ -4,7 +4,7 @@ Architectures whose attention runs through AttentionInterface run on blocked att
 blocked statistics equal the statistics of their eager maps to float32's bound (relative above 1), with padding
 and blocks of 3 rows, so that a block border falls inside the sliding window of 4. Those that compute attention
 themselves (GPT-J, Falcon, BLOOM, MPT) run on the eager hooks, whose maps are the ones the model returns with
-output_attentions=True. The README's table of architectures is the discovery's own list.
+output_attentions=True. The table of architectures in docs/long-documents.md is the discovery's own list.
 """
 
 import math
@@ -25,7 +25,7 @@ from attnprobe.metrics import sentence_stats
 from attnprobe.model import forward_kwargs, load_model
 
 OWN_ATTENTION = {"gptj", "falcon", "falcon (alibi)", "bloom", "mpt"}  # compute attention themselves in 5.23
-README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "long-documents.md"  # "Architectures"
 SINK, RECENT = 1, 3  # small, so that sink_window is defined on the test sentences
 
 
@@ -142,9 +142,9 @@ def test_a_uniform_head_in_a_windowed_layer_spreads_over_its_window(zoo_dir, tmp
                 assert np.allclose(got["entropy_norm"], 1.0, atol=FLOAT32_TOLERANCE), (layer, s)
 
 
-def readme_table() -> dict[str, tuple[str, str]]:
-    """README's architecture table: name -> (path, features)."""
-    text = README.read_text(encoding="utf-8")
+def architecture_table() -> dict[str, tuple[str, str]]:
+    """The docs' architecture table (docs/long-documents.md): name -> (path, features)."""
+    text = TABLE_PAGE.read_text(encoding="utf-8")
     start = text.index("<!-- architectures: begin -->")
     end = text.index("<!-- architectures: end -->")
     rows = {}
@@ -155,8 +155,8 @@ def readme_table() -> dict[str, tuple[str, str]]:
     return rows
 
 
-def test_the_readme_table_is_the_discovery_s_own_list(zoo_dir):
-    table = readme_table()
+def test_the_architecture_table_is_the_discovery_s_own_list(zoo_dir):
+    table = architecture_table()
     assert set(table) == set(ZOO)
     for name in ZOO:
         loaded = load_model(str(zoo_dir(name)), "cpu")
