@@ -212,7 +212,8 @@ def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -
     means = [(eager[layer].means(), blocked[layer].means()) for layer in eager]
     by_bin = [(eager[layer].bin_means(), blocked[layer].bin_means()) for layer in eager]
     layers = kernel.discover(loaded).fused_layers()
-    fused_note = f"layers {_ranges(layers)} fused, the others blocked" if layers else "no layer is fused: all blocked"
+    fused_note = ("every layer fused" if len(layers) == len(eager) else
+                  f"layers {_ranges(layers)} fused, the others blocked" if layers else "no layer is fused: all blocked")
     return [Check(names[0], _relative_diff(means), STATS_TOLERANCE, note),
             Check(names[1], _relative_diff(by_bin), 1e-5, note),
             Check(names[2], _relative_diff([(eager[layer].means(), fused[layer].means()) for layer in eager]),
