@@ -290,9 +290,11 @@ def analyze(
     for note in run.get("notes", []):
         err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     if run["attention"]["requested"] == "auto" and run["attention"]["path"] == "eager":
+        why = run["attention"].get("why_eager")
         err_console.print(
-            f"Note: {run['model']['architecture']} ran on the eager path (full maps, memory grows with n^2); "
-            "see `attnprobe analyze --help` for --attention.", markup=False,
+            f"Note: {run['model']['architecture']} ran on the eager path (full maps, memory grows with n^2)"
+            f"{f': the statistics attention does not implement {why}' if why else ''}; "
+            "see `attnprobe analyze --help` for --attention.", markup=False, soft_wrap=True,
         )
     out_console.print(summary_table(run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)

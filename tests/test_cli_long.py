@@ -107,7 +107,7 @@ def test_a_feature_blocked_lacks_is_refused_by_blocked_and_noted_by_auto(corpus_
     auto = run("analyze", "--model", folder, "--corpus", corpus_file, "--out", tmp_path / "b", "--device", "cpu",
                "--resamples", "5")
     assert auto.exit_code == 0, auto.output
-    assert "ran on the eager path" in auto.stderr
+    assert "ran on the eager path" in auto.stderr and "reorder_and_upcast_attn" in auto.stderr
     assert json.loads((tmp_path / "b" / "run.json").read_text())["attention"]["path"] == "eager"
 
 
