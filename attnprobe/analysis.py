@@ -148,7 +148,7 @@ def analyze_loaded(
     if measured.path == "eager" and options.attention == "auto":
         run["attention"]["why_eager"] = kernel.unsupported(loaded)
     if measured.path == "fused":  # the others (windows, soft-capping, sinks) ran blocked
-        run["attention"]["fused_layers"] = kernel.discover(loaded).fused_layers()
+        run["attention"]["fused_layers"] = kernel.discover(loaded).fused_layers(loaded.device)
         run["attention"]["fused_min_tokens"] = fused_from(measured.path, options.attention)
     run["summary"] = summary
     run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",

@@ -44,6 +44,7 @@ from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forwa
 
 NAME = "attnprobe_stats"
 DEFAULT_BUDGET_MIB = defaults.BLOCK_MIB
+FUSED_DEVICES = ("cpu",)  # where the fused kernel's logsumexp is read (elsewhere the blocked path runs)
 FUSED_MIN_TOKENS = 512  # --attention auto: the fused kernel from this length on (both paths are exact)
 TEMPORARIES = 6  # float32 tensors of a block's size alive at once: scores, softmax, statistics' temporaries
 
@@ -129,8 +130,10 @@ class Discovery:
             "scale": sorted({f.scale for f in self.features}),
         }
 
-    def fused_layers(self) -> list[int]:
-        """The layers the fused path computes (the others run blocked)."""
+    def fused_layers(self, device: torch.device | None = None) -> list[int]:
+        """The layers the fused path computes on `device` (the others run blocked)."""
+        if device is not None and device.type not in FUSED_DEVICES:
+            return []
         return [k for k, f in enumerate(self.features or ()) if fusable(f)]
 
     def labels(self) -> list[str]:
@@ -347,7 +350,8 @@ def stats_attention(
     layer = batch_info.layers[id(module)]
     batch_info.features[layer] = features
     need_output = layer != batch_info.last_layer
-    if batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features):
+    if batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features) \
+            and query.device.type in FUSED_DEVICES:
         batch_info.fused_layers.add(layer)
         sums, example, output = fused_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
                                              need_output=need_output)
@@ -431,21 +435,15 @@ def flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Ten
           scale: float) -> tuple[Tensor, Tensor]:
     """The fused attention kernel: (output [batch, head, query, dim], logsumexp of each row [batch, head, query]).
 
-    CPU: aten's flash attention for CPU (Q, K, V of one head size). Elsewhere: the softmax of the scores by
-    SDPA's math reference, in blocks of rows, so the fused path stays exact wherever it runs.
+    aten's flash attention for CPU (Q, K, V of one head size). On a GPU the efficient-attention and
+    FlashAttention kernels return the logsumexp too, but no GPU was at hand to test them: there (FUSED_DEVICES)
+    the layers run blocked.
     """
-    if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, attn_mask=additive, scale=scale)[:2]
-        return out, lse
-    scores = (query @ key.transpose(-1, -2)).mul_(scale)  # [batch, head, q, k]: off-CPU fallback, O(n^2)
-    if causal:
-        n = scores.shape[-1]
-        scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
-    if additive is not None:
-        scores = scores + additive
-    lse = scores.logsumexp(dim=-1)  # [batch, head, q]
-    return (scores - lse[..., None]).exp() @ value, lse
+    if query.device.type not in FUSED_DEVICES:
+        raise AttnprobeError(f"the fused path runs on {', '.join(FUSED_DEVICES)}, not {query.device.type}")
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, causal, attn_mask=additive, scale=scale)[:2]
+    return out, lse
 
 
 def fused_attend(

@@ -211,7 +211,7 @@ def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -
     note = f"blocks of {rows} rows over {n} positions"
     means = [(eager[layer].means(), blocked[layer].means()) for layer in eager]
     by_bin = [(eager[layer].bin_means(), blocked[layer].bin_means()) for layer in eager]
-    layers = kernel.discover(loaded).fused_layers()
+    layers = kernel.discover(loaded).fused_layers(loaded.device)
     fused_note = ("every layer fused" if len(layers) == len(eager) else
                   f"layers {_ranges(layers)} fused, the others blocked" if layers else "no layer is fused: all blocked")
     return [Check(names[0], _relative_diff(means), STATS_TOLERANCE, note),
