@@ -495,7 +495,8 @@ class FormatChoice(str, Enum):
     pdf = "pdf"
 
 
-MAX_PATTERN_HEADS = 12  # panels of head_patterns chosen with --heads
+MAX_PATTERN_HEADS = 12  # panels of head_patterns_selected, chosen with --heads
+SELECTED_PATTERNS = "head_patterns_selected"  # plot --heads: the chosen heads' figure, beside head_patterns
 
 
 @app.command()
@@ -507,8 +508,9 @@ def plot(
                                  "(0-7) or text of one of the example sentences analyze kept (default: 0).")
     ] = None,
     heads_option: Annotated[
-        str | None, typer.Option("--heads", metavar="L17H4,L18H6", help="Draw these heads in head_patterns "
-                                 f"(at most {MAX_PATTERN_HEADS}) instead of one of each type.")
+        str | None, typer.Option("--heads", metavar="L17H4,L18H6", help="Also draw these heads (at most "
+                                 f"{MAX_PATTERN_HEADS}) on the example sentence, in head_patterns_selected "
+                                 "(head_patterns, one head of each type, is drawn as ever).")
     ] = None,
     figure_format: Annotated[
         FormatChoice, typer.Option("--format", help="File format of the figures.")
@@ -555,9 +557,12 @@ def plot(
         "entropy_heatmap": plotting.entropy_heatmap_figure(heads, run_title(out, "Mean attention entropy per head")),
         "layer_gradient": plotting.layer_gradient_figure(heads, layers, types, categories,
                                                          run_title(out, "Entropy by depth and head types")),
-        "head_patterns": plotting.head_patterns_figure(picked, types, heads, chosen,
+        "head_patterns": plotting.head_patterns_figure(picked, types, heads, None,
                                                        run_title(out, "Attention patterns")),
     }
+    if chosen is not None:  # its own file: the by-type head_patterns stays as it is
+        figures[SELECTED_PATTERNS] = plotting.head_patterns_figure(picked, types, heads, chosen,
+                                                                   run_title(out, "Attention patterns"))
     if (Path(out) / io.POSITIONS_FILE).exists():
         positions = io.read_table(
             out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max", "entropy", "first_token"],
@@ -570,9 +575,13 @@ def plot(
     suffix = figure_format.value
     position = f"{Path(POSITION_FIGURE).stem}.{suffix}"
     files = {f"{stem}.{suffix}": io.figure_writer(f, suffix, dpi) for stem, f in figures.items()}
-    stale = [] if position in files else [position]  # from an earlier run
+    stale = [name for name in (position, *(f"{stem}.{suffix}" for stem in io.ABLATE_PLOT_FIGURES))
+             if name not in files]  # from an earlier run
     written = io.write_files(out, files, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    if chosen is not None:
+        out_console.print(f"The heads chosen with --heads are in {SELECTED_PATTERNS}.{suffix}; head_patterns.{suffix} "
+                          "shows one head of each type.", markup=False, highlight=False)
 
 
 @app.command()
@@ -860,8 +869,9 @@ def ablate(
                                batch_size=batch_size, resamples=resamples, seed=seed, pruning=pruning,
                                progress=progress)
     title = f"{model} on {Path(corpus).name}, {method.value} ablation"
-    written = io.write_ablation(out, result, {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(result.heads,
-                                                                                                      title)})
+    shape = (result.run["model"]["layers"], result.run["model"]["heads"])  # the model's, whatever --heads chose
+    written = io.write_ablation(out, result, {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(
+        result.heads, title, shape)})
     out_console.print(importance_table(result.heads, result.run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
@@ -903,11 +913,21 @@ def importance_table(frame, run: dict) -> Table:
 
 
 def importance_figures(out: Path, heads, types) -> dict:
-    """importance.png and importance_vs_type.png for `plot`, when `attnprobe ablate` wrote importance.csv to `out`."""
+    """importance.png and importance_vs_type.png for `plot`, when `attnprobe ablate` wrote importance.csv to `out`;
+    pruning.png and layer_importance.png when it wrote pruning.csv and layer_importance.csv."""
     from attnprobe import io, plotting
 
+    figures = {}
+    for name, stem, key, draw in ((io.PRUNING_FILE, "pruning", "percent", plotting.pruning_figure),
+                                  (io.LAYER_IMPORTANCE_FILE, "layer_importance", "layer",
+                                   plotting.layer_importance_figure)):
+        if (Path(out) / name).exists():
+            measures = [c for c in io.read_columns(out, name)
+                        if c.removesuffix("_ci_low").removesuffix("_ci_high") in plotting.PRUNING_LABELS]
+            frame = io.read_table(out, name, [key, *measures], "attnprobe ablate")
+            figures[f"{stem}.png"] = draw(frame, run_title(out, "Head ablation"))
     if not (Path(out) / io.IMPORTANCE_FILE).exists():
-        return {}
+        return figures
     measure = "loss_change" if "loss_change" in io.read_columns(out, io.IMPORTANCE_FILE) else "embedding_change"
     columns = ["layer", "head", measure, f"{measure}_ci_low", f"{measure}_ci_high"]
     importance = io.read_table(out, io.IMPORTANCE_FILE, columns, "attnprobe ablate")
@@ -915,7 +935,8 @@ def importance_figures(out: Path, heads, types) -> dict:
         raise AttnprobeError(f"{io.IMPORTANCE_FILE} does not match heads.csv (another model): run `attnprobe ablate "
                              f"--out {out}` again")
     title = run_title(out, "Head ablation")
-    return {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(importance, title),
+    shape = (int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1)
+    return {**figures, io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(importance, title, shape),
             io.IMPORTANCE_TYPE_FIGURE: plotting.importance_vs_type_figure(importance, heads, types, title)}
 
 
