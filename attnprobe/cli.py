@@ -53,6 +53,10 @@ CorpusOption = Annotated[
 ResultsOption = Annotated[
     Path, typer.Option("--out", parser=folder, metavar="PATH", help="Results folder written by `attnprobe analyze`.")
 ]
+LimitOption = Annotated[
+    int | None, typer.Option("--limit", metavar="N", help="Use only the corpus's first N sequences (a quick look "
+                             "at a large corpus); recorded in the results.")
+]
 DEFAULT_OUT = Path("outputs")
 DEFAULT_PROBE_OUT = DEFAULT_OUT / "probe"  # its own folder: a probe's files never mix with an analysis's
 POSITION_FIGURE = "position_profile.png"
@@ -184,6 +188,7 @@ def analyze(
     max_memory: Annotated[
         str | None, typer.Option("--max-memory", help="With --device-map: limits per device, e.g. 0=20GiB,cpu=60GiB.")
     ] = None,
+    limit: LimitOption = None,
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -199,7 +204,7 @@ def analyze(
     check_options(batch_size, resamples, seed, options)
     world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
     io.check_out_dir(out)
-    sentences = read_corpus(corpus, split=split.value)
+    sentences = read_corpus(corpus, split=split.value).head(limit)
     if checkpoint_every < 0:
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
     limits.check_real("--checkpoint-every", checkpoint_every, 0.0, limits.MAX_CHECKPOINT_SECONDS, 300)
@@ -667,6 +672,10 @@ def probe(
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples of the sequences.")] = 1000,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sequences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    limit: Annotated[
+        int | None, typer.Option("--limit", metavar="N", help="Score only the first N of each length's --sequences "
+                                 "(the same random tokens as without it); recorded in probe.json.")
+    ] = None,
 ) -> None:
     """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
     from attnprobe import io, plotting
@@ -680,12 +689,16 @@ def probe(
         raise AttnprobeError(f"--lengths {lengths!r}: give whole numbers separated by commas, e.g. 10,20,40") from None
     kinds = tuple(k.value for k in kind) if kind else KINDS
     check_numbers(length_list, sequences, resamples, batch_size, seed)
+    if limit is not None:
+        from attnprobe.corpus import check_limit
+
+        check_limit(limit)
     io.check_out_dir(out)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
     with err_console.status("Probing"):
         result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
-                           resamples=resamples, batch_size=batch_size)
+                           resamples=resamples, batch_size=batch_size, limit=limit)
     kinds = tuple(result.info["kinds"])  # each asked kind once, as the probe ran them
     written = io.write_files(out, {
         io.PROBE_FILE: io.csv_writer(result.scores),
@@ -850,6 +863,7 @@ def ablate(
         int, typer.Option("--resamples", help="Bootstrap resamples of the sentences for the 95% intervals.")
     ] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap and the random pruning order.")] = 0,
+    limit: LimitOption = None,
 ) -> None:
     """Ablate each head: loss change and KL (decoders) or embedding change (encoders), gradient importance, pruning."""
     from attnprobe import io, plotting
@@ -861,7 +875,7 @@ def ablate(
     chosen = parse_heads(heads)
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
-    sentences = read_corpus(corpus)
+    sentences = read_corpus(corpus).head(limit)
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value, dtype.value, lm_head=True)
     with stage_progress() as progress:
@@ -976,6 +990,10 @@ def rollout(
     ] = 0.5,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
     dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+    limit: Annotated[
+        int | None, typer.Option("--limit", metavar="N", help="Treat the corpus as its first N sentences: the "
+                                 "example and --index are chosen among them.")
+    ] = None,
 ) -> None:
     """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
     from attnprobe import io, plotting
@@ -988,12 +1006,15 @@ def rollout(
         raise AttnprobeError(f"--max-tokens {max_tokens} is below 1: use 1 or more (default 40)")
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
-    sentences = read_corpus(corpus) if corpus is not None else None
+    if limit is not None and corpus is None:
+        raise AttnprobeError("--limit picks the first sentences of the corpus: pass --corpus too")
+    sentences = read_corpus(corpus).head(limit) if corpus is not None else None
     check_choice(sentences, index, example)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, dtype.value, on_status=on_status)
     texts, indices = choose_sentences(loaded, sentences, index, example)
     result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
+    result.info["limit"] = limit
     source = Path(corpus).name if corpus is not None and not example else None
     written = io.write_rollout(out, result, plotting.rollout_figure(result, model, source))
     heading = f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}"

@@ -733,6 +733,7 @@ def write_rollout(out: str | Path, rollout: Any, figure: Any) -> list[Path]:
         "total_tokens": np.asarray(rollout.total_tokens, dtype=np.int64),
         "sentence": np.asarray(rollout.sentences, dtype=str), "index": np.asarray(rollout.indices, dtype=np.int64),
         "residual": np.float64(rollout.residual), "model": np.asarray(str(rollout.info.get("model", ""))),
+        "limit": np.int64(rollout.info.get("limit") or 0),  # --limit N: chosen among the first N; 0: no limit
     }
     return write_files(out, {ROLLOUT_FILE: npz_writer(**arrays), ROLLOUT_FIGURE: figure_writer(figure)})
 

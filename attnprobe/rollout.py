@@ -211,7 +211,8 @@ def rollout_loaded(
         total_tokens=[len(ids) for ids in full],
         attention=attention, rollout=rolled, residual=residual,
         info={"model": loaded.spec, "source": loaded.source, **loaded.origin, "causal": loaded.causal,
-              "dtype": loaded.dtype, "layers": loaded.num_layers, "heads": loaded.num_heads, "max_tokens": limit},
+              "dtype": loaded.dtype, "layers": loaded.num_layers, "heads": loaded.num_heads, "max_tokens": limit,
+              "limit": None},
     )
 
 

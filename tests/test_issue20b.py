@@ -1,5 +1,6 @@
 """Issue 20 (items 7, 8, 10, 11, 12): ablation figures, plot --heads, --limit, progress, the Python API."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +8,8 @@ import pandas as pd
 import pytest
 
 from attnprobe import io, plotting
-from tests.test_cli import run
+from attnprobe.errors import AttnprobeError
+from tests.test_cli import assert_one_line_error, run
 
 
 def capture_figures(monkeypatch) -> dict:
@@ -126,3 +128,103 @@ def test_pattern_panels_name_the_heads_csv_columns_they_show(analyzed, monkeypat
     assert f"entropy_unforced {heads.loc[(1, 2), 'entropy_unforced']:.2f} nats" in title
     assert "first_token_unforced" in title and "\nentropy " not in f"\n{title.split(chr(10), 1)[1]}"
     assert "means over the corpus" in figure._suptitle.get_text()
+
+
+# ---- item 10: --limit ---------------------------------------------------------------------------------------
+
+
+def test_a_corpus_head_streams_its_first_sequences(corpus_file):
+    from attnprobe.corpus import corpus_from_texts, read_corpus
+
+    whole = read_corpus(corpus_file)
+    first = whole.head(3)
+    assert len(first) == 3 and first.limit == 3 and [s.text for s in first.stream()] == whole.texts[:3]
+    assert first.sha256 == whole.sha256 and whole.head(None) is whole and len(whole.head(100)) == len(whole)
+    assert corpus_from_texts(["a", "b", "c"]).head(2).texts == ["a", "b"]
+    for bad in (0, -1, 2.5, "3"):
+        with pytest.raises(AttnprobeError, match="--limit"):
+            whole.head(bad)
+
+
+def test_analyze_limit_is_recorded_and_in_the_resume_fingerprint(gpt2_dir, corpus_file, tmp_path):
+    out = tmp_path / "out"
+    result = run("analyze", "--model", gpt2_dir, "--corpus", corpus_file, "--out", out, "--device", "cpu",
+                 "--resamples", 20, "--limit", 2)
+    assert result.exit_code == 0, result.output
+    info = json.loads((out / "run.json").read_text())
+    assert info["sentences"] == 2 and info["limit"] == 2
+    assert pd.read_csv(out / "heads.csv")["sentences"].max() == 2
+    full = run("analyze", "--model", gpt2_dir, "--corpus", corpus_file, "--out", out, "--device", "cpu",
+               "--resamples", 20)
+    assert full.exit_code == 0 and json.loads((out / "run.json").read_text())["limit"] is None
+
+    from attnprobe.analysis import Options, run_fingerprint
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+    from attnprobe.resume import check_fingerprint
+
+    loaded = load_model(str(gpt2_dir), "cpu")
+    corpus = read_corpus(corpus_file)
+    limited = run_fingerprint(loaded, corpus.head(2), 8, 20, 0, Options(), weights=False)
+    assert limited["limit"] == 2
+    with pytest.raises(AttnprobeError, match="limit"):
+        check_fingerprint(limited, run_fingerprint(loaded, corpus.head(3), 8, 20, 0, Options(), weights=False))
+    with pytest.raises(AttnprobeError, match="limit"):  # the same count of sentences, but not the same run
+        check_fingerprint(run_fingerprint(loaded, corpus.head(len(corpus)), 8, 20, 0, Options(), weights=False),
+                          run_fingerprint(loaded, corpus, 8, 20, 0, Options(), weights=False))
+
+
+@pytest.mark.parametrize("command", ["analyze", "ablate", "rollout"])
+def test_a_limit_below_1_is_one_line(command, gpt2_dir, corpus_file, tmp_path):
+    result = run(command, "--model", gpt2_dir, "--corpus", corpus_file, "--out", tmp_path / "o", "--limit", 0)
+    assert_one_line_error(result, "--limit 0 is below 1")
+    assert not (tmp_path / "o").exists()
+
+
+def test_probe_limit_below_1_and_a_limit_that_is_no_number_are_one_line(gpt2_dir, tmp_path):
+    assert_one_line_error(run("probe", "--model", gpt2_dir, "--out", tmp_path / "o", "--limit", -3),
+                          "--limit -3 is below 1")
+    from tests.test_first_hour import attnprobe_process
+
+    done = attnprobe_process("analyze", "-m", "x", "-c", "y", "--limit", "ten")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "Error: Invalid value for '--limit': not a whole number (see `attnprobe analyze --help`)"]
+
+
+def test_ablate_probe_and_rollout_limits_are_recorded(gpt2_dir, corpus_file, tmp_path):
+    out = tmp_path / "out"
+    result = run("ablate", "--model", gpt2_dir, "--corpus", corpus_file, "--out", out, "--device", "cpu",
+                 "--resamples", 20, "--no-pruning", "--limit", 3)
+    assert result.exit_code == 0, result.output
+    info = json.loads((out / "ablate.json").read_text())
+    assert info["sentences"] == 3 and info["limit"] == 3
+    probed = run("probe", "--model", gpt2_dir, "--out", tmp_path / "p", "--device", "cpu", "--lengths", "3,4",
+                 "--sequences", 5, "--limit", 2, "--resamples", 20)
+    assert probed.exit_code == 0, probed.output
+    info = json.loads((tmp_path / "p" / "probe.json").read_text())
+    assert info["limit"] == 2 and info["sequences_scored_per_length"] == 2 and info["sequences_per_length"] == 5
+    from attnprobe.model import load_model
+    from attnprobe.probe import probe
+
+    loaded = load_model(str(gpt2_dir), "cpu")
+    limited = probe(loaded, lengths=(3,), sequences=5, limit=2, resamples=10).scores
+    alone = probe(loaded, lengths=(3,), sequences=2, resamples=10).scores  # one length: the same first 2 draws
+    assert np.allclose(limited["induction"], alone["induction"])
+    refused = run("rollout", "--model", gpt2_dir, "--corpus", corpus_file, "--out", tmp_path / "r", "--limit", 2,
+                  "--index", 3)
+    assert_one_line_error(refused, "--index 3", "has 2 sentences")
+    rolled = run("rollout", "--model", gpt2_dir, "--corpus", corpus_file, "--out", tmp_path / "r", "--limit", 2,
+                 "--device", "cpu")
+    assert rolled.exit_code == 0, rolled.output
+    with np.load(tmp_path / "r" / "rollout.npz", allow_pickle=False) as data:
+        assert int(data["limit"]) == 2 and int(data["index"][0]) < 2
+    assert_one_line_error(run("rollout", "--model", gpt2_dir, "--example", "Hi there", "--out", tmp_path / "r",
+                              "--limit", 2), "--limit", "--corpus")
+
+
+def test_python_analyze_takes_a_limit(gpt2_dir, corpus_file):
+    import attnprobe
+
+    result = attnprobe.analyze(str(gpt2_dir), corpus_file, device="cpu", resamples=10, limit=2)
+    assert result.run["sentences"] == 2 and result.run["limit"] == 2
