@@ -86,10 +86,22 @@ def analyze(
     check_options(batch_size, resamples, seed, options)
     text = as_corpus(corpus, split=split).head(limit)
     loaded = as_loaded(model, distributed.device_for(distributed.current(), device), dtype)
-    return analyze_loaded(
+    result = analyze_loaded(
         loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start,
         options=options, keep_per_sentence=keep_per_sentence,
     )
+    if result.run["truncated_sentences"]:  # as the CLI prints it; also in run["truncated_lines"]
+        warnings.warn(truncation_message(result.run), UserWarning, stacklevel=2)
+    return result
+
+
+def truncation_message(run: dict[str, Any]) -> str:
+    """Which sentences were cut to the model's context, and by how many tokens (the first few named)."""
+    count, cut = run["truncated_sentences"], run.get("truncated_lines", [])
+    named = ", ".join(f"line {c['line']} (-{c['tokens_cut']} tokens)" for c in cut)
+    more = f" and {count - len(cut)} more" if count > len(cut) else ""
+    return (f"{count} sentence(s) were longer than the model's {run['model']['max_length']} tokens and were "
+            f"truncated: {named}{more}. Shorten or split them to measure all of their tokens.")
 
 
 def analyze_loaded(

@@ -312,11 +312,9 @@ def release_offload(loaded) -> None:
 
 def truncation_message(run: dict) -> str:
     """Which sentences were cut to the model's context, and by how many tokens (the first few named)."""
-    count, cut = run["truncated_sentences"], run.get("truncated_lines", [])
-    named = ", ".join(f"line {c['line']} (-{c['tokens_cut']} tokens)" for c in cut)
-    more = f" and {count - len(cut)} more" if count > len(cut) else ""
-    return (f"{count} sentence(s) were longer than the model's {run['model']['max_length']} tokens and were "
-            f"truncated: {named}{more}. Shorten or split them to measure all of their tokens.")
+    from attnprobe.analysis import truncation_message as message
+
+    return message(run)
 
 
 @contextmanager

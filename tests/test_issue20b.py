@@ -228,3 +228,28 @@ def test_python_analyze_takes_a_limit(gpt2_dir, corpus_file):
 
     result = attnprobe.analyze(str(gpt2_dir), corpus_file, device="cpu", resamples=10, limit=2)
     assert result.run["sentences"] == 2 and result.run["limit"] == 2
+
+
+# ---- item 12: the Python API ------------------------------------------------------------------------------
+
+
+def test_rollout_returns_what_it_is_given():
+    import torch
+
+    import attnprobe
+
+    maps = np.full((2, 3, 3), 1 / 3, dtype=np.float32)
+    rolled = attnprobe.rollout(maps)
+    assert isinstance(rolled, np.ndarray) and rolled.dtype == np.float32 and rolled.shape == (2, 3, 3)
+    as_tensor = attnprobe.rollout(torch.from_numpy(maps))
+    assert isinstance(as_tensor, torch.Tensor)
+    np.testing.assert_allclose(rolled, as_tensor.numpy())
+
+
+def test_python_analyze_warns_of_a_truncated_document(gpt2_dir):
+    import attnprobe
+
+    long = " ".join(["The cat sat on the mat."] * 40)  # gpt2_dir's context is shorter
+    with pytest.warns(UserWarning, match=r"1 sentence\(s\) were longer than the model's \d+ tokens.*line 2"):
+        result = attnprobe.analyze(str(gpt2_dir), ["Birds sing.", long], device="cpu", resamples=10)
+    assert result.run["truncated_lines"][0]["line"] == 2
