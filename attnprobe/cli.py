@@ -890,8 +890,19 @@ def ablate(
 
 @contextmanager
 def stage_progress():
-    """A progress bar per stage (mean, ablate, gradient, pruning), fed with (stage, done, total)."""
+    """A progress bar per stage (mean, ablate, gradient, pruning), fed with (stage, done, total); where stderr is
+    no terminal (a log file, a job scheduler) a bar shows nothing, so each step is one plain line on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not err_console.is_terminal:
+        started = time.monotonic()
+
+        def log(stage: str, done: int, total: int) -> None:
+            err_console.print(f"{stage}: {done}/{total} sentences ({time.monotonic() - started:.1f} s)",
+                              markup=False, highlight=False, soft_wrap=True)
+
+        yield log
+        return
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
                TimeRemainingColumn())

@@ -253,3 +253,16 @@ def test_python_analyze_warns_of_a_truncated_document(gpt2_dir):
     with pytest.warns(UserWarning, match=r"1 sentence\(s\) were longer than the model's \d+ tokens.*line 2"):
         result = attnprobe.analyze(str(gpt2_dir), ["Birds sing.", long], device="cpu", resamples=10)
     assert result.run["truncated_lines"][0]["line"] == 2
+
+
+# ---- item 11: progress a person can trust ----------------------------------------------------------------------
+
+
+def test_ablate_logs_one_plain_line_per_step_when_stderr_is_no_terminal(gpt2_dir, corpus_file, tmp_path):
+    result = run("ablate", "--model", gpt2_dir, "--corpus", corpus_file, "--out", tmp_path / "o", "--device", "cpu",
+                 "--resamples", 10, "--batch-size", 4)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    stages = [line.split(":")[0] for line in lines]
+    assert stages == ["mean"] * stages.count("mean") + ["ablate"] * 2 + ["gradient"] * 2 + ["pruning"] * 2
+    assert lines[stages.index("ablate") + 1].startswith("ablate: 8/8 sentences (") and lines[-1].endswith(" s)")
