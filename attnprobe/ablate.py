@@ -102,10 +102,12 @@ def ablate(
     model: str, corpus: str, *, method: str = "zero", heads: list[tuple[int, int]] | None = None,
     layers: bool = False, batch_size: int = 8, device: str = "auto", dtype: str = "float32",
     resamples: int = DEFAULT_RESAMPLES, seed: int = 0, pruning: bool = True, progress: Progress | None = None,
+    limit: int | None = None,
 ) -> Ablation:
-    """Ablate every head (or `heads`) of `model` over `corpus`; loads a decoder with its LM head."""
+    """Ablate every head (or `heads`) of `model` over `corpus` (its first `limit` sentences, as `--limit`);
+    loads a decoder with its LM head."""
     check_settings(method, batch_size, resamples, seed)
-    text = read_corpus(corpus)
+    text = read_corpus(corpus).head(limit)
     loaded = load_model(model, device, dtype, lm_head=True)
     return ablate_loaded(loaded, text, method=method, heads=heads, layers=layers, batch_size=batch_size,
                          resamples=resamples, seed=seed, pruning=pruning, progress=progress)
@@ -776,6 +778,7 @@ def run_info(
         },
         "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256},
         "sentences": len(ids),
+        "limit": corpus.limit,  # --limit: only the corpus's first N sentences (None: all)
         "tokens": int(sum(len(t) for t in ids)),
         "method": method,
         "heads": "all" if heads is None else [head_name(layer, head) for layer, head in sorted(heads)],

@@ -75,20 +75,33 @@ def analyze(
     split: str = "lines",
     options: Options | None = None,
     keep_per_sentence: bool = False,
+    limit: int | None = None,
 ) -> Analysis:
     """Measure every head of `model` over every sentence (or paragraph, or file: `split`) of `corpus`.
 
     `model`: a name or path as for `--model` (loaded on `device` in `dtype`), a LoadedModel from
     `load_model`, or a (transformers model, tokenizer) pair. `corpus`: a corpus file (str or Path), a
-    list of sentences (str), or a Corpus.
+    list of sentences (str), or a Corpus. `limit`: only the first `limit` sequences (as `--limit`).
     """
     check_options(batch_size, resamples, seed, options)
-    text = as_corpus(corpus, split=split)
+    text = as_corpus(corpus, split=split).head(limit)
     loaded = as_loaded(model, distributed.device_for(distributed.current(), device), dtype)
-    return analyze_loaded(
+    result = analyze_loaded(
         loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start,
         options=options, keep_per_sentence=keep_per_sentence,
     )
+    if result.run["truncated_sentences"]:  # as the CLI prints it; also in run["truncated_lines"]
+        warnings.warn(truncation_message(result.run), UserWarning, stacklevel=2)
+    return result
+
+
+def truncation_message(run: dict[str, Any]) -> str:
+    """Which sentences were cut to the model's context, and by how many tokens (the first few named)."""
+    count, cut = run["truncated_sentences"], run.get("truncated_lines", [])
+    named = ", ".join(f"line {c['line']} (-{c['tokens_cut']} tokens)" for c in cut)
+    more = f" and {count - len(cut)} more" if count > len(cut) else ""
+    return (f"{count} sentence(s) were longer than the model's {run['model']['max_length']} tokens and were "
+            f"truncated: {named}{more}. Shorten or split them to measure all of their tokens.")
 
 
 def analyze_loaded(
@@ -201,6 +214,7 @@ def run_fingerprint(
         "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
         "window": options.window, "block_mib": options.budget_mib, "version": __version__, "processes": processes,
+        "limit": corpus.limit,
     }
 
 
@@ -784,6 +798,7 @@ def run_info(
         "corpus": {"path": IN_MEMORY if str(corpus.path) == IN_MEMORY else str(corpus.path.resolve()),
                    "sha256": corpus.sha256, "split": corpus.split},
         "sentences": scanned.sentences,
+        "limit": corpus.limit,  # --limit: only the corpus's first N sequences were measured (None: all)
         "tokens": scanned.tokens,
         "longest_sequence": scanned.longest,
         "truncated_sentences": scanned.truncated,

@@ -53,6 +53,10 @@ CorpusOption = Annotated[
 ResultsOption = Annotated[
     Path, typer.Option("--out", parser=folder, metavar="PATH", help="Results folder written by `attnprobe analyze`.")
 ]
+LimitOption = Annotated[
+    int | None, typer.Option("--limit", metavar="N", help="Use only the corpus's first N sequences (a quick look "
+                             "at a large corpus); recorded in the results.")
+]
 DEFAULT_OUT = Path("outputs")
 DEFAULT_PROBE_OUT = DEFAULT_OUT / "probe"  # its own folder: a probe's files never mix with an analysis's
 POSITION_FIGURE = "position_profile.png"
@@ -184,6 +188,7 @@ def analyze(
     max_memory: Annotated[
         str | None, typer.Option("--max-memory", help="With --device-map: limits per device, e.g. 0=20GiB,cpu=60GiB.")
     ] = None,
+    limit: LimitOption = None,
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -199,7 +204,7 @@ def analyze(
     check_options(batch_size, resamples, seed, options)
     world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
     io.check_out_dir(out)
-    sentences = read_corpus(corpus, split=split.value)
+    sentences = read_corpus(corpus, split=split.value).head(limit)
     if checkpoint_every < 0:
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
     limits.check_real("--checkpoint-every", checkpoint_every, 0.0, limits.MAX_CHECKPOINT_SECONDS, 300)
@@ -309,11 +314,9 @@ def release_offload(loaded) -> None:
 
 def truncation_message(run: dict) -> str:
     """Which sentences were cut to the model's context, and by how many tokens (the first few named)."""
-    count, cut = run["truncated_sentences"], run.get("truncated_lines", [])
-    named = ", ".join(f"line {c['line']} (-{c['tokens_cut']} tokens)" for c in cut)
-    more = f" and {count - len(cut)} more" if count > len(cut) else ""
-    return (f"{count} sentence(s) were longer than the model's {run['model']['max_length']} tokens and were "
-            f"truncated: {named}{more}. Shorten or split them to measure all of their tokens.")
+    from attnprobe.analysis import truncation_message as message
+
+    return message(run)
 
 
 @contextmanager
@@ -497,7 +500,8 @@ class FormatChoice(str, Enum):
     pdf = "pdf"
 
 
-MAX_PATTERN_HEADS = 12  # panels of head_patterns chosen with --heads
+MAX_PATTERN_HEADS = 12  # panels of head_patterns_selected, chosen with --heads
+SELECTED_PATTERNS = "head_patterns_selected"  # plot --heads: the chosen heads' figure, beside head_patterns
 
 
 @app.command()
@@ -509,8 +513,9 @@ def plot(
                                  "(0-7) or text of one of the example sentences analyze kept (default: 0).")
     ] = None,
     heads_option: Annotated[
-        str | None, typer.Option("--heads", metavar="L17H4,L18H6", help="Draw these heads in head_patterns "
-                                 f"(at most {MAX_PATTERN_HEADS}) instead of one of each type.")
+        str | None, typer.Option("--heads", metavar="L17H4,L18H6", help="Also draw these heads (at most "
+                                 f"{MAX_PATTERN_HEADS}) on the example sentence, in head_patterns_selected "
+                                 "(head_patterns, one head of each type, is drawn as ever).")
     ] = None,
     figure_format: Annotated[
         FormatChoice, typer.Option("--format", help="File format of the figures.")
@@ -557,9 +562,12 @@ def plot(
         "entropy_heatmap": plotting.entropy_heatmap_figure(heads, run_title(out, "Mean attention entropy per head")),
         "layer_gradient": plotting.layer_gradient_figure(heads, layers, types, categories,
                                                          run_title(out, "Entropy by depth and head types")),
-        "head_patterns": plotting.head_patterns_figure(picked, types, heads, chosen,
+        "head_patterns": plotting.head_patterns_figure(picked, types, heads, None,
                                                        run_title(out, "Attention patterns")),
     }
+    if chosen is not None:  # its own file: the by-type head_patterns stays as it is
+        figures[SELECTED_PATTERNS] = plotting.head_patterns_figure(picked, types, heads, chosen,
+                                                                   run_title(out, "Attention patterns"))
     if (Path(out) / io.POSITIONS_FILE).exists():
         positions = io.read_table(
             out, io.POSITIONS_FILE, ["layer", "head", "bin", "position_min", "position_max", "entropy", "first_token"],
@@ -572,9 +580,13 @@ def plot(
     suffix = figure_format.value
     position = f"{Path(POSITION_FIGURE).stem}.{suffix}"
     files = {f"{stem}.{suffix}": io.figure_writer(f, suffix, dpi) for stem, f in figures.items()}
-    stale = [] if position in files else [position]  # from an earlier run
+    stale = [name for name in (position, *(f"{stem}.{suffix}" for stem in io.ABLATE_PLOT_FIGURES))
+             if name not in files]  # from an earlier run
     written = io.write_files(out, files, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    if chosen is not None:
+        out_console.print(f"The heads chosen with --heads are in {SELECTED_PATTERNS}.{suffix}; head_patterns.{suffix} "
+                          "shows one head of each type.", markup=False, highlight=False)
 
 
 @app.command()
@@ -660,6 +672,10 @@ def probe(
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples of the sequences.")] = 1000,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sequences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    limit: Annotated[
+        int | None, typer.Option("--limit", metavar="N", help="Score only the first N of each length's --sequences "
+                                 "(the same random tokens as without it); recorded in probe.json.")
+    ] = None,
 ) -> None:
     """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
     from attnprobe import io, plotting
@@ -673,12 +689,16 @@ def probe(
         raise AttnprobeError(f"--lengths {lengths!r}: give whole numbers separated by commas, e.g. 10,20,40") from None
     kinds = tuple(k.value for k in kind) if kind else KINDS
     check_numbers(length_list, sequences, resamples, batch_size, seed)
+    if limit is not None:
+        from attnprobe.corpus import check_limit
+
+        check_limit(limit)
     io.check_out_dir(out)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
     with err_console.status("Probing"):
         result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
-                           resamples=resamples, batch_size=batch_size)
+                           resamples=resamples, batch_size=batch_size, limit=limit)
     kinds = tuple(result.info["kinds"])  # each asked kind once, as the probe ran them
     written = io.write_files(out, {
         io.PROBE_FILE: io.csv_writer(result.scores),
@@ -843,6 +863,7 @@ def ablate(
         int, typer.Option("--resamples", help="Bootstrap resamples of the sentences for the 95% intervals.")
     ] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap and the random pruning order.")] = 0,
+    limit: LimitOption = None,
 ) -> None:
     """Ablate each head: loss change and KL (decoders) or embedding change (encoders), gradient importance, pruning."""
     from attnprobe import io, plotting
@@ -854,7 +875,7 @@ def ablate(
     chosen = parse_heads(heads)
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
-    sentences = read_corpus(corpus)
+    sentences = read_corpus(corpus).head(limit)
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value, dtype.value, lm_head=True)
     with stage_progress() as progress:
@@ -862,16 +883,28 @@ def ablate(
                                batch_size=batch_size, resamples=resamples, seed=seed, pruning=pruning,
                                progress=progress)
     title = f"{model} on {Path(corpus).name}, {method.value} ablation"
-    written = io.write_ablation(out, result, {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(result.heads,
-                                                                                                      title)})
+    shape = (result.run["model"]["layers"], result.run["model"]["heads"])  # the model's, whatever --heads chose
+    written = io.write_ablation(out, result, {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(
+        result.heads, title, shape)})
     out_console.print(importance_table(result.heads, result.run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
 @contextmanager
 def stage_progress():
-    """A progress bar per stage (mean, ablate, gradient, pruning), fed with (stage, done, total)."""
+    """A progress bar per stage (mean, ablate, gradient, pruning), fed with (stage, done, total); where stderr is
+    no terminal (a log file, a job scheduler) a bar shows nothing, so each step is one plain line on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not err_console.is_terminal:
+        started = time.monotonic()
+
+        def log(stage: str, done: int, total: int) -> None:
+            err_console.print(f"{stage}: {done}/{total} sentences ({time.monotonic() - started:.1f} s)",
+                              markup=False, highlight=False, soft_wrap=True)
+
+        yield log
+        return
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
                TimeRemainingColumn())
@@ -905,11 +938,21 @@ def importance_table(frame, run: dict) -> Table:
 
 
 def importance_figures(out: Path, heads, types) -> dict:
-    """importance.png and importance_vs_type.png for `plot`, when `attnprobe ablate` wrote importance.csv to `out`."""
+    """importance.png and importance_vs_type.png for `plot`, when `attnprobe ablate` wrote importance.csv to `out`;
+    pruning.png and layer_importance.png when it wrote pruning.csv and layer_importance.csv."""
     from attnprobe import io, plotting
 
+    figures = {}
+    for name, stem, key, draw in ((io.PRUNING_FILE, "pruning", "percent", plotting.pruning_figure),
+                                  (io.LAYER_IMPORTANCE_FILE, "layer_importance", "layer",
+                                   plotting.layer_importance_figure)):
+        if (Path(out) / name).exists():
+            measures = [c for c in io.read_columns(out, name)
+                        if c.removesuffix("_ci_low").removesuffix("_ci_high") in plotting.PRUNING_LABELS]
+            frame = io.read_table(out, name, [key, *measures], "attnprobe ablate")
+            figures[f"{stem}.png"] = draw(frame, run_title(out, "Head ablation"))
     if not (Path(out) / io.IMPORTANCE_FILE).exists():
-        return {}
+        return figures
     measure = "loss_change" if "loss_change" in io.read_columns(out, io.IMPORTANCE_FILE) else "embedding_change"
     columns = ["layer", "head", measure, f"{measure}_ci_low", f"{measure}_ci_high"]
     importance = io.read_table(out, io.IMPORTANCE_FILE, columns, "attnprobe ablate")
@@ -917,7 +960,8 @@ def importance_figures(out: Path, heads, types) -> dict:
         raise AttnprobeError(f"{io.IMPORTANCE_FILE} does not match heads.csv (another model): run `attnprobe ablate "
                              f"--out {out}` again")
     title = run_title(out, "Head ablation")
-    return {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(importance, title),
+    shape = (int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1)
+    return {**figures, io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(importance, title, shape),
             io.IMPORTANCE_TYPE_FIGURE: plotting.importance_vs_type_figure(importance, heads, types, title)}
 
 
@@ -957,6 +1001,10 @@ def rollout(
     ] = 0.5,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
     dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+    limit: Annotated[
+        int | None, typer.Option("--limit", metavar="N", help="Treat the corpus as its first N sentences: the "
+                                 "example and --index are chosen among them.")
+    ] = None,
 ) -> None:
     """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
     from attnprobe import io, plotting
@@ -969,12 +1017,15 @@ def rollout(
         raise AttnprobeError(f"--max-tokens {max_tokens} is below 1: use 1 or more (default 40)")
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
-    sentences = read_corpus(corpus) if corpus is not None else None
+    if limit is not None and corpus is None:
+        raise AttnprobeError("--limit picks the first sentences of the corpus: pass --corpus too")
+    sentences = read_corpus(corpus).head(limit) if corpus is not None else None
     check_choice(sentences, index, example)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, dtype.value, on_status=on_status)
     texts, indices = choose_sentences(loaded, sentences, index, example)
     result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
+    result.info["limit"] = limit
     source = Path(corpus).name if corpus is not None and not example else None
     written = io.write_rollout(out, result, plotting.rollout_figure(result, model, source))
     heading = f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}"

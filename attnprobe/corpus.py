@@ -75,6 +75,24 @@ class Corpus:
         held = self._held or ()
         # every distinct category, None included, in order of first appearance
         self.labels = labels if labels is not None else tuple(dict.fromkeys(s.category for s in held))
+        self.limit: int | None = None  # set by `head`: only the first `limit` sequences are streamed
+        self._source: Corpus | None = None  # `head` of a file: the whole corpus, streamed up to `count`
+
+    def head(self, limit: int | None) -> Corpus:
+        """This corpus cut to its first `limit` sequences (`--limit`); itself for None. The sha256 stays the
+        whole file's, and `limit` records the cut."""
+        if limit is None:
+            return self
+        check_limit(limit)
+        first = list(itertools.islice(self.stream(), limit)) if self._held is not None else None
+        if first is not None:
+            cut = Corpus(self.path, self.sha256, first, split=self.split)
+        else:
+            labels = tuple(dict.fromkeys(s.category for s in itertools.islice(self.stream(), limit)))
+            cut = Corpus(self.path, self.sha256, split=self.split, count=min(limit, self.count), labels=labels)
+            cut._source = self
+        cut.limit = limit
+        return cut
 
     def __len__(self) -> int:
         return self.count
@@ -89,6 +107,9 @@ class Corpus:
         if self._held is not None:
             yield from self._held
             return
+        if self._source is not None:  # `head`: the first sequences of the whole corpus (its end, and hash, never read)
+            yield from itertools.islice(self._source.stream(), self.count)
+            return
         digest = hashlib.sha256()
         yield from _sentences(self.path, self.split, digest)
         if _sha256(self.path, digest) != self.sha256:
@@ -102,6 +123,14 @@ class Corpus:
     @property
     def texts(self) -> list[str]:
         return [s.text for s in self.sentences]
+
+
+def check_limit(limit: object) -> None:
+    """`--limit N`: a whole number of sequences, 1 or more."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise AttnprobeError(f"--limit {limit!r} is not a whole number: give how many sequences to use, e.g. 100")
+    if limit < 1:
+        raise AttnprobeError(f"--limit {limit} is below 1: give how many of the first sequences to use, e.g. 100")
 
 
 def read_corpus(path: str | Path, split: str = "lines") -> Corpus:

@@ -49,7 +49,10 @@ ROLLOUT_FILE = "rollout.npz"  # rollout: per example sentence, tokens, rollout a
 ROLLOUT_FIGURE = "rollout.png"
 COMPARE_FOLDER = "compare"  # where `compare A OUT` writes by default
 # `plot`'s figures, in any of FIGURE_FORMATS (importance.png is ablate's, drawn from importance.csv alone)
-PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "position_profile", "importance_vs_type")
+PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "head_patterns_selected", "position_profile",
+                "importance_vs_type")
+# `plot`'s figures of ablate's pruning.csv and layer_importance.csv (an ablate run that remakes those removes them)
+ABLATE_PLOT_FIGURES = ("pruning", "layer_importance")
 
 TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
 
@@ -103,7 +106,7 @@ def is_result_name(name: str) -> bool:
              PROBE_FILE, PROBE_RUN_FILE, PROBE_FIGURE, POSITIONS_FILE, SENTENCES_FILE, KV_CACHE_FILE, RESAMPLES_FILE,
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
              IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE}
-    fixed |= {f"{stem}.{suffix}" for stem in PLOT_FIGURES for suffix in FIGURE_FORMATS}
+    fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,
                                                        COMPARE_RUN_FILE, COMPARE_FIGURE)}
@@ -694,10 +697,12 @@ def read_compare(out: str | Path) -> tuple[dict[str, Any], pd.DataFrame | None, 
 def write_ablation(out: str | Path, ablation: Any, figures: dict[str, Any]) -> list[Path]:
     """What `attnprobe ablate` writes (an ablate.Ablation and its figures), each to a temporary name, then renamed.
 
-    A layer_importance.csv or pruning.csv of an earlier run that this one did not make is removed.
+    A layer_importance.csv or pruning.csv of an earlier run that this one did not make is removed, and so are
+    the figures `plot` drew of them (pruning.png, layer_importance.png in any format): they show the earlier run.
     """
     files: dict[str, Writer] = {IMPORTANCE_FILE: csv_writer(ablation.heads), ABLATE_RUN_FILE: json_writer(ablation.run)}
-    stale = []
+    stale = [name for name in (f"{stem}.{suffix}" for stem in ABLATE_PLOT_FIGURES for suffix in FIGURE_FORMATS)
+             if (Path(out) / name).is_file()]
     for name, frame in ((LAYER_IMPORTANCE_FILE, ablation.layers), (PRUNING_FILE, ablation.pruning)):
         if frame is None:
             stale.append(name)
@@ -728,6 +733,7 @@ def write_rollout(out: str | Path, rollout: Any, figure: Any) -> list[Path]:
         "total_tokens": np.asarray(rollout.total_tokens, dtype=np.int64),
         "sentence": np.asarray(rollout.sentences, dtype=str), "index": np.asarray(rollout.indices, dtype=np.int64),
         "residual": np.float64(rollout.residual), "model": np.asarray(str(rollout.info.get("model", ""))),
+        "limit": np.int64(rollout.info.get("limit") or 0),  # --limit N: chosen among the first N; 0: no limit
     }
     return write_files(out, {ROLLOUT_FILE: npz_writer(**arrays), ROLLOUT_FIGURE: figure_writer(figure)})
 

@@ -33,6 +33,7 @@ PICK_BY = {  # the clearest head of each type: (column, largest?)
     "copy": ("entropy_unforced", False), "broad": ("entropy_norm", True),
     "streaming": ("sink_window", True), "retrieval": ("sink_window", False),
 }
+MISSING_COLOR = "#e0e0e0"  # a head grid's cell without a value (a head ablate did not ablate)
 MAX_ANNOTATED_CELLS = 400  # beyond this many heads the heatmap drops its per-cell numbers
 MEAN_COLOR = "#08306b"  # the mean over heads: darker than any head-type or category colour
 CATEGORY_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -129,7 +130,9 @@ def draw_head_grid(
     """A layers x heads grid of one column, each cell annotated while there are few enough."""
     values = grid(heads, column)  # [layer, head]
     n_layers, n_heads = values.shape
-    image = ax.imshow(values, cmap=cmap, aspect="auto", interpolation="nearest", vmin=vmin, vmax=vmax)
+    colors = colormaps[cmap].with_extremes(bad=MISSING_COLOR)  # a cell without a value is grey, not a colour
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=colors, aspect="auto", interpolation="nearest", vmin=vmin,
+                      vmax=vmax)
     ax.set_title(title)
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
@@ -141,6 +144,8 @@ def draw_head_grid(
         middle = low + 0.6 * (high - low)
         size = 8 if values.size <= 160 else 6
         for (layer, head), value in np.ndenumerate(values):
+            if not np.isfinite(value):
+                continue  # no value, no number: the cell stays grey
             color = "white" if value > middle else "black"
             ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=size, color=color)
     return image
@@ -322,18 +327,24 @@ def layer_gradient_figure(
 
 
 def head_scores(row: pd.Series) -> str:
-    """The scores that decide a head's type, as two short lines for its pattern panel."""
-    def value(*columns: str) -> float | None:
-        found = [row[c] for c in columns if c in row.index and pd.notna(row[c])]
-        return float(found[0]) if found else None
+    """The scores that decide a head's type, as two short lines for its pattern panel, each under its heads.csv
+    column name (`entropy_unforced`, not "entropy"): they are the head's means over the corpus, not the example's."""
+    def value(*columns: str) -> tuple[str, float] | None:
+        found = [(c, float(row[c])) for c in columns if c in row.index and pd.notna(row[c])]
+        return found[0] if found else None
 
-    entropy, norm = value("entropy_unforced", "entropy"), value("entropy_norm")
-    first = [f"entropy {entropy:.2f} nats" if entropy is not None else "",
-             f"normalized {norm:.2f}" if norm is not None else ""]
-    second = [f"{name} {score:.2f}" for name, score in (
-        ("diagonal", value("diagonal_unforced", "diagonal")), ("first token", value("first_token_unforced")),
-        ("previous", value("previous_token")), ("sink+window", value("sink_window"))) if score is not None]
-    return "\n".join(", ".join(p for p in part if p) for part in (first, second) if any(part))
+    first = [value("entropy_unforced", "entropy"), value("entropy_norm")]
+    second = [value("diagonal_unforced", "diagonal"), value("first_token_unforced"), value("previous_token"),
+              value("sink_window")]
+
+    def shown(name: str, score: float) -> str:
+        return f"{name} {score:.2f}" + (" nats" if name.startswith("entropy") and name != "entropy_norm" else "")
+
+    lines = [", ".join(shown(*found) for found in part if found) for part in (first, second)]
+    return "\n".join(line for line in lines if line)
+
+
+SCORES_NOTE = "panel scores: the head's means over the corpus (heads.csv), not this sentence's"
 
 
 def example_caption(example: dict[str, Any], limit: int = 110) -> str:
@@ -420,7 +431,7 @@ def head_patterns_figure(
     else:
         figure.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8 if rows == 1 else 0.5)
     what = "The chosen heads" if chosen else "One head of each type"
-    heading = f"{what} on {example_caption(example)}"
+    heading = f"{what} on {example_caption(example)}\n{SCORES_NOTE}"
     figure.suptitle(f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
     return figure
 
@@ -640,27 +651,106 @@ def importance_measure(importance: pd.DataFrame) -> str:
     return "loss_change" if "loss_change" in importance.columns else "embedding_change"
 
 
-def full_grid(frame: pd.DataFrame, column: str) -> pd.DataFrame:
-    """Every (layer, head) up to the largest of each, NaN where `frame` has no row (ablate --heads)."""
-    layers, heads = int(frame["layer"].max()) + 1, int(frame["head"].max()) + 1
+def full_grid(frame: pd.DataFrame, column: str, shape: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Every (layer, head) of a model of `shape` (layers, heads), NaN where `frame` has no row (ablate --heads);
+    without `shape`, up to the largest layer and head in `frame`."""
+    layers, heads = shape if shape is not None else (int(frame["layer"].max()) + 1, int(frame["head"].max()) + 1)
     index = pd.MultiIndex.from_product([range(layers), range(heads)], names=["layer", "head"])
     values = frame.set_index(["layer", "head"])[column].reindex(index)
     return values.reset_index()
 
 
 @any_script_figure
-def importance_heatmap_figure(importance: pd.DataFrame, title: str | None = None) -> Figure:
-    """A layers x heads grid of the ranking measure: red = the model loses most without the head."""
+def importance_heatmap_figure(
+    importance: pd.DataFrame, title: str | None = None, shape: tuple[int, int] | None = None
+) -> Figure:
+    """A layers x heads grid of the ranking measure: red = the model loses most without the head.
+
+    `shape` (layers, heads) is the model's: with `ablate --heads` only the ablated heads have a value, and the
+    others stay grey and blank."""
     column = importance_measure(importance)
-    cells = full_grid(importance, column)
+    cells = full_grid(importance, column, shape)
     n_layers, n_heads = grid(cells, column).shape
     largest = float(np.nanmax(np.abs(cells[column]))) if cells[column].notna().any() else 0.0
     largest = largest if largest > 0 else 1e-9
     figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
     ax = figure.add_subplot()
     heading = "Ablating one head: " + IMPORTANCE_LABELS[column]
+    ablated = int(cells[column].notna().sum())
+    if ablated < len(cells):
+        heading += f"\n{ablated} of {len(cells)} heads ablated (grey: not ablated)"
     image = draw_head_grid(ax, cells, column, heading, "RdBu_r", vmin=-largest, vmax=largest)
     figure.colorbar(image, ax=ax, label=IMPORTANCE_LABELS[column])
+    if title is not None:
+        figure.suptitle(plain_text(title))
+    return figure
+
+
+PRUNING_COLORS = {"ablation": "#d62728", "kl": "#ff7f0e", "gradient": "#1f77b4", "random": "#7f7f7f"}
+PRUNING_LABELS = {  # the measures of pruning.csv and layer_importance.csv, as an axis reads them
+    "loss_change": "loss change (nats/token)", "kl": "KL(unablated || pruned) (nats/token)",
+    "embedding_change": "embedding change (1 - cosine)", "hidden_change": "hidden-state change (1 - cosine)",
+}
+
+
+def pruning_measures(frame: pd.DataFrame) -> list[str]:
+    """The measures of pruning.csv or layer_importance.csv drawn, one panel each: decoders loss change and KL,
+    encoders embedding and hidden-state change."""
+    return [name for name in PRUNING_LABELS if name in frame.columns]
+
+
+@any_script_figure
+def pruning_figure(pruning: pd.DataFrame, title: str | None = None) -> Figure:
+    """pruning.csv: each measure against the percent of heads removed, one line per removal order, with its 95%
+    interval as a band."""
+    measures = pruning_measures(pruning)
+    if "order" not in pruning.columns:
+        raise AttnprobeError("pruning.csv has no order column: run `attnprobe ablate` again")
+    if not measures:
+        raise AttnprobeError("pruning.csv has no measure column (loss_change, kl, embedding_change or "
+                             "hidden_change): run `attnprobe ablate` again")
+    figure = Figure(figsize=(6.0 * len(measures) + 1.5, 4.6), layout="constrained")
+    axes = np.atleast_1d(figure.subplots(1, len(measures)))
+    for ax, name in zip(axes, measures):
+        for k, (order, group) in enumerate(pruning.groupby("order", sort=False)):
+            group = group.sort_values("percent")
+            color = PRUNING_COLORS.get(str(order), CATEGORY_COLORS[k % len(CATEGORY_COLORS)])
+            if {f"{name}_ci_low", f"{name}_ci_high"} <= set(group.columns):
+                ax.fill_between(group["percent"], group[f"{name}_ci_low"], group[f"{name}_ci_high"], color=color,
+                                alpha=0.15, linewidth=0)
+            ax.plot(group["percent"], group[name], marker="o", markersize=3, color=color,
+                    label=plain_text(str(order)))
+        ax.axhline(0.0, color="black", linewidth=0.6)
+        ax.set_xlabel("heads removed (% of all heads)")
+        ax.set_ylabel(PRUNING_LABELS[name])
+        ax.set_title(f"{name} as heads are removed (bands: 95% intervals)", fontsize=10)
+        ax.legend(loc="upper left", fontsize=8, title="removal order (least important first)")
+    if title is not None:
+        figure.suptitle(plain_text(title))
+    return figure
+
+
+@any_script_figure
+def layer_importance_figure(layers: pd.DataFrame, title: str | None = None) -> Figure:
+    """layer_importance.csv: per layer, each measure with every head of the layer ablated at once, as bars with
+    their 95% intervals."""
+    measures = pruning_measures(layers)
+    if not measures:
+        raise AttnprobeError("layer_importance.csv has no measure column: run `attnprobe ablate --layers` again")
+    figure = Figure(figsize=(max(6.0, 0.35 * len(layers) + 3.0) * len(measures), 4.6), layout="constrained")
+    axes = np.atleast_1d(figure.subplots(1, len(measures)))
+    for ax, name in zip(axes, measures):
+        values = layers[name].to_numpy(dtype=float)
+        errors = None
+        if {f"{name}_ci_low", f"{name}_ci_high"} <= set(layers.columns):
+            errors = np.clip(np.vstack([values - layers[f"{name}_ci_low"].to_numpy(dtype=float),
+                                        layers[f"{name}_ci_high"].to_numpy(dtype=float) - values]), 0.0, None)
+        ax.bar(layers["layer"], values, color="#d6604d", yerr=errors, ecolor="black", capsize=2)
+        ax.axhline(0.0, color="black", linewidth=0.6)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(PRUNING_LABELS[name])
+        ax.set_title(f"Ablating a whole layer: {name} (bars: 95% intervals)", fontsize=10)
+        layer_ticks(ax, layers["layer"])
     if title is not None:
         figure.suptitle(plain_text(title))
     return figure

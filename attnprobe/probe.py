@@ -88,8 +88,12 @@ def probe(
     resamples: int = DEFAULT_RESAMPLES,
     batch_size: int = 8,
     progress: Callable[[int], None] | None = None,
+    limit: int | None = None,
 ) -> Probe:
     """Score every head on every kind; intervals are a bootstrap over sequences.
+
+    `limit` (`--limit`): score only the first `limit` of each length's `sequences` random sequences; they are
+    the same tokens as in the run without it (the seed draws all `sequences` of each length either way).
 
     `model`: a LoadedModel, a name or path (loaded on `device`), or a (transformers model, tokenizer) pair.
     A head is `<kind>_above_chance` when its whole 95% interval lies above what uniform attention scores.
@@ -99,16 +103,21 @@ def probe(
     kinds = tuple(dict.fromkeys(kinds))  # each kind once, in the order asked
     prefix, suffix = special_frame(loaded.tokenizer)
     check(loaded, kinds, lengths, sequences, resamples, batch_size, seed, len(prefix) + len(suffix))
+    if limit is not None:
+        from attnprobe.corpus import check_limit
+
+        check_limit(limit)
+    scored = sequences if limit is None else min(limit, sequences)  # per length
     rng = np.random.default_rng(seed)
     per_kind: dict[str, list[np.ndarray]] = {kind: [] for kind in kinds}  # each [sequence, layer, head]
     chances: dict[str, list[float]] = {kind: [] for kind in kinds}
     for length in lengths:
-        body = random_sequences(loaded, length, sequences, rng)  # [sequence, 2 * length]
+        body = random_sequences(loaded, length, sequences, rng)[:scored]  # [sequence, 2 * length]
         total = len(prefix) + 2 * length + len(suffix)
         for kind in kinds:
             chances[kind].append(chance(kind, len(prefix), length, total, loaded.causal))
-        ids = np.concatenate([np.tile(prefix, (sequences, 1)), body, np.tile(suffix, (sequences, 1))], axis=1)
-        for start in range(0, sequences, batch_size):
+        ids = np.concatenate([np.tile(prefix, (scored, 1)), body, np.tile(suffix, (scored, 1))], axis=1)
+        for start in range(0, scored, batch_size):
             batch = torch.tensor(ids[start : start + batch_size], dtype=torch.long, device=loaded.device)  # [b, n]
             scores = score_batch(loaded, batch, kinds, len(prefix), length)
             for kind in kinds:
@@ -116,7 +125,7 @@ def probe(
             if progress:
                 progress(len(batch))
     values = {kind: np.concatenate(per_kind[kind]) for kind in kinds}  # [sequence, layer, head]
-    frame = tabulate(values, poisson_weights(range(len(lengths) * sequences), resamples, seed))
+    frame = tabulate(values, poisson_weights(range(len(lengths) * scored), resamples, seed))
     levels = {kind: float(np.mean(chances[kind])) for kind in kinds}
     for kind in kinds:
         frame[f"{kind}_above_chance"] = above_chance(frame, kind, levels[kind])
@@ -124,7 +133,8 @@ def probe(
         "attnprobe_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": model_record(loaded),
-        "kinds": list(kinds), "lengths": list(lengths), "sequences_per_length": sequences, "seed": seed,
+        "kinds": list(kinds), "lengths": list(lengths), "sequences_per_length": sequences, "limit": limit,
+        "sequences_scored_per_length": scored, "seed": seed,
         "resamples": resamples, "special_prefix": prefix, "special_suffix": suffix,
         "chance": levels,
         "above_chance": {kind: int(frame[f"{kind}_above_chance"].sum()) for kind in kinds},

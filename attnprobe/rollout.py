@@ -59,13 +59,14 @@ def rollout_step(previous: Tensor | None, attention: Tensor, residual: float = R
     return mixed if previous is None else mixed @ previous  # [query, key]
 
 
-def rollout(attention: Tensor | np.ndarray, residual: float = RESIDUAL) -> Tensor:
+def rollout(attention: Tensor | np.ndarray, residual: float = RESIDUAL) -> Tensor | np.ndarray:
     """Cumulative rollout after every layer: [layer, query, key] (head-averaged) -> [layer, query, key].
 
-    `attention` may be a numpy array, e.g. `attention_maps(model, text).maps.mean(axis=1)`.
+    Returns what it is given: a torch Tensor (float32) for a Tensor, a float32 numpy array for a numpy array,
+    e.g. `attention_maps(model, text).maps.mean(axis=1)`.
     """
     if isinstance(attention, np.ndarray):
-        attention = torch.from_numpy(attention)
+        return rollout(torch.from_numpy(attention), residual).numpy()
     if not isinstance(attention, Tensor):
         raise AttnprobeError(f"attention: expected a torch Tensor or numpy array [layer, query, key]; got "
                              f"{type(attention).__name__}")
@@ -211,7 +212,8 @@ def rollout_loaded(
         total_tokens=[len(ids) for ids in full],
         attention=attention, rollout=rolled, residual=residual,
         info={"model": loaded.spec, "source": loaded.source, **loaded.origin, "causal": loaded.causal,
-              "dtype": loaded.dtype, "layers": loaded.num_layers, "heads": loaded.num_heads, "max_tokens": limit},
+              "dtype": loaded.dtype, "layers": loaded.num_layers, "heads": loaded.num_heads, "max_tokens": limit,
+              "limit": None},
     )
 
 

@@ -136,9 +136,9 @@ def test_attention_maps_of_one_text(tiny):
         attention.figure(3, 0)
     with pytest.raises(AttnprobeError, match="text: expected a non-empty string"):
         attnprobe.attention_maps(tiny, "")
-    rolled = attnprobe.rollout(maps.mean(axis=1))  # numpy in, a torch Tensor out
-    assert tuple(rolled.shape) == (3, len(ids), len(ids))
-    np.testing.assert_allclose(rolled.sum(dim=-1).numpy(), 1.0, atol=1e-5)
+    rolled = attnprobe.rollout(maps.mean(axis=1))  # numpy in, numpy out
+    assert isinstance(rolled, np.ndarray) and rolled.shape == (3, len(ids), len(ids))
+    np.testing.assert_allclose(rolled.sum(axis=-1), 1.0, atol=1e-5)
     with pytest.raises(AttnprobeError, match="expected a torch Tensor or numpy array"):
         attnprobe.rollout([[1.0]])
 
