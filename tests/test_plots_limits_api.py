@@ -9,7 +9,7 @@ import pytest
 
 from attnprobe import io, plotting
 from attnprobe.errors import AttnprobeError
-from tests.test_cli import assert_one_line_error, run
+from test_cli import assert_one_line_error, run
 
 
 def capture_figures(monkeypatch) -> dict:
