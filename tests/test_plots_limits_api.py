@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from test_cli import assert_one_line_error, run
 
 from attnprobe import io, plotting
 from attnprobe.errors import AttnprobeError
-from test_cli import assert_one_line_error, run
 
 
 def capture_figures(monkeypatch) -> dict:
