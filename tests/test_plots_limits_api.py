@@ -1,4 +1,4 @@
-"""Issue 20 items 7, 8, 10, 11, 12: ablate and plot figures, --limit, ablate progress off a terminal, the notebook API."""
+"""Issue 20 items 7, 8, 10-12: ablate and plot figures, --limit, ablate progress off a terminal, the notebook API."""
 
 import json
 from pathlib import Path
