@@ -19,6 +19,7 @@ from attnprobe import __version__, defaults
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import head_name
 from attnprobe.threads import apply as apply_threads
+from attnprobe.threads import limit_numpy_threads
 from attnprobe.threads import parse as parse_threads
 
 app = typer.Typer(
@@ -1012,6 +1013,7 @@ def usage_message(err: BaseException) -> str:
 
 def main() -> None:
     """Run the CLI; a misspelt option or value is one `Error:` line too (exit 2), not a usage block."""
+    limit_numpy_threads()
     try:
         code = app(prog_name="attnprobe", standalone_mode=False)
     except typer.Abort:

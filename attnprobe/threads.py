@@ -58,6 +58,17 @@ def auto(cores: int, available: int, busy: float | None) -> int:
     return max(1, min(cores, free))
 
 
+def limit_numpy_threads() -> None:
+    """One thread for numpy's BLAS (OpenBLAS reads OPENBLAS_NUM_THREADS once, when numpy is first imported).
+
+    attnprobe's numpy products are small (the bootstrap's [resample, sentence] weights times a batch's
+    scores); with OpenBLAS's own thread per core next to torch's, its idle threads spin on the cores torch
+    needs: 300 short sentences took 22 s of CPU instead of 14 with one torch thread. Call it before numpy is
+    imported (the CLI does, first thing); an OPENBLAS_NUM_THREADS already set is kept.
+    """
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def apply(requested: int | str = AUTO) -> dict[str, Any]:
     """Set torch's intra-op (and, where still possible, inter-op) threads; what was chosen, for run.json."""
     import torch

@@ -2,6 +2,7 @@
 recorded in run.json, ablate.json and probe.json; `auto` leaves out the cores the load keeps busy."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -79,3 +80,25 @@ def test_threads_are_recorded(gpt2_dir, corpus_file, tmp_path):
                  "--sequences", 2, "--resamples", 5)
     assert result.exit_code == 0, result.output
     assert json.loads((probe_out / "probe.json").read_text())["threads"]["requested"] == "auto"
+
+
+def test_numpy_gets_one_blas_thread_unless_told(monkeypatch):
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    threads.limit_numpy_threads()
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    threads.limit_numpy_threads()
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
+
+
+def test_the_command_line_limits_numpy_before_importing_it(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import os, sys; os.environ.pop('OPENBLAS_NUM_THREADS', None); sys.argv = ['attnprobe', '--version']\n"
+            "from attnprobe.cli import main\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+            "assert 'numpy' not in sys.modules or os.environ['OPENBLAS_NUM_THREADS'] == '1'\n"
+            "print(os.environ['OPENBLAS_NUM_THREADS'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "1"
