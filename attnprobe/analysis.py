@@ -126,7 +126,7 @@ def analyze_loaded(
     options = options or Options()
     check_options(batch_size, resamples, seed, options)
     started = time.perf_counter()
-    scanned = scan(loaded, corpus)
+    scanned = scan(loaded, corpus, keep_first_window=True)
     if on_start:
         on_start(scanned.sentences)
     world = distributed.current()
@@ -180,23 +180,34 @@ def analyze_loaded(
     examples = [{**example, "index": scanned.example_index, "line": scanned.example.line,
                  "category": scanned.example.category}]
     if world.is_main:
-        examples += more_examples(loaded, measured.path, scanned, shape, options)
+        examples += more_examples(loaded, measured.path, scanned, shape, options, measured.other_maps)
     return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions, resampled, examples)
 
 
 def more_examples(
-    loaded: LoadedModel, path: str, scanned: Scan, shape: Shape, options: Options
+    loaded: LoadedModel, path: str, scanned: Scan, shape: Shape, options: Options,
+    captured: dict[int, np.ndarray] | None = None,
 ) -> list[dict[str, Any]]:
-    """The maps of the other example sentences (`Scan.others`), each run alone after the corpus pass."""
+    """The maps of the other example sentences (`Scan.others`).
+
+    Most were captured during the corpus pass (`captured`, by corpus index); one that was not (its batch's
+    slot was taken, it was measured before a resume, or by another rank) runs alone now. A causal model
+    runs only the first EXAMPLE_MAX_TOKENS tokens: later tokens cannot change the maps of earlier ones.
+    """
+    captured = captured or {}
     found = []
     with kernel.statistics_attention(loaded) if path != "eager" else nullcontext():
         for index, sentence, ids in scanned.others:
             n = min(len(ids), EXAMPLE_MAX_TOKENS)
-            maps = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
-            input_ids, mask = pad_batch([ids], loaded.device)  # [1, seq] each
-            special = torch.zeros_like(mask, dtype=torch.bool) if SPECIAL in shape.names else None  # [1, seq]
-            measure_batch(loaded, path, input_ids, mask, special, shape, options, (0, n), maps)
-            found.append({"maps": maps.cpu().numpy(), "tokens": token_labels(loaded.tokenizer, ids[:n], sentence.text),
+            maps = captured.get(index)
+            if maps is None:
+                run_ids = ids[:n] if loaded.causal else ids
+                buffer = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
+                input_ids, mask = pad_batch([run_ids], loaded.device)  # [1, seq] each
+                special = torch.zeros_like(mask, dtype=torch.bool) if SPECIAL in shape.names else None  # [1, seq]
+                measure_batch(loaded, path, input_ids, mask, special, shape, options, [(0, n, buffer)])
+                maps = buffer.cpu().numpy()
+            found.append({"maps": maps, "tokens": token_labels(loaded.tokenizer, ids[:n], sentence.text),
                           "sentence": sentence.text, "total_tokens": len(ids), "index": index, "line": sentence.line,
                           "category": sentence.category})
     return found
@@ -280,6 +291,7 @@ class Measured:
     example_maps: np.ndarray  # [layer, head, query, key], the example's first tokens
     path: str  # fused, blocked or eager
     per_sentence: dict[str, np.ndarray] | None = None  # per score [sentence, layer, head], when kept
+    other_maps: dict[int, np.ndarray] = field(default_factory=dict)  # corpus index -> maps of `Scan.others`
 
 
 def measure(
@@ -300,6 +312,10 @@ def measure(
     n = min(len(scanned.example_ids), EXAMPLE_MAX_TOKENS)
     example_maps = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
     total = batch_count(scanned.sentences, batch_size, world)
+    # the other examples' maps are taken from their batches as they pass (rank 0's only: it writes them)
+    others = {index: min(len(ids), EXAMPLE_MAX_TOKENS) for index, _, ids in scanned.others} if world.is_main else {}
+    other_maps: dict[int, torch.Tensor] = {}  # corpus index -> [layer, head, query, key]
+    slots = 1 if path == "blocked" else batch_size  # the statistics attention hands back one sentence's maps
     start = 0
     if checkpointing is not None and checkpointing.resume_from is not None:
         state = checkpointing.resume_from
@@ -319,8 +335,13 @@ def measure(
         ids, special_ids = tokens.ids, tokens.special
         input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
         special = pad_batch(special_ids, loaded.device)[0].bool() if SPECIAL in shape.names else None  # [b, seq]
-        example = (batch.index(scanned.example_index), n) if scanned.example_index in batch else None
-        stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, example, example_maps)
+        wanted = [(batch.index(scanned.example_index), n, example_maps)] if scanned.example_index in batch else []
+        for row, index in enumerate(batch):
+            if index in others and index not in other_maps and len(wanted) < slots:
+                m = others[index]
+                other_maps[index] = torch.full((shape.layers, shape.heads, m, m), torch.nan, device=loaded.device)
+                wanted.append((row, m, other_maps[index]))
+        stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted)
         check_finite(loaded, stats, sentences, [len(t) for t in ids])
         labels = sentence_categories(corpus, sentences)
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
@@ -340,7 +361,12 @@ def measure(
                 if progress:
                     progress(len(mine) * world.size)
                 continue
-            tokens = tokenize_sentences(loaded, [window[k] for k in mine])
+            cached, scanned.first_window = scanned.first_window, None  # the scan's ids of window 0, if it kept them
+            if first == 0 and cached is not None and len(cached.ids) == len(window):
+                tokens = cached.take(mine)
+            else:
+                tokens = tokenize_sentences(loaded, [window[k] for k in mine])
+            del cached
             for local in length_batches(tokens.ids, batch_size):
                 number += 1
                 if number > start:
@@ -366,7 +392,8 @@ def measure(
     if kept is not None:
         kept = {name: v.cpu().numpy() for name, v in distributed.merge(
             world, {name: torch.from_numpy(v).to(loaded.device) for name, v in kept.items()}).items()}
-    return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), path=path, per_sentence=kept)
+    return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), path=path, per_sentence=kept,
+                    other_maps={index: maps.cpu().numpy() for index, maps in other_maps.items()})
 
 
 def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: list[Sentence],
@@ -389,11 +416,12 @@ def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: l
 
 def measure_batch(
     loaded: LoadedModel, path: str, input_ids: torch.Tensor, mask: torch.Tensor, special: torch.Tensor | None,
-    shape: Shape, options: Options, example: tuple[int, int] | None, example_maps: torch.Tensor,
+    shape: Shape, options: Options, examples: list[tuple[int, int, torch.Tensor]] = (),
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-sentence statistics [sentence, layer, head] and position bins [sentence, layer, head, bin] of one batch.
 
-    Writes the example sentence's maps into `example_maps` [layer, head, query, key] when it is in the batch.
+    `examples`: (row in the batch, tokens kept, maps [layer, head, query, key]) of sentences whose maps to write;
+    the blocked path writes the first one only.
     """
     b, sink, window = input_ids.shape[0], options.sink, options.window
     k = min(shape.bins, bin_count(input_ids.shape[1]))
@@ -412,19 +440,18 @@ def measure_batch(
         def on_sums(layer: int, sums: SentenceSums, maps: torch.Tensor | None) -> None:
             store(layer, sums)
             if maps is not None:
-                example_maps[layer] = maps  # [head, query, key]
+                examples[0][2][layer] = maps  # [head, query, key]
 
         kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
-                         budget_mib=options.budget_mib, block_rows=options.block_rows, example=example,
-                         fused=fused_from(path, options.attention))
+                         budget_mib=options.budget_mib, block_rows=options.block_rows,
+                         example=examples[0][:2] if examples else None, fused=fused_from(path, options.attention))
     else:
         spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
 
         def on_map(layer: int, p: torch.Tensor) -> None:
             store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k, spans[layer]))
-            if example is not None:
-                q = example[1]
-                example_maps[layer] = p[example[0], :, :q, :q].float()  # [head, query, key]
+            for row, q, maps in examples:
+                maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
         stream_attention(loaded, input_ids, mask, on_map)
     return _to_numpy(stats), _to_numpy(bins)
@@ -518,15 +545,18 @@ def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens
         chunk = sentences[start : start + TOKENIZE_CHUNK]
         texts = [clip_text(s.text, loaded.max_length) for s in chunk]  # a huge line: only what can be kept
         with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
-            full = loaded.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
             kept = loaded.tokenizer(
                 texts, add_special_tokens=True, truncation=True, max_length=loaded.max_length,
                 return_special_tokens_mask=True,
             )
+            # only a sentence that reaches the limit can have been cut: count its full length
+            long = [k for k, tokens in enumerate(kept["input_ids"]) if len(tokens) >= loaded.max_length]
+            full = dict(zip(long, loaded.tokenizer([texts[k] for k in long], add_special_tokens=True,
+                                                   truncation=False)["input_ids"])) if long else {}
         for k, (tokens, flags) in enumerate(zip(kept["input_ids"], kept["special_tokens_mask"])):
             if not tokens:
                 raise AttnprobeError(f"corpus line {chunk[k].line} gives no tokens: remove or fix it")
-            if len(full[k]) > len(tokens):
+            if k in full and len(full[k]) > len(tokens):
                 cut.append((chunk[k].line, len(full[k]) - len(tokens)))
             ids.append(np.asarray(tokens, dtype=np.int32))
             special.append(np.asarray(flags, dtype=np.int8))
@@ -546,6 +576,7 @@ class Scan:
     example_index: int = -1  # the example sentence for `plot`: the first closest to EXAMPLE_TARGET_TOKENS
     example: Sentence | None = None
     example_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    first_window: Tokens | None = None  # the ids of the first WINDOW_SENTENCES sentences, when asked to keep them
     # candidates for more examples: per category and per target length, the first closest sentence
     candidates: dict[tuple[str, Any], tuple[int, Sentence, np.ndarray]] = field(default_factory=dict)
 
@@ -580,12 +611,21 @@ class Scan:
 CUT_SHOWN = 5  # truncated sentences named in the warning
 
 
-def scan(loaded: LoadedModel, corpus: Corpus) -> Scan:
-    """Tokenize the corpus once, chunk by chunk, keeping only totals, the longest and the example sentence."""
+def scan(loaded: LoadedModel, corpus: Corpus, keep_first_window: bool = False) -> Scan:
+    """Tokenize the corpus once, chunk by chunk, keeping only totals, the longest and the example sentence.
+
+    `keep_first_window`: also keep the ids of the first WINDOW_SENTENCES sentences (`Scan.first_window`), so
+    that the measuring pass need not tokenize them again: a corpus of one window is tokenized once. At most
+    one window is kept, whatever the corpus's size.
+    """
     result = Scan()
+    window = Tokens([], []) if keep_first_window else None
     for first, chunk in windows(corpus.stream(), TOKENIZE_CHUNK):
         chunk = [clipped(s, loaded.max_length) for s in chunk]  # an example keeps the cut text, not 50 MB
         tokens = tokenize_sentences(loaded, chunk)
+        if window is not None and first < WINDOW_SENTENCES:
+            window.ids.extend(tokens.ids[: WINDOW_SENTENCES - first])
+            window.special.extend(tokens.special[: WINDOW_SENTENCES - first])
         result.sentences += len(chunk)
         result.truncated += tokens.truncated
         result.cut.extend(tokens.cut[: CUT_SHOWN - len(result.cut)])
@@ -596,6 +636,7 @@ def scan(loaded: LoadedModel, corpus: Corpus) -> Scan:
             if result.example is None or _closer(len(ids), len(result.example_ids)):
                 result.example_index, result.example, result.example_ids = first + k, chunk[k], ids
             result.offer(first + k, chunk[k], ids)
+    result.first_window = window
     return result
 
 

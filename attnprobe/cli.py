@@ -21,6 +21,9 @@ from rich.text import Text
 from attnprobe import __version__, defaults, limits
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import head_name, visible
+from attnprobe.threads import apply as apply_threads
+from attnprobe.threads import limit_numpy_threads
+from attnprobe.threads import parse as parse_threads
 
 app = typer.Typer(
     help="Measure what the attention heads of a transformer do: entropy, locality, head types, plots.",
@@ -49,6 +52,20 @@ OutOption = Annotated[
 ModelOption = Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")]
 CorpusOption = Annotated[
     Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
+]
+
+
+def thread_count(text: str) -> str:
+    """A --threads value: `auto` or a whole number, 1 or more (anything else is a usage error)."""
+    try:
+        return str(parse_threads(text))
+    except AttnprobeError as err:
+        raise typer.BadParameter(str(err).removeprefix("--threads ")) from None
+
+
+ThreadsOption = Annotated[
+    str, typer.Option("--threads", parser=thread_count, metavar="N|auto",
+                      help="CPU threads for torch; auto: one per core, less the cores other work keeps busy.")
 ]
 ResultsOption = Annotated[
     Path, typer.Option("--out", parser=folder, metavar="PATH", help="Results folder written by `attnprobe analyze`.")
@@ -189,6 +206,7 @@ def analyze(
         str | None, typer.Option("--max-memory", help="With --device-map: limits per device, e.g. 0=20GiB,cpu=60GiB.")
     ] = None,
     limit: LimitOption = None,
+    threads: ThreadsOption = "auto",
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -225,6 +243,7 @@ def analyze(
         save=lambda state: io.write_files(out, {saved: io.npz_writer(**state.to_arrays())}),
         resume_from=io.read_checkpoint(out, saved) if resume else None, every_seconds=checkpoint_every,
     )
+    threads_used = apply_threads(threads)
     with loading(model, world.is_main) as on_status:
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
                             device_map=device_map, max_memory=parse_max_memory(max_memory), on_status=on_status)
@@ -255,6 +274,7 @@ def analyze(
         release_offload(loaded)
     if not world.is_main:
         return
+    result.run["threads"] = threads_used
     files = {
         io.HEADS_FILE: io.csv_writer(result.heads),
         io.LAYERS_FILE: io.csv_writer(result.layers),
@@ -616,6 +636,7 @@ def verify(
     ] = None,
     sentences: Annotated[int, typer.Option("--sentences", "-n", help="How many sentences to use (first n).")] = 4,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    threads: ThreadsOption = "auto",
 ) -> None:
     """Check that the maps attnprobe reads are the model's true attention; exit 1 if any check fails."""
     from attnprobe.corpus import read_corpus
@@ -630,6 +651,7 @@ def verify(
         texts = [s.text for s in itertools.islice(read_corpus(corpus).stream(), sentences)]
     else:
         texts = list(DEFAULT_SENTENCES)[:sentences]
+    apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
     checks = run_verify(loaded, texts)
@@ -676,6 +698,7 @@ def probe(
         int | None, typer.Option("--limit", metavar="N", help="Score only the first N of each length's --sequences "
                                  "(the same random tokens as without it); recorded in probe.json.")
     ] = None,
+    threads: ThreadsOption = "auto",
 ) -> None:
     """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
     from attnprobe import io, plotting
@@ -694,12 +717,14 @@ def probe(
 
         check_limit(limit)
     io.check_out_dir(out)
+    threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
     with err_console.status("Probing"):
         result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
                            resamples=resamples, batch_size=batch_size, limit=limit)
     kinds = tuple(result.info["kinds"])  # each asked kind once, as the probe ran them
+    result.info["threads"] = threads_used
     written = io.write_files(out, {
         io.PROBE_FILE: io.csv_writer(result.scores),
         io.PROBE_RUN_FILE: io.json_writer(result.info),
@@ -864,6 +889,7 @@ def ablate(
     ] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap and the random pruning order.")] = 0,
     limit: LimitOption = None,
+    threads: ThreadsOption = "auto",
 ) -> None:
     """Ablate each head: loss change and KL (decoders) or embedding change (encoders), gradient importance, pruning."""
     from attnprobe import io, plotting
@@ -876,12 +902,14 @@ def ablate(
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     sentences = read_corpus(corpus).head(limit)
+    threads_used = apply_threads(threads)
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value, dtype.value, lm_head=True)
     with stage_progress() as progress:
         result = ablate_loaded(loaded, sentences, method=method.value, heads=chosen, layers=layers,
                                batch_size=batch_size, resamples=resamples, seed=seed, pruning=pruning,
                                progress=progress)
+    result.run["threads"] = threads_used
     title = f"{model} on {Path(corpus).name}, {method.value} ablation"
     shape = (result.run["model"]["layers"], result.run["model"]["heads"])  # the model's, whatever --heads chose
     written = io.write_ablation(out, result, {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(
@@ -1005,6 +1033,7 @@ def rollout(
         int | None, typer.Option("--limit", metavar="N", help="Treat the corpus as its first N sentences: the "
                                  "example and --index are chosen among them.")
     ] = None,
+    threads: ThreadsOption = "auto",
 ) -> None:
     """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
     from attnprobe import io, plotting
@@ -1021,6 +1050,7 @@ def rollout(
         raise AttnprobeError("--limit picks the first sentences of the corpus: pass --corpus too")
     sentences = read_corpus(corpus).head(limit) if corpus is not None else None
     check_choice(sentences, index, example)
+    apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, dtype.value, on_status=on_status)
     texts, indices = choose_sentences(loaded, sentences, index, example)
@@ -1073,6 +1103,7 @@ def usage_message(err: BaseException) -> str:
 
 def main() -> None:
     """Run the CLI; a misspelt option or value is one `Error:` line too (exit 2), not a usage block."""
+    limit_numpy_threads()
     try:
         code = app(prog_name="attnprobe", standalone_mode=False)
     except typer.Abort:

@@ -122,3 +122,57 @@ def test_examples_span_categories_and_lengths_and_match_each_sentence_alone(gpt2
         single = analyze_loaded(loaded, read_corpus(alone), batch_size=1, resamples=5)
         np.testing.assert_allclose(example["maps"], single.example["maps"], atol=1e-5)
         assert example["tokens"] == single.example["tokens"]
+
+
+def _counting(monkeypatch, name):
+    """Wrap analysis.`name` to record the length of its second argument (sentences, ids) at each call."""
+    calls = []
+    original = getattr(analysis, name)
+
+    def wrapped(*args, **kwargs):
+        calls.append(len(args[1]) if name == "tokenize_sentences" else 1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(analysis, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_window_is_tokenized_once(monkeypatch, gpt2_dir, tagged, window):
+    """The scan's ids of the first window serve the measuring pass; only later windows are tokenized again."""
+    loaded = load_model(str(gpt2_dir), "cpu")
+    corpus = read_corpus(tagged)
+    whole = analyze_loaded(loaded, corpus, batch_size=2, resamples=5)
+    if window:
+        monkeypatch.setattr(analysis, "WINDOW_SENTENCES", window)
+    calls = _counting(monkeypatch, "tokenize_sentences")
+    again = analyze_loaded(loaded, corpus, batch_size=2, resamples=5)
+    assert sum(calls) == len(corpus) + (len(corpus) - window if window else 0)
+    pd.testing.assert_frame_equal(again.heads, whole.heads, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["blocked", "eager"])
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_examples_come_from_the_corpus_pass(monkeypatch, gpt2_dir, tagged, attention, batch_size):
+    """The other examples' maps are taken from their batches (no pass of their own, but for one whose batch
+    already gave the blocked path's single example) and equal each sentence run alone."""
+    loaded = load_model(str(gpt2_dir), "cpu")
+    corpus = read_corpus(tagged)
+    options = analysis.Options(attention=attention)
+    calls = _counting(monkeypatch, "measure_batch")
+    result = analyze_loaded(loaded, corpus, batch_size=batch_size, resamples=5, options=options)
+    batches = batch_count(len(corpus), batch_size, distributed.current())
+    extra = len(calls) - batches  # examples run alone after the corpus pass
+    scanned = analysis.scan(loaded, corpus)
+    assert len(result.examples) == 1 + len(scanned.others) >= 3
+    if attention == "eager" or batch_size == 1:
+        assert extra == 0
+    elif batch_size < len(corpus):  # blocked: one sentence's maps per batch; others sharing it run alone
+        assert extra < len(scanned.others)
+    shape = analysis.Shape(names=analysis.METRICS, bin_names=analysis.POSITION_METRICS, layers=loaded.num_layers,
+                           heads=loaded.num_heads, bins=1, resamples=1, seed=0, categories=())
+    alone = analysis.more_examples(loaded, analysis.attention_path(loaded, attention), scanned, shape, options)
+    for got, want in zip(result.examples[1:], alone):
+        assert (got["index"], got["tokens"], got["total_tokens"]) == (want["index"], want["tokens"],
+                                                                       want["total_tokens"])
+        np.testing.assert_allclose(got["maps"], want["maps"], atol=1e-5)

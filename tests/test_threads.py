@@ -1,0 +1,104 @@
+"""--threads on every command that runs a model: checked as a usage error, applied before the model runs,
+recorded in run.json, ablate.json and probe.json; `auto` leaves out the cores the load keeps busy."""
+
+import json
+import os
+
+import pytest
+import torch
+from test_cli import run
+from test_nothing_lost import usage_error
+
+from attnprobe import threads
+from attnprobe.errors import AttnprobeError
+
+MODEL_COMMANDS = {  # every command that loads a model, with its other required options
+    "analyze": ["--model", "m", "--corpus", "c.txt"],
+    "ablate": ["--model", "m", "--corpus", "c.txt"],
+    "probe": ["--model", "m"],
+    "rollout": ["--model", "m", "--example", "Hello."],
+    "verify": ["--model", "m"],
+}
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_parse():
+    assert threads.parse("auto") == threads.parse(" AUTO ") == "auto"
+    assert threads.parse("3") == threads.parse(3) == 3
+    for bad, words in (("0", "below 1"), ("-1", "below 1"), ("two", "not a whole number"), ("1.5", "whole")):
+        with pytest.raises(AttnprobeError, match=words):
+            threads.parse(bad)
+
+
+@pytest.mark.parametrize(("cores", "cpus", "busy", "expected"), [
+    (2, 2, 0.1, 2),  # a quiet machine: every core
+    (2, 2, 0.8, 1),  # one core busy with other work: one thread
+    (2, 2, 5.0, 1),  # overloaded: one thread, never zero
+    (8, 16, 4.2, 8),  # torch's own count is the ceiling
+    (4, 4, None, 4),  # no load average (not Unix): torch's count
+])
+def test_auto_leaves_out_busy_cores(cores, cpus, busy, expected):
+    assert threads.auto(cores, cpus, busy) == expected
+
+
+def test_apply_sets_torch_and_reports_it():
+    used = threads.apply(1)
+    assert torch.get_num_threads() == 1
+    assert used["requested"] == 1 and used["threads"] == 1 and used["cpus"] >= 1
+    auto = threads.apply("auto")
+    assert auto["requested"] == "auto" and 1 <= auto["threads"] == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("command", sorted(MODEL_COMMANDS))
+@pytest.mark.parametrize(("value", "words"), [("0", "below 1"), ("-1", "below 1"), ("many", "not a whole number")])
+def test_a_bad_thread_count_is_one_usage_line(capsys, monkeypatch, tmp_path, command, value, words):
+    monkeypatch.chdir(tmp_path)
+    code, lines = usage_error(capsys, monkeypatch, command, *MODEL_COMMANDS[command], f"--threads={value}")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("Error: Invalid value for '--threads'") and words in lines[0], lines[0]
+
+
+def test_threads_are_recorded(gpt2_dir, corpus_file, tmp_path):
+    out = tmp_path / "out"
+    result = run("analyze", "--model", gpt2_dir, "--corpus", corpus_file, "--out", out, "--device", "cpu",
+                 "--resamples", 5, "--threads", 1)
+    assert result.exit_code == 0, result.output
+    recorded = json.loads((out / "run.json").read_text())["threads"]
+    assert recorded["requested"] == 1 and recorded["threads"] == 1
+    result = run("ablate", "--model", gpt2_dir, "--corpus", corpus_file, "--out", out, "--device", "cpu",
+                 "--resamples", 5, "--no-pruning", "--threads", 2)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "ablate.json").read_text())["threads"]["threads"] == 2
+    probe_out = tmp_path / "probe"
+    result = run("probe", "--model", gpt2_dir, "--out", probe_out, "--device", "cpu", "--lengths", "5",
+                 "--sequences", 2, "--resamples", 5)
+    assert result.exit_code == 0, result.output
+    assert json.loads((probe_out / "probe.json").read_text())["threads"]["requested"] == "auto"
+
+
+def test_numpy_gets_one_blas_thread_unless_told(monkeypatch):
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    threads.limit_numpy_threads()
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    threads.limit_numpy_threads()
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
+
+
+def test_the_command_line_limits_numpy_before_importing_it(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import os, sys; os.environ.pop('OPENBLAS_NUM_THREADS', None); sys.argv = ['attnprobe', '--version']\n"
+            "from attnprobe.cli import main\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+            "assert 'numpy' not in sys.modules or os.environ['OPENBLAS_NUM_THREADS'] == '1'\n"
+            "print(os.environ['OPENBLAS_NUM_THREADS'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "1"
