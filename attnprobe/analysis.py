@@ -43,7 +43,7 @@ EXAMPLES = 8  # examples.npz: the example, one sentence per category, then sente
 EXAMPLE_LENGTHS = (6, 20, 30, 9, 16, 40, 3)
 FEW_SENTENCES = defaults.FEW_SENTENCES
 
-Progress = Callable[[int], None]  # called with the number of sentences just finished
+Progress = Callable[[float], None]  # sentences just finished: a fraction of a batch as each layer finishes
 # called after each batch with its corpus indices, per score [sentence, layer, head], and its sentences
 OnBatch = Callable[[list[int], dict[str, np.ndarray], list[Sentence]], None]
 
@@ -331,7 +331,8 @@ def measure(
         checkpointing.last_saved = time.monotonic()
 
     def run(batch: list[int], sentences: list[Sentence], tokens: Tokens) -> None:
-        """Measure one batch (corpus indices `batch`; `tokens` holds theirs) and fold it into the totals."""
+        """Measure one batch (corpus indices `batch`; `tokens` holds theirs) and fold it into the totals; progress
+        advances layer by layer (a fraction of the batch's sentences each), so one long document moves too."""
         ids, special_ids = tokens.ids, tokens.special
         input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
         special = pad_batch(special_ids, loaded.device)[0].bool() if SPECIAL in shape.names else None  # [b, seq]
@@ -341,7 +342,9 @@ def measure(
                 m = others[index]
                 other_maps[index] = torch.full((shape.layers, shape.heads, m, m), torch.nan, device=loaded.device)
                 wanted.append((row, m, other_maps[index]))
-        stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted)
+        share = len(batch) * world.size / shape.layers  # the ranks run in step: an estimate of the whole run
+        stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
+                                    on_layer=(lambda: progress(share)) if progress else None)
         check_finite(loaded, stats, sentences, [len(t) for t in ids])
         labels = sentence_categories(corpus, sentences)
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
@@ -371,8 +374,8 @@ def measure(
                 number += 1
                 if number > start:
                     run([first + mine[k] for k in local], [window[mine[k]] for k in local], tokens.take(local))
-                if progress:
-                    progress(len(local) * world.size)  # the ranks run in step: an estimate of the whole run
+                elif progress:
+                    progress(len(local) * world.size)  # done before the checkpoint
                 if checkpointing is not None and start < number < total:
                     if checkpointing.should_stop():
                         save(number)
@@ -417,11 +420,12 @@ def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: l
 def measure_batch(
     loaded: LoadedModel, path: str, input_ids: torch.Tensor, mask: torch.Tensor, special: torch.Tensor | None,
     shape: Shape, options: Options, examples: list[tuple[int, int, torch.Tensor]] = (),
+    on_layer: Callable[[], None] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-sentence statistics [sentence, layer, head] and position bins [sentence, layer, head, bin] of one batch.
 
     `examples`: (row in the batch, tokens kept, maps [layer, head, query, key]) of sentences whose maps to write;
-    the blocked path writes the first one only.
+    the blocked path writes the first one only. `on_layer` is called as each layer's statistics arrive.
     """
     b, sink, window = input_ids.shape[0], options.sink, options.window
     k = min(shape.bins, bin_count(input_ids.shape[1]))
@@ -435,6 +439,8 @@ def measure_batch(
             stats[name][:, layer] = value
         for name, value in sums.bin_means().items():  # [batch, head, bin]
             bins[name][:, layer] = value
+        if on_layer is not None:
+            on_layer()
 
     if path != "eager":
         def on_sums(layer: int, sums: SentenceSums, maps: torch.Tensor | None) -> None:

@@ -209,7 +209,14 @@ def analyze(
     threads: ThreadsOption = "auto",
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     from attnprobe import distributed, io
     from attnprobe.analysis import Options, analyze_loaded, check_options
@@ -247,7 +254,8 @@ def analyze(
     with loading(model, world.is_main) as on_status:
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
                             device_map=device_map, max_memory=parse_max_memory(max_memory), on_status=on_status)
-    columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(), TextColumn("ETA"),
+               TimeRemainingColumn())  # advances layer by layer: a single long document moves too
     try:
         with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar, \
                 stop_requests() as stop, sentence_writer(out, sentences, per_sentence, world) as rows:

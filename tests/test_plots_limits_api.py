@@ -266,3 +266,19 @@ def test_ablate_logs_one_plain_line_per_step_when_stderr_is_no_terminal(gpt2_dir
     stages = [line.split(":")[0] for line in lines]
     assert stages == ["mean"] * stages.count("mean") + ["ablate"] * 2 + ["gradient"] * 2 + ["pruning"] * 2
     assert lines[stages.index("ablate") + 1].startswith("ablate: 8/8 sentences (") and lines[-1].endswith(" s)")
+
+
+def test_analyze_progress_moves_layer_by_layer_on_one_document(llama_dir):
+    """Item 11: one long document is one batch; progress advances as each layer finishes, not 0/1 until the end."""
+    from test_blocked import corpus_of
+
+    from attnprobe.analysis import analyze_loaded
+    from attnprobe.model import load_model
+
+    loaded = load_model(str(llama_dir), "cpu")
+    steps, totals = [], []
+    analyze_loaded(loaded, corpus_of(["The cat sat on the mat. " * 8]), resamples=5, progress=steps.append,
+                   on_start=totals.append)
+    assert totals == [1]
+    assert steps == pytest.approx([1 / loaded.num_layers] * loaded.num_layers)
+    assert sum(steps) == pytest.approx(1.0)
