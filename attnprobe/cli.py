@@ -176,8 +176,9 @@ def analyze(
     ] = SplitChoice.lines,
     attention: Annotated[
         AttentionChoice,
-        typer.Option("--attention", help="blocked: statistics inside attnprobe's attention, O(n) memory; "
-                     "eager: hooks on full maps; auto: blocked where supported."),
+        typer.Option("--attention", help="fused: statistics from the fused kernel's logsumexp; blocked: "
+                     "statistics inside attnprobe's attention, O(n) memory; eager: hooks on full maps; auto: fused "
+                     "from 512 tokens and blocked below, where the architecture allows, else eager."),
     ] = AttentionChoice.auto,
     block_mib: Annotated[
         float, typer.Option("--block-mib", help="Memory budget (MiB) for one block of attention rows (blocked).")
