@@ -125,9 +125,11 @@ def grid(heads: pd.DataFrame, column: str) -> np.ndarray:
 
 def draw_head_grid(
     ax: Axes, heads: pd.DataFrame, column: str, title: str, cmap: str, vmin: float | None = None,
-    vmax: float | None = None,
+    vmax: float | None = None, digits: int = 2,
 ) -> Any:
-    """A layers x heads grid of one column, each cell annotated while there are few enough."""
+    """A layers x heads grid of one column, each cell annotated while there are few enough: with `digits`
+    decimals, or, for `digits` < 0, with -`digits` significant digits. The numbers are black on light cells and
+    white on dark ones, whichever way the colour map runs."""
     values = grid(heads, column)  # [layer, head]
     n_layers, n_heads = values.shape
     colors = colormaps[cmap].with_extremes(bad=MISSING_COLOR)  # a cell without a value is grey, not a colour
@@ -139,20 +141,34 @@ def draw_head_grid(
     ax.set_xticks(range(n_heads))
     ax.set_yticks(range(n_layers))
     if values.size <= MAX_ANNOTATED_CELLS:
-        low = np.nanmin(values) if vmin is None else vmin
-        high = np.nanmax(values) if vmax is None else vmax
-        middle = low + 0.6 * (high - low)
         size = 8 if values.size <= 160 else 6
         for (layer, head), value in np.ndenumerate(values):
             if not np.isfinite(value):
                 continue  # no value, no number: the cell stays grey
-            color = "white" if value > middle else "black"
-            ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=size, color=color)
+            ax.text(head, layer, cell_text(value, digits), ha="center", va="center", fontsize=size,
+                    color=ink_on(colors(image.norm(value))))
     return image
 
 
+def ink_on(rgba: Any) -> str:
+    """Black or white, whichever reads on a cell of colour `rgba`."""
+    red, green, blue = rgba[:3]
+    return "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.55 else "white"
+
+
+def cell_text(value: float, digits: int) -> str:
+    """`value` with `digits` decimals, or with -`digits` significant digits when `digits` is negative."""
+    if digits >= 0:
+        return f"{value:.{digits}f}"
+    return f"{value:.{-digits}g}"
+
+
+ENTROPY_CMAP = "viridis"  # as in report.html's grid: low entropy (sharp) dark, high entropy (diffuse) light
+ENTROPY_BAR_LABEL = "entropy (nats): dark = sharp, light = diffuse"
+
+
 def draw_entropy_heatmap(ax: Axes, heads: pd.DataFrame) -> Any:
-    return draw_head_grid(ax, heads, "entropy", "Mean attention entropy per head (light = sharp)", "Blues")
+    return draw_head_grid(ax, heads, "entropy", "Mean attention entropy per head (dark = sharp)", ENTROPY_CMAP)
 
 
 def draw_layer_entropy(ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame) -> None:
@@ -298,10 +314,10 @@ def entropy_heatmap_figure(heads: pd.DataFrame, title: str | None = None) -> Fig
     n_layers, n_heads = grid(heads, "entropy").shape
     figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
     ax = figure.add_subplot()
-    figure.colorbar(draw_entropy_heatmap(ax, heads), ax=ax, label="entropy (nats)")
+    figure.colorbar(draw_entropy_heatmap(ax, heads), ax=ax, label=ENTROPY_BAR_LABEL)
     if title is not None:  # the title names what is drawn; the panel's own title says how to read it
         figure.suptitle(plain_text(title))
-        ax.set_title("light = sharp heads, dark = diffuse ones", fontsize=10)
+        ax.set_title("dark = sharp heads, light = diffuse ones", fontsize=10)
     return figure
 
 
@@ -467,9 +483,31 @@ def probe_heatmap_figure(
 POSITION_CMAP = "viridis"  # layers coloured by depth, shallow dark to deep yellow
 
 
+POSITION_XLABEL = "query position (0-based, log scale of position + 1)"
+
+
 def position_x(positions: pd.DataFrame) -> pd.Series:
-    """Where a bin sits on a 1-based log axis: the geometric centre of its first and last query positions."""
-    return np.sqrt((positions["position_min"] + 1.0) * (positions["position_max"] + 1.0))
+    """Where a bin sits on the 0-based position axis: the geometric centre of its first and last positions + 1,
+    less 1 (bin 0 at 0, bin 1 at 1)."""
+    return np.sqrt((positions["position_min"] + 1.0) * (positions["position_max"] + 1.0)) - 1.0
+
+
+def _log1p(x: Any) -> Any:
+    return np.log1p(np.maximum(x, 0.0))
+
+
+def position_scale(ax: Axes, longest: float) -> None:
+    """A log scale of position + 1 on the x axis, so 0-based position 0 has a place, with ticks at 0-based
+    positions 0, 1, 10, 100, ... (and 3, 30, 300, ... while there are few decades) up to `longest`."""
+    ax.set_xscale("function", functions=(_log1p, np.expm1))
+    ticks, decade = [0, 1], 10
+    while decade <= max(longest, 1.0):
+        ticks.append(decade)
+        decade *= 10
+    if len(ticks) <= 4:
+        ticks = sorted(ticks + [3 * t for t in ticks[1:] if 3 * t <= longest])
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlim(-0.1, max(longest, 1.0) * 1.1)
 
 
 def layer_norm(positions: pd.DataFrame) -> Normalize:
@@ -497,8 +535,8 @@ def draw_position_profile(ax: Axes, positions: pd.DataFrame, column: str, ylabel
             continue
         ax.plot(group["x"], group["value"], marker="o", markersize=2.5, linewidth=1.2,
                 color=cmap(norm(layer)), label=f"layer {layer}")
-    ax.set_xscale("log")
-    ax.set_xlabel("query position (1-based, log scale)")
+    position_scale(ax, float(table["position_max"].max()) if table["position_max"].notna().any() else 1.0)
+    ax.set_xlabel(POSITION_XLABEL)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.3)
     return ScalarMappable(norm=norm, cmap=cmap)

@@ -36,7 +36,29 @@ def test_heatmap_has_one_cell_per_head(shape):
     assert ax.images[0].get_array().shape == shape
     assert len(ax.texts) == shape[0] * shape[1]  # every cell annotated at these sizes
     assert ax.get_xlabel() == "head" and ax.get_ylabel() == "layer"
-    assert figure.axes[1].get_ylabel() == "entropy (nats)"  # the colour bar
+    assert figure.axes[1].get_ylabel() == "entropy (nats): dark = sharp, light = diffuse"  # the colour bar
+
+
+def luminance(rgba) -> float:
+    return 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]
+
+
+def test_heatmap_draws_sharp_heads_dark_as_the_report_does():
+    """Issue 20: the PNG ran light = sharp while report.html's grid runs dark = sharp. Both use viridis now, low
+    entropy dark; the numbers stay readable (white on dark cells, black on light ones)."""
+    heads = fake_heads(4, 4)
+    figure = plotting.entropy_heatmap_figure(heads, "a title")
+    ax = figure.axes[0]
+    image = ax.images[0]
+    assert image.get_cmap().name.startswith("viridis")
+    sharp, diffuse = heads["entropy"].idxmin(), heads["entropy"].idxmax()
+    dark = image.to_rgba(heads.loc[sharp, "entropy"])
+    light = image.to_rgba(heads.loc[diffuse, "entropy"])
+    assert luminance(dark) < luminance(light)
+    assert "dark = sharp" in ax.get_title() and "dark = sharp" in figure.axes[1].get_ylabel()
+    colour = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_color() for t in ax.texts}
+    assert colour[(heads.loc[sharp, "layer"], heads.loc[sharp, "head"])] == "white"
+    assert colour[(heads.loc[diffuse, "layer"], heads.loc[diffuse, "head"])] == "black"
 
 
 def test_large_heatmaps_drop_annotations():
