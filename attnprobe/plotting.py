@@ -95,6 +95,20 @@ def token_label(token: str, limit: int = LABEL_MAX_CHARS) -> str:
     return plain_text(shown, newlines=False)
 
 
+TITLE_GAP = 0.08  # inches of space (constrained layout's h_pad) around panels, so a figure title clears panel titles
+
+
+def spaced_suptitle(figure: Figure, text: str, **kwargs: Any) -> None:
+    """The figure's title, with room between it and the panels' own titles (they touched)."""
+    figure.suptitle(text, **kwargs)
+    figure.get_layout_engine().set(h_pad=TITLE_GAP)
+
+
+def one_line(text: str) -> str:
+    """`text` with each run of whitespace (line breaks of a long document included) as one space."""
+    return " ".join(text.split())
+
+
 def short_text(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -338,7 +352,7 @@ def layer_gradient_figure(
     draw_layer_entropy(left, heads, layers)
     draw_type_distribution(right, types)
     if title is not None:
-        figure.suptitle(plain_text(title))
+        spaced_suptitle(figure, plain_text(title))
     return figure
 
 
@@ -369,7 +383,7 @@ def example_caption(example: dict[str, Any], limit: int = 110) -> str:
     bits = [f"line {example['line']}" if example.get("line", -1) >= 0 else "", str(example.get("category") or "")]
     total = int(example.get("total_tokens", n))
     bits.append(f"first {n} of {total} tokens" if total > n else f"{n} tokens")
-    sentence = plain_text(short_text(example["sentence"], limit), newlines=False)
+    sentence = plain_text(short_text(one_line(example["sentence"]), limit), newlines=False)
     return f'"{sentence}" ({plain_text(", ".join(b for b in bits if b))})'
 
 
@@ -476,7 +490,7 @@ def probe_heatmap_figure(
             bar.ax.axhline(value, color="#d62728", linewidth=2.0)
         where = "; ".join(f"{', '.join(names)} {level}" for level, names in levels.items())
         bar.set_label(f"{label}\nred line: chance, uniform attention ({where})")
-    figure.suptitle(f"Synthetic probes on {plain_text(model)}: random tokens repeated twice")
+    spaced_suptitle(figure, f"Synthetic probes on {plain_text(model)}: random tokens repeated twice")
     return figure
 
 
@@ -717,7 +731,10 @@ def importance_heatmap_figure(
     ablated = int(cells[column].notna().sum())
     if ablated < len(cells):
         heading += f"\n{ablated} of {len(cells)} heads ablated (grey: not ablated)"
-    image = draw_head_grid(ax, cells, column, heading, "RdBu_r", vmin=-largest, vmax=largest)
+    if column == "embedding_change":  # 1 - cosine is never negative: a sequential scale from 0, 3 significant digits
+        image = draw_head_grid(ax, cells, column, heading, "Reds", vmin=0.0, vmax=largest, digits=-3)
+    else:  # a loss change goes either way: centred on 0
+        image = draw_head_grid(ax, cells, column, heading, "RdBu_r", vmin=-largest, vmax=largest)
     figure.colorbar(image, ax=ax, label=IMPORTANCE_LABELS[column])
     if title is not None:
         figure.suptitle(plain_text(title))
@@ -869,7 +886,7 @@ def rollout_figure(rollout: Any, model: str, corpus: str | None = None) -> Figur
         cut = f" (first {len(tokens)} of {total} tokens)" if total > len(tokens) else ""
         draw_pattern(axes[s, 0], rollout.rollout[s][-1], tokens,
                      f"rollout through {layers} layers{cut}\n"
-                     f"{plain_text(short_text(rollout.sentences[s]), newlines=False)}", side)
+                     f"{plain_text(short_text(one_line(rollout.sentences[s])), newlines=False)}", side)
         image = draw_pattern(axes[s, 1], rollout.raw[s], tokens, f"raw attention, last layer (layer {layers - 1})",
                              side)
     figure.colorbar(image, ax=list(axes.ravel()), label="share of the row (heads averaged)", shrink=0.6)
