@@ -95,6 +95,20 @@ def token_label(token: str, limit: int = LABEL_MAX_CHARS) -> str:
     return plain_text(shown, newlines=False)
 
 
+TITLE_GAP = 0.08  # inches of space (constrained layout's h_pad) around panels, so a figure title clears panel titles
+
+
+def spaced_suptitle(figure: Figure, text: str, **kwargs: Any) -> None:
+    """The figure's title, with room between it and the panels' own titles (they touched)."""
+    figure.suptitle(text, **kwargs)
+    figure.get_layout_engine().set(h_pad=TITLE_GAP)
+
+
+def one_line(text: str) -> str:
+    """`text` with each run of whitespace (line breaks of a long document included) as one space."""
+    return " ".join(text.split())
+
+
 def short_text(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -125,9 +139,11 @@ def grid(heads: pd.DataFrame, column: str) -> np.ndarray:
 
 def draw_head_grid(
     ax: Axes, heads: pd.DataFrame, column: str, title: str, cmap: str, vmin: float | None = None,
-    vmax: float | None = None,
+    vmax: float | None = None, digits: int = 2,
 ) -> Any:
-    """A layers x heads grid of one column, each cell annotated while there are few enough."""
+    """A layers x heads grid of one column, each cell annotated while there are few enough: with `digits`
+    decimals, or, for `digits` < 0, with -`digits` significant digits. The numbers are black on light cells and
+    white on dark ones, whichever way the colour map runs."""
     values = grid(heads, column)  # [layer, head]
     n_layers, n_heads = values.shape
     colors = colormaps[cmap].with_extremes(bad=MISSING_COLOR)  # a cell without a value is grey, not a colour
@@ -139,20 +155,34 @@ def draw_head_grid(
     ax.set_xticks(range(n_heads))
     ax.set_yticks(range(n_layers))
     if values.size <= MAX_ANNOTATED_CELLS:
-        low = np.nanmin(values) if vmin is None else vmin
-        high = np.nanmax(values) if vmax is None else vmax
-        middle = low + 0.6 * (high - low)
         size = 8 if values.size <= 160 else 6
         for (layer, head), value in np.ndenumerate(values):
             if not np.isfinite(value):
                 continue  # no value, no number: the cell stays grey
-            color = "white" if value > middle else "black"
-            ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=size, color=color)
+            ax.text(head, layer, cell_text(value, digits), ha="center", va="center", fontsize=size,
+                    color=ink_on(colors(image.norm(value))))
     return image
 
 
+def ink_on(rgba: Any) -> str:
+    """Black or white, whichever reads on a cell of colour `rgba`."""
+    red, green, blue = rgba[:3]
+    return "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.55 else "white"
+
+
+def cell_text(value: float, digits: int) -> str:
+    """`value` with `digits` decimals, or with -`digits` significant digits when `digits` is negative."""
+    if digits >= 0:
+        return f"{value:.{digits}f}"
+    return f"{value:.{-digits}g}"
+
+
+ENTROPY_CMAP = "viridis"  # as in report.html's grid: low entropy (sharp) dark, high entropy (diffuse) light
+ENTROPY_BAR_LABEL = "entropy (nats): dark = sharp, light = diffuse"
+
+
 def draw_entropy_heatmap(ax: Axes, heads: pd.DataFrame) -> Any:
-    return draw_head_grid(ax, heads, "entropy", "Mean attention entropy per head (light = sharp)", "Blues")
+    return draw_head_grid(ax, heads, "entropy", "Mean attention entropy per head (dark = sharp)", ENTROPY_CMAP)
 
 
 def draw_layer_entropy(ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame) -> None:
@@ -298,10 +328,10 @@ def entropy_heatmap_figure(heads: pd.DataFrame, title: str | None = None) -> Fig
     n_layers, n_heads = grid(heads, "entropy").shape
     figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
     ax = figure.add_subplot()
-    figure.colorbar(draw_entropy_heatmap(ax, heads), ax=ax, label="entropy (nats)")
+    figure.colorbar(draw_entropy_heatmap(ax, heads), ax=ax, label=ENTROPY_BAR_LABEL)
     if title is not None:  # the title names what is drawn; the panel's own title says how to read it
         figure.suptitle(plain_text(title))
-        ax.set_title("light = sharp heads, dark = diffuse ones", fontsize=10)
+        ax.set_title("dark = sharp heads, light = diffuse ones", fontsize=10)
     return figure
 
 
@@ -322,7 +352,7 @@ def layer_gradient_figure(
     draw_layer_entropy(left, heads, layers)
     draw_type_distribution(right, types)
     if title is not None:
-        figure.suptitle(plain_text(title))
+        spaced_suptitle(figure, plain_text(title))
     return figure
 
 
@@ -353,7 +383,7 @@ def example_caption(example: dict[str, Any], limit: int = 110) -> str:
     bits = [f"line {example['line']}" if example.get("line", -1) >= 0 else "", str(example.get("category") or "")]
     total = int(example.get("total_tokens", n))
     bits.append(f"first {n} of {total} tokens" if total > n else f"{n} tokens")
-    sentence = plain_text(short_text(example["sentence"], limit), newlines=False)
+    sentence = plain_text(short_text(one_line(example["sentence"]), limit), newlines=False)
     return f'"{sentence}" ({plain_text(", ".join(b for b in bits if b))})'
 
 
@@ -460,16 +490,38 @@ def probe_heatmap_figure(
             bar.ax.axhline(value, color="#d62728", linewidth=2.0)
         where = "; ".join(f"{', '.join(names)} {level}" for level, names in levels.items())
         bar.set_label(f"{label}\nred line: chance, uniform attention ({where})")
-    figure.suptitle(f"Synthetic probes on {plain_text(model)}: random tokens repeated twice")
+    spaced_suptitle(figure, f"Synthetic probes on {plain_text(model)}: random tokens repeated twice")
     return figure
 
 
 POSITION_CMAP = "viridis"  # layers coloured by depth, shallow dark to deep yellow
 
 
+POSITION_XLABEL = "query position (0-based, log scale of position + 1)"
+
+
 def position_x(positions: pd.DataFrame) -> pd.Series:
-    """Where a bin sits on a 1-based log axis: the geometric centre of its first and last query positions."""
-    return np.sqrt((positions["position_min"] + 1.0) * (positions["position_max"] + 1.0))
+    """Where a bin sits on the 0-based position axis: the geometric centre of its first and last positions + 1,
+    less 1 (bin 0 at 0, bin 1 at 1)."""
+    return np.sqrt((positions["position_min"] + 1.0) * (positions["position_max"] + 1.0)) - 1.0
+
+
+def _log1p(x: Any) -> Any:
+    return np.log1p(np.maximum(x, 0.0))
+
+
+def position_scale(ax: Axes, longest: float) -> None:
+    """A log scale of position + 1 on the x axis, so 0-based position 0 has a place, with ticks at 0-based
+    positions 0, 1, 10, 100, ... (and 3, 30, 300, ... while there are few decades) up to `longest`."""
+    ax.set_xscale("function", functions=(_log1p, np.expm1))
+    ticks, decade = [0, 1], 10
+    while decade <= max(longest, 1.0):
+        ticks.append(decade)
+        decade *= 10
+    if len(ticks) <= 4:
+        ticks = sorted(ticks + [3 * t for t in ticks[1:] if 3 * t <= longest])
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlim(-0.1, max(longest, 1.0) * 1.1)
 
 
 def layer_norm(positions: pd.DataFrame) -> Normalize:
@@ -497,8 +549,8 @@ def draw_position_profile(ax: Axes, positions: pd.DataFrame, column: str, ylabel
             continue
         ax.plot(group["x"], group["value"], marker="o", markersize=2.5, linewidth=1.2,
                 color=cmap(norm(layer)), label=f"layer {layer}")
-    ax.set_xscale("log")
-    ax.set_xlabel("query position (1-based, log scale)")
+    position_scale(ax, float(table["position_max"].max()) if table["position_max"].notna().any() else 1.0)
+    ax.set_xlabel(POSITION_XLABEL)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.3)
     return ScalarMappable(norm=norm, cmap=cmap)
@@ -679,7 +731,10 @@ def importance_heatmap_figure(
     ablated = int(cells[column].notna().sum())
     if ablated < len(cells):
         heading += f"\n{ablated} of {len(cells)} heads ablated (grey: not ablated)"
-    image = draw_head_grid(ax, cells, column, heading, "RdBu_r", vmin=-largest, vmax=largest)
+    if column == "embedding_change":  # 1 - cosine is never negative: a sequential scale from 0, 3 significant digits
+        image = draw_head_grid(ax, cells, column, heading, "Reds", vmin=0.0, vmax=largest, digits=-3)
+    else:  # a loss change goes either way: centred on 0
+        image = draw_head_grid(ax, cells, column, heading, "RdBu_r", vmin=-largest, vmax=largest)
     figure.colorbar(image, ax=ax, label=IMPORTANCE_LABELS[column])
     if title is not None:
         figure.suptitle(plain_text(title))
@@ -831,7 +886,7 @@ def rollout_figure(rollout: Any, model: str, corpus: str | None = None) -> Figur
         cut = f" (first {len(tokens)} of {total} tokens)" if total > len(tokens) else ""
         draw_pattern(axes[s, 0], rollout.rollout[s][-1], tokens,
                      f"rollout through {layers} layers{cut}\n"
-                     f"{plain_text(short_text(rollout.sentences[s]), newlines=False)}", side)
+                     f"{plain_text(short_text(one_line(rollout.sentences[s])), newlines=False)}", side)
         image = draw_pattern(axes[s, 1], rollout.raw[s], tokens, f"raw attention, last layer (layer {layers - 1})",
                              side)
     figure.colorbar(image, ax=list(axes.ravel()), label="share of the row (heads averaged)", shrink=0.6)

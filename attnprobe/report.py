@@ -25,6 +25,7 @@ from attnprobe.errors import AttnprobeError
 from attnprobe.naming import visible
 
 MAP_LEVELS = 255  # a weight p is stored as round(p * 255) in one byte: at most 1/510 off
+SENTENCE_CHARS = 240  # an example's text is cut to this many characters (as report.js's SENTENCE_CHARS)
 MAP_BUDGET = 20_000_000  # base64 characters of maps at most: a large model keeps fewer examples (with a note)
 # Scores shown in the grid, in this order when present: (label, what it measures).
 HEAD_SCORES: dict[str, tuple[str, str]] = {
@@ -193,7 +194,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
             notes.append(f"only {len(examples)} of {len(found)} example sentences are shown: the maps of this "
                          f"{n_layers} x {n_heads} model would make the page too large")
             break
-        examples.append({"sentence": example["sentence"], "tokens": example["tokens"],
+        examples.append({"sentence": short_sentence(example["sentence"]), "tokens": example["tokens"],
                          "total": example["total_tokens"], "category": example["category"] or None,
                          "tri": triangular, "maps": encoded})
     if not examples:
@@ -215,6 +216,12 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
         "notes": notes,
     }
     return data, notes
+
+
+def short_sentence(text: str, limit: int = SENTENCE_CHARS) -> str:
+    """An example's text as its panel heads it: cut to `limit` characters with an ellipsis (one long document
+    would otherwise print its whole text; the panel gives the token count)."""
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"
 
 
 def encode_maps(maps: np.ndarray) -> tuple[str, bool]:
@@ -410,16 +417,24 @@ def _categories(out: Path, n_layers: int) -> dict[str, Any] | None:
     frame = io.read_table(out, io.CATEGORIES_FILE, ["category", "layer", "entropy"], "attnprobe analyze")
     io.check_fits_heads(pd.DataFrame({"layer": range(n_layers)}), frame, io.CATEGORIES_FILE,
                         f"attnprobe analyze --out {out}")
+    # normalized entropy where categories.csv has it, as plot's layer_gradient.png: raw entropy grows with the
+    # number of keys, so the category of the longest sentences would sit highest by length alone
+    score = "entropy_norm" if "entropy_norm" in frame.columns and frame["entropy_norm"].notna().any() else "entropy"
     lines = []
     for name, group in frame.groupby("category", sort=False):
         group = group.set_index("layer").reindex(range(n_layers))
-        line = {"name": str(name), "mean": _numbers(group["entropy"])}
-        if "entropy_ci_low" in group.columns:
-            line["low"], line["high"] = _numbers(group["entropy_ci_low"]), _numbers(group["entropy_ci_high"])
+        line = {"name": str(name), "mean": _numbers(group[score])}
+        if f"{score}_ci_low" in group.columns:
+            line["low"], line["high"] = _numbers(group[f"{score}_ci_low"]), _numbers(group[f"{score}_ci_high"])
         if "sentences" in group.columns and group["sentences"].notna().any():
             line["sentences"] = int(group["sentences"].max())
         lines.append(line)
-    return {"score": "entropy", "lines": lines}
+    if score == "entropy_norm":
+        label, caption = "normalized entropy H / ln(keys)", ("Mean normalized entropy per category (entropy / "
+                                                              "ln(keys): sentence length cancels out)")
+    else:
+        label, caption = "entropy (nats)", "Mean entropy per category (nats; raw: longer sentences sit higher)"
+    return {"score": score, "label": label, "caption": caption, "lines": lines}
 
 
 def _positions(out: Path, heads: pd.DataFrame, n_layers: int, n_heads: int) -> dict[str, Any] | None:

@@ -36,7 +36,29 @@ def test_heatmap_has_one_cell_per_head(shape):
     assert ax.images[0].get_array().shape == shape
     assert len(ax.texts) == shape[0] * shape[1]  # every cell annotated at these sizes
     assert ax.get_xlabel() == "head" and ax.get_ylabel() == "layer"
-    assert figure.axes[1].get_ylabel() == "entropy (nats)"  # the colour bar
+    assert figure.axes[1].get_ylabel() == "entropy (nats): dark = sharp, light = diffuse"  # the colour bar
+
+
+def luminance(rgba) -> float:
+    return 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]
+
+
+def test_heatmap_draws_sharp_heads_dark_as_the_report_does():
+    """Issue 20: the PNG ran light = sharp while report.html's grid runs dark = sharp. Both use viridis now, low
+    entropy dark; the numbers stay readable (white on dark cells, black on light ones)."""
+    heads = fake_heads(4, 4)
+    figure = plotting.entropy_heatmap_figure(heads, "a title")
+    ax = figure.axes[0]
+    image = ax.images[0]
+    assert image.get_cmap().name.startswith("viridis")
+    sharp, diffuse = heads["entropy"].idxmin(), heads["entropy"].idxmax()
+    dark = image.to_rgba(heads.loc[sharp, "entropy"])
+    light = image.to_rgba(heads.loc[diffuse, "entropy"])
+    assert luminance(dark) < luminance(light)
+    assert "dark = sharp" in ax.get_title() and "dark = sharp" in figure.axes[1].get_ylabel()
+    colour = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_color() for t in ax.texts}
+    assert colour[(heads.loc[sharp, "layer"], heads.loc[sharp, "head"])] == "white"
+    assert colour[(heads.loc[diffuse, "layer"], heads.loc[diffuse, "head"])] == "black"
 
 
 def test_large_heatmaps_drop_annotations():
@@ -251,3 +273,56 @@ def test_labels_in_any_script_draw_without_warnings(fmt, tmp_path):
             figure.savefig(tmp_path / f"g.{fmt}", format=fmt)  # drawn outside attnprobe's writer too
     assert not [str(w.message) for w in caught if "Glyph" in str(w.message)]
     assert (tmp_path / f"f.{fmt}").stat().st_size > 0
+
+
+def test_encoder_importance_is_sequential_from_0_with_3_significant_digits():
+    """Issue 20: 1 - cosine is never negative, yet the scale was symmetric about 0, and rows of small values
+    all read "0.00"."""
+    heads = fake_heads(6, 4)[["layer", "head"]]
+    values = np.concatenate([np.linspace(1e-4, 4e-3, 20), [0.02, 0.05, 0.08, 0.12]])
+    importance = heads.assign(embedding_change=values)
+    figure = plotting.importance_heatmap_figure(importance, title="bert")
+    ax = figure.axes[0]
+    image = ax.images[0]
+    assert image.norm.vmin == 0.0 and image.norm.vmax == pytest.approx(0.12)
+    assert image.get_cmap().name.startswith("Reds")
+    texts = [t.get_text() for t in ax.texts]
+    assert "0.00" not in texts and len(set(texts)) == len(texts)  # every small value reads apart
+    assert texts[0] == f"{values[0]:.3g}" and texts[-1] == "0.12"
+    decoder = plotting.importance_heatmap_figure(heads.assign(loss_change=np.linspace(-0.5, 1.0, 24)))
+    norm = decoder.axes[0].images[0].norm
+    assert norm.vmin == -norm.vmax  # a loss change goes either way: still centred on 0
+
+
+def title_gaps(figure) -> list[float]:
+    """Inches between the figure title's bottom and each panel title's top."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    bottom = figure._suptitle.get_window_extent(renderer).y0
+    return [(bottom - ax.title.get_window_extent(renderer).y1) / figure.dpi for ax in figure.axes
+            if ax.title.get_text()]
+
+
+def test_figure_titles_clear_the_panel_titles():
+    """Issue 20: in layer_gradient and probe_heatmap the figure title sat on the panels' titles."""
+    heads = fake_heads(12, 12)
+    categories = pd.DataFrame([{"category": c, "layer": layer, "entropy": 1.0, "entropy_norm": 0.5, "sentences": 3}
+                               for c in "ab" for layer in range(12)])
+    gradient = plotting.layer_gradient_figure(heads, fake_layers(heads), classify(heads), categories,
+                                              "Entropy by depth and head types: gpt2 on corpus.txt")
+    probes = plotting.probe_heatmap_figure(heads.assign(induction=0.5, duplicate=0.2, previous=0.1),
+                                           ["induction", "duplicate", "previous"], "gpt2", {"induction": 0.01})
+    for figure in (gradient, probes):
+        gaps = title_gaps(figure)
+        assert len(gaps) == 3 and min(gaps) >= 0.12, gaps
+
+
+def test_a_long_documents_line_breaks_do_not_show_as_backslash_n():
+    """Issue 20: a long document's title printed its line breaks as a literal "\\n"."""
+    example = {"tokens": ["a"] * 5, "sentence": "Chapter 1\n\nIt was a dark\nnight.", "total_tokens": 7657}
+    caption = plotting.example_caption(example)
+    assert "\\n" not in caption and '"Chapter 1 It was a dark night."' in caption
+    assert "first 5 of 7657 tokens" in caption

@@ -41,7 +41,7 @@ def expected(positions: pd.DataFrame, column: str, layer: int) -> tuple[np.ndarr
         if np.isnan(values).all():
             continue
         lo, hi = group["position_min"].iloc[0], group["position_max"].iloc[0]
-        x.append(np.sqrt((lo + 1) * (hi + 1)))
+        x.append(np.sqrt((lo + 1) * (hi + 1)) - 1)  # 0-based, as positions.csv
         y.append(np.nanmean(values))
     return np.array(x), np.array(y)
 
@@ -57,8 +57,8 @@ def test_one_line_per_layer_with_mean_over_heads(shape):
     figure = plotting.position_profile_figure(positions)
     left, right = panels(figure)
     for ax, column in [(left, "entropy"), (right, "first_token")]:
-        assert ax.get_xscale() == "log"
-        assert ax.get_xlabel() == "query position (1-based, log scale)"
+        assert ax.get_xscale() == "function"  # log of position + 1: position 0 has a place
+        assert ax.get_xlabel() == "query position (0-based, log scale of position + 1)"
         assert len(ax.lines) == n_layers
         for layer, line in enumerate(ax.lines):
             x, y = expected(positions, column, layer)
@@ -121,7 +121,7 @@ def test_draw_position_profile_fills_a_given_axes():
     positions = fake_positions(4, 3, 6)
     ax = Figure().add_subplot()
     plotting.draw_position_profile(ax, positions, "diagonal", "diagonal mass")
-    assert ax.get_ylabel() == "diagonal mass" and ax.get_xscale() == "log"
+    assert ax.get_ylabel() == "diagonal mass" and ax.get_xscale() == "function"
     np.testing.assert_allclose(ax.lines[3].get_ydata(), expected(positions, "diagonal", 3)[1])
 
 
@@ -137,3 +137,16 @@ def test_a_single_layer_takes_the_middle_colour():
     figure = plotting.position_profile_figure(fake_positions(1, 3, 4))
     (line,) = panels(figure)[0].lines
     np.testing.assert_allclose(matplotlib.colors.to_rgba(line.get_color()), matplotlib.colormaps["viridis"](0.5))
+
+
+def test_positions_are_0_based_like_positions_csv_and_the_report():
+    """Issue 20: the PNG said 1-based while positions.csv and report.html are 0-based. Bin 0 (position 0) sits at
+    x = 0 and the tick labels are 0-based positions, starting at 0."""
+    figure = plotting.position_profile_figure(fake_positions(2, 2, 8))
+    left, _ = panels(figure)
+    assert left.lines[0].get_xdata()[0] == 0.0 and left.lines[0].get_xdata()[1] == 1.0
+    labels = [t.get_text() for t in left.get_xticklabels()]
+    assert labels[:2] == ["0", "1"] and {"10", "100"} <= set(labels)
+    np.testing.assert_allclose(left.get_xticks(), [int(label) for label in labels])  # each label at its position
+    low, high = left.get_xlim()
+    assert low < 0 < 999 <= high  # every bin, position 0 included, inside the axes

@@ -97,6 +97,12 @@ def test_report_command_writes_one_self_contained_page(run_dir):
     assert data["types"] == pd.read_csv(run_dir / io.TYPES_FILE)["head_type"].tolist()
     assert data["scheme"] == "extended"
     assert [line["name"] for line in data["categories"]["lines"]] == ["short", "long"]
+    # categories as normalized entropy, as layer_gradient.png: "long" does not sit highest by length alone
+    categories = pd.read_csv(run_dir / io.CATEGORIES_FILE)
+    assert data["categories"]["score"] == "entropy_norm" and "normalized" in data["categories"]["label"]
+    short = categories[categories["category"] == "short"].sort_values("layer")
+    assert data["categories"]["lines"][0]["mean"] == pytest.approx(short["entropy_norm"].tolist(), rel=1e-4)
+    assert data["categories"]["lines"][0]["low"] == pytest.approx(short["entropy_norm_ci_low"].tolist(), rel=1e-4)
     assert data["positions"]["bins"][:3] == ["0", "1", "2-3"]
     run_info = json.loads((run_dir / io.RUN_FILE).read_text())
     provenance = dict(data["provenance"])
@@ -151,6 +157,19 @@ def test_several_examples_are_shown(copy_of):
     assert [e["tri"] for e in data["examples"]] == [True, True, False]  # the third is full, as an encoder's
     decoded = decode_maps(data["examples"][2]["maps"], data["examples"][2]["tri"], 3, 4, 13)
     np.testing.assert_allclose(decoded, written[2]["maps"], atol=STEP + 1e-7)
+
+
+def test_a_long_document_heads_its_panel_with_its_start_only(copy_of):
+    """Issue 20: a one-document run printed the document's whole text above its example panel."""
+    from attnprobe.report import SENTENCE_CHARS
+
+    own = io.read_example(copy_of)
+    text = "word " * 3000
+    io.write_files(copy_of, {io.EXAMPLES_FILE: io.examples_writer([{**own, "sentence": text,
+                                                                     "total_tokens": 7657}])})
+    example = page_data(build_report(copy_of).html)["examples"][0]
+    assert len(example["sentence"]) <= SENTENCE_CHARS and example["sentence"].endswith("\u2026")
+    assert text.startswith(example["sentence"][:-1]) and example["total"] == 7657
 
 
 def synthetic_run(template: Path, folder: Path, layers: int, heads: int, examples: int, n: int, causal: bool) -> Path:
@@ -320,6 +339,41 @@ def test_report_in_chromium(browser, copy_of):
     assert page.get_attribute("td[data-name='L0H0']", "data-value") != ""
     assert "diagonal" in page.inner_text("#gradient-caption")
 
+    # issue 20: the tooltip follows "Colour by" instead of keeping the old score's value
+    page.hover("td[data-name='L0H0']")
+    assert "diagonal" in page.inner_text("#tooltip")
+    page.select_option("#score-select", "entropy")
+    tip = page.inner_text("#tooltip")
+    assert "entropy (nats)" in tip and f"{heads.loc[(0, 0), 'entropy']:.3f}" in tip and "diagonal" not in tip
+
+    # issue 20: dark = sharp, as in entropy_heatmap.png, and the legend says so
+    assert "dark = sharp" in page.inner_text("#grid-legend")
+    shades = page.eval_on_selector_all("td[data-l]", """cells => cells.map(c => {
+        const [r, g, b] = getComputedStyle(c).backgroundColor.match(/\\d+/g).map(Number);
+        return [+c.dataset.value, 0.299 * r + 0.587 * g + 0.114 * b]; })""")
+    sharpest, most_diffuse = min(shades), max(shades)
+    assert sharpest[1] < most_diffuse[1]  # the lowest entropy is the darkest cell
+
+    # issue 20: a row label of the heatmap picks that query token; "1 key", not "1 keys"
+    levels = np.rint(examples[0]["maps"][2, 2] * MAP_LEVELS) / MAP_LEVELS  # the head selected above: L2H2
+    single = [(q, t / 100) for q in range(len(levels)) for t in range(1, 51)
+              if (levels[q] >= t / 100).sum() == 1 and np.abs(levels[q] - t / 100).min() > 1e-3]
+    q, threshold = single[0] if single else (1, 0.0)
+    page.click(f"svg.heatmap[data-example='0'] text.token-label.query[data-q='{q}']")
+    assert page.get_attribute(".example[data-example='0'] .tok.active", "data-t") == str(q)
+    attends = ".example[data-example='0'] .attends"
+    assert page.inner_text(attends).startswith(f"Token {q} ")
+    page.fill("#threshold", f"{threshold:.2f}")
+    page.dispatch_event("#threshold", "input")
+    assert not re.search(r"\b1 keys\b", page.inner_text(attends))
+    if single:
+        assert "(1 key at or above" in page.inner_text(attends)
+
+    # issue 20: the overview (layer by layer) comes before the head grid and the example panels
+    top = page.eval_on_selector_all("#layers-section, #heads-section, .example",
+                                    "nodes => nodes.map(n => [n.id || 'example', n.getBoundingClientRect().top])")
+    assert [name for name, _ in sorted(top, key=lambda item: item[1])][:2] == ["layers-section", "heads-section"]
+
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
     page.emulate_media(media="print")  # printable: the print style applies without errors
@@ -327,6 +381,34 @@ def test_report_in_chromium(browser, copy_of):
     page.close()
     assert problems == []
     assert requests == [path.as_uri()]  # the file itself, nothing else
+
+
+def test_chart_ticks_neither_overlap_nor_leave_the_chart(browser, run_dir, tmp_path):
+    """Issue 20: on 30 layers the tick labels "28" and "29" collided, and the last position bin's label ("32-39")
+    was clipped at the chart's right edge."""
+    folder = synthetic_run(run_dir, tmp_path / "wide", 30, 9, 1, 12, True)
+    build = build_report(folder)
+    path = folder / io.REPORT_FILE
+    path.write_text(build.html, encoding="utf-8")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    problems = []
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.goto(path.resolve().as_uri())
+    page.wait_for_selector("body[data-ready='true']")
+    for chart in ("#gradient-chart", "#categories-chart", "#positions-chart"):
+        boxes = page.eval_on_selector_all(chart + " svg[role='img'] text.xtick", """ticks => ticks.map(t => {
+            const b = t.getBBox(), svg = t.ownerSVGElement;
+            return [t.textContent, b.x, b.x + b.width, svg.width.baseVal.value]; })""")
+        assert len(boxes) >= 2, chart
+        labels = [label for label, *_ in boxes]
+        for (label, left, right, width) in boxes:
+            assert left >= 0 and right <= width, (chart, label, left, right, width)  # not clipped
+        for (a, _, a_right, _), (b, b_left, _, _) in zip(boxes, boxes[1:]):
+            assert a_right + 2 <= b_left, (chart, a, b)  # side by side, not on top of each other
+        last = "32-39" if chart == "#positions-chart" else "29"
+        assert labels[-1] == last and labels[0] == "0", (chart, labels)
+    page.close()
+    assert problems == []
 
 
 def test_extra_sections_are_inline(copy_of):

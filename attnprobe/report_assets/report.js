@@ -55,6 +55,11 @@
     if (s.trim() === "") s = s.length ? "␣" : "∅"; else s = s.trim();
     return limit && s.length > limit ? s.slice(0, limit - 1) + "…" : s;
   }
+  const SENTENCE_CHARS = 240; // a longer example (one long document) is cut, with an ellipsis
+  function shortSentence(text) {
+    const s = String(text);
+    return s.length > SENTENCE_CHARS ? s.slice(0, SENTENCE_CHARS - 1).trimEnd() + "…" : s;
+  }
   function typeOf(l, h) { return D.types[idx(l, h)]; }
   function typeLabel(t) { return t ? t + " (" + (D.typeMeaning[t] || "") + ")" : "no type"; }
   const tooltip = $("tooltip");
@@ -67,7 +72,12 @@
     tooltip.style.left = Math.max(4, left) + "px";
     tooltip.style.top = Math.max(4, top) + "px";
   }
-  function hideTip() { tooltip.hidden = true; }
+  function hideTip() { tooltip.hidden = true; state.tipCell = null; }
+  const plural = (n, word) => n + " " + word + (n === 1 ? "" : "s");
+  // Colours run dark = low, light = high for every score (viridis); for entropy that is dark = sharp.
+  function darkMeans(key) {
+    return /^entropy/.test(key) ? "dark = sharp, light = diffuse" : "dark = low, light = high";
+  }
 
   // ---------- the grid ----------
   const cells = [];
@@ -99,7 +109,10 @@
     const cellOf = (e) => e.target.closest && e.target.closest("td[data-l]");
     table.addEventListener("mouseover", (e) => {
       const td = cellOf(e);
-      if (td) showTip(cellText(+td.dataset.l, +td.dataset.h), e.clientX, e.clientY);
+      if (td) {
+        showTip(cellText(+td.dataset.l, +td.dataset.h), e.clientX, e.clientY);
+        state.tipCell = [+td.dataset.l, +td.dataset.h];
+      }
     });
     table.addEventListener("mousemove", (e) => {
       const td = cellOf(e);
@@ -115,6 +128,7 @@
       $("grid-status").textContent = text.replace("\n", " · ");
       const r = td.getBoundingClientRect();
       showTip(text, r.right, r.top);
+      state.tipCell = [l, h];
     });
     table.addEventListener("focusout", hideTip);
     table.addEventListener("click", (e) => {
@@ -179,6 +193,8 @@
     const bar = legend.appendChild(el("span", { class: "bar", "aria-hidden": "true" }));
     bar.style.background = "linear-gradient(to right," + VIRIDIS.join(",") + ")";
     legend.appendChild(el("span", {}, fmt(hi)));
+    legend.appendChild(el("span", { class: "muted", id: "grid-dark" }, "(" + darkMeans(key) + ")"));
+    if (state.tipCell && !tooltip.hidden) tooltip.textContent = cellText(state.tipCell[0], state.tipCell[1]);
     if (state.sel) $("grid-status").textContent = cellText(state.sel[0], state.sel[1]).replace("\n", " · ");
     drawGradient();
   }
@@ -263,7 +279,7 @@
       const cut = ex.total > n ? " (its first " + n + " of " + ex.total + " tokens)" : " (" + n + " tokens)";
       const p = card.appendChild(el("p", { class: "sentence" }));
       p.appendChild(el("strong", {}, "Example " + (i + 1) + (ex.category ? " · " + ex.category : "") + ": "));
-      p.appendChild(document.createTextNode("“" + ex.sentence + "”" + cut));
+      p.appendChild(document.createTextNode("“" + shortSentence(ex.sentence) + "”" + cut));
       if (ex.query === undefined) ex.query = n - 1;
       const rows = weights(i, l, h);
       const views = card.appendChild(el("div", { class: "example-views" }));
@@ -293,8 +309,8 @@
     }
     ex.tokens.forEach((t, j) => {
       const text = tokenText(t, 14), y = label + j * cell + cell / 2 + 4, x = label + j * cell + cell / 2 + 4;
-      root.appendChild(svg("text", { class: "token-label query", "data-q": j, x: label - 4, y, "text-anchor": "end" },
-        text));
+      root.appendChild(titled(svg("text", { class: "token-label query", "data-q": j, x: label - 4, y,
+        "text-anchor": "end" }, text), "query " + j + ": click to show its attention"));
       root.appendChild(svg("text", { class: "token-label key", x, y: label - 4, "text-anchor": "start",
         transform: "rotate(-90 " + x + " " + (label - 4) + ")" }, text));
     });
@@ -318,7 +334,9 @@
     root.addEventListener("mouseleave", hideTip);
     root.addEventListener("click", (e) => {
       const r = e.target;
-      if (r.classList && r.classList.contains("cell")) setQuery(ex, rows, +r.dataset.q, i);
+      if (r.classList && (r.classList.contains("cell") || r.classList.contains("query"))) {
+        setQuery(ex, rows, +r.dataset.q, i);
+      }
     });
     return root;
   }
@@ -387,7 +405,7 @@
     const list = shown.slice(0, 8).map((k) => "“" + tokenText(ex.tokens[k]) + "” (" + k + ") " + row[k].toFixed(3));
     const more = shown.length > 8 ? ", … " + (shown.length - 8) + " more" : "";
     card.querySelector(".attends").textContent = "Token " + q + " “" + tokenText(ex.tokens[q]) + "” attends to " +
-      (shown.length ? list.join(", ") + more + " (" + shown.length + " keys at or above " +
+      (shown.length ? list.join(", ") + more + " (" + plural(shown.length, "key") + " at or above " +
         state.threshold.toFixed(2) + ", together " + sum.toFixed(3) + ")." : "no key at or above " +
         state.threshold.toFixed(2) + ".");
   }
@@ -431,8 +449,12 @@
   function lineChart(box, opts) {
     box.textContent = "";
     const width = opts.width || 420, height = opts.height || 250;
-    const m = { left: 52, right: 12, top: 10, bottom: 38 };
     const xs = opts.x, nx = xs.length;
+    const CHAR = 6.6; // px per character of an 11px tick label, a little generous
+    const textWidth = (t) => String(t).length * CHAR;
+    // room on the right for half the last tick label, so "32-39" is not clipped at the edge
+    const m = { left: 52, right: Math.max(12, textWidth(xs[nx - 1] === undefined ? "" : xs[nx - 1]) / 2 + 4),
+      top: 10, bottom: 38 };
     const all = [];
     opts.series.forEach((s) => [s.ys, s.lo || [], s.hi || []].forEach((a) => a.forEach((v) => {
       if (finite(v)) all.push(v);
@@ -452,11 +474,21 @@
       axis.appendChild(svg("line", { class: "gridline", x1: m.left, x2: width - m.right, y1: Y(t), y2: Y(t) }));
       axis.appendChild(svg("text", { x: m.left - 5, y: Y(t) + 4, "text-anchor": "end" }, fmt(t)));
     });
-    const every = Math.max(1, Math.ceil(nx / 15));
+    // every `every`-th tick label, as many as fit side by side; the last one always, and the one before it
+    // dropped when the two would touch ("28" and "29")
+    const widest = Math.max(...xs.map(textWidth)) + 8, span = nx > 1 ? (width - m.left - m.right) / (nx - 1) : 1;
+    const every = Math.max(1, Math.ceil(widest / span));
+    const shownTicks = xs.map((_, i) => i).filter((i) => i % every === 0);
+    if (shownTicks[shownTicks.length - 1] !== nx - 1) {
+      const before = shownTicks[shownTicks.length - 1];
+      if ((X(nx - 1) - X(before)) < (textWidth(xs[nx - 1]) + textWidth(xs[before])) / 2 + 8) shownTicks.pop();
+      shownTicks.push(nx - 1);
+    }
     xs.forEach((label, i) => {
-      if (i % every && i !== nx - 1) return;
+      if (!shownTicks.includes(i)) return;
       axis.appendChild(svg("line", { x1: X(i), x2: X(i), y1: height - m.bottom, y2: height - m.bottom + 4 }));
-      axis.appendChild(svg("text", { x: X(i), y: height - m.bottom + 15, "text-anchor": "middle" }, String(label)));
+      axis.appendChild(svg("text", { class: "xtick", x: X(i), y: height - m.bottom + 15, "text-anchor": "middle" },
+        String(label)));
     });
     axis.appendChild(svg("line", { x1: m.left, x2: width - m.right, y1: height - m.bottom, y2: height - m.bottom }));
     axis.appendChild(svg("line", { x1: m.left, x2: m.left, y1: m.top, y2: height - m.bottom }));
@@ -560,8 +592,9 @@
       dash: DASHES[i % DASHES.length], marker: MARKERS[i % MARKERS.length], size: 2.5,
       ciLo: c.low, ciHi: c.high, // intervals in the points' titles: six bands would hide each other
     }));
-    lineChart($("categories-chart"), { x: layersX, series, xTitle: "layer", yTitle: "entropy (nats)", xName: "layer",
-      label: "mean entropy per category and layer" });
+    $("categories-caption").textContent = D.categories.caption;
+    lineChart($("categories-chart"), { x: layersX, series, xTitle: "layer", yTitle: D.categories.label,
+      xName: "layer", label: D.categories.caption });
   }
   function drawPositions() {
     const P = D.positions;
