@@ -1,33 +1,15 @@
 """Issue 20 items 7, 8, 10-12: ablate and plot figures, --limit, ablate progress off a terminal, the notebook API."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from test_cli import assert_one_line_error, run
+from test_plot_options import capture_figures
 
-from attnprobe import io, plotting
+from attnprobe import plotting
 from attnprobe.errors import AttnprobeError
-
-
-def capture_figures(monkeypatch) -> dict:
-    """The figures handed to io.figure_writer, by file name (`stem.format`)."""
-    figures: dict = {}
-    original = io.figure_writer
-
-    def recording(figure, fmt="png", dpi=120):
-        write = original(figure, fmt, dpi)
-
-        def record(path):
-            figures[Path(path).name.split(".")[1] + "." + fmt] = figure
-            write(path)
-
-        return record
-
-    monkeypatch.setattr(io, "figure_writer", recording)
-    return figures
 
 
 def texts_of(figure) -> list[str]:
