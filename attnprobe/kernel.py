@@ -236,8 +236,8 @@ def block_keys(q0: int, q1: int, n: int, causal: bool, span: int | None) -> tupl
     k1 = q1 if causal else n
     if span is None:
         return 0, k1
-    before, after = window_reach(causal, span)
-    return max(0, q0 - before), min(k1, q1 + after) if not causal else k1
+    before, after = window_reach(causal, span)  # a causal row sees nothing after itself: after = 0
+    return max(0, q0 - before), min(k1, q1 + after)
 
 
 def probe_mask(mask_function: Callable | None, span: int | None) -> tuple[bool, int | None]:
@@ -379,10 +379,7 @@ def attend(
     kv_heads = key.shape[1]
     groups = heads // kv_heads  # query heads sharing one KV head (grouped-query attention)
     scale = dim**-0.5 if scaling is None else scaling
-    real = torch.ones(batch, n, dtype=torch.bool, device=query.device) if padding is None else padding  # [batch, key]
-    if real.dim() != 2 or real.shape[-1] != n or bool((real[:, 1:] & ~real[:, :-1]).any()):
-        raise AttnprobeError("attnprobe's statistics attention takes a right-padded [batch, key] mask "
-                             f"(got shape {tuple(real.shape)}, or padding on the left): pad on the right")
+    real = _right_padded(padding, batch, n, query.device)  # [batch, key]
     lengths = real.sum(dim=-1)  # [batch]: right padding
     keys_t = key.transpose(-1, -2)  # [batch, kv_head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
