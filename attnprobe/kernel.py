@@ -96,7 +96,6 @@ class Batch:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # filled as the layers run
     discovering: list[str] | None = None  # discover(): collect what is not implemented instead of refusing
     fused: int | None = None  # through the fused kernel: layers it computes exactly, in batches this long or longer
-    fused_layers: set[int] = field(default_factory=set)  # the layers that did
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
@@ -352,7 +351,6 @@ def stats_attention(
     need_output = layer != batch_info.last_layer
     if batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features) \
             and query.device.type in FUSED_DEVICES:
-        batch_info.fused_layers.add(layer)
         sums, example, output = fused_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
                                              need_output=need_output)
     else:
@@ -667,7 +665,6 @@ def run_batch(
     special: Tensor | None = None, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int = 1,
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
     discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
-    fused_layers: set[int] | None = None,
 ) -> None:
     """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums.
 
@@ -683,8 +680,6 @@ def run_batch(
     )
     if features is not None:
         info.features = features
-    if fused_layers is not None:
-        info.fused_layers = fused_layers
     seen: list[int] = []
 
     def record(layer: int, sums: SentenceSums, maps: Tensor | None) -> None:
