@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import SENTENCES, make_gpt2
+from conftest import FLOAT32_TOLERANCE, SENTENCES, make_gpt2
 from transformers import AutoTokenizer
 
 from attnprobe.analysis import analyze, early_late, length_batches
@@ -37,7 +37,7 @@ def test_results_do_not_depend_on_batch_size(gpt2_dir, corpus_file):
     base = runs[0].heads
     assert base["entropy"].std() > 0.01  # random heads differ, so equality below means something
     for other in runs[1:]:
-        pd.testing.assert_frame_equal(other.heads, base, atol=1e-5, rtol=0)
+        pd.testing.assert_frame_equal(other.heads, base, atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
         np.testing.assert_allclose(other.example["maps"], runs[0].example["maps"], atol=1e-5)
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import SENTENCES
+from conftest import FLOAT32_TOLERANCE, SENTENCES
 from test_blocked import corpus_of
 from test_cli import assert_one_line_error, run
 
@@ -24,7 +24,8 @@ def test_offloaded_layers_give_the_same_statistics(gpt2_dir, tmp_path, device_ma
     a = analyze_loaded(spread, corpus_of(SENTENCES), batch_size=3, resamples=20)
     b = analyze_loaded(whole, corpus_of(SENTENCES), batch_size=3, resamples=20)
     for column in ("entropy", "diagonal", "distance", "entropy_ci_low"):
-        np.testing.assert_allclose(a.heads[column], b.heads[column], atol=1e-5, err_msg=column)
+        np.testing.assert_allclose(a.heads[column], b.heads[column], rtol=FLOAT32_TOLERANCE, atol=FLOAT32_TOLERANCE,
+                                   err_msg=column)
 
 
 def test_max_memory_is_parsed_and_checked():

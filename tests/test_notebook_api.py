@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SENTENCES, make_gpt2
+from conftest import FLOAT32_TOLERANCE, SENTENCES, make_gpt2
 
 import attnprobe
 from attnprobe import AttnprobeError
@@ -62,7 +62,8 @@ def test_analyze_takes_a_name_a_loaded_model_or_a_transformers_pair(tiny_dir, ti
     assert pair[0].config._attn_implementation != "eager"  # SDPA: switched for the measurement
     by_pair = attnprobe.analyze(pair, texts, resamples=50)
     for other in (by_loaded, by_pair):
-        np.testing.assert_allclose(other.heads["entropy"], by_name.heads["entropy"], atol=1e-5)
+        np.testing.assert_allclose(other.heads["entropy"], by_name.heads["entropy"], rtol=FLOAT32_TOLERANCE,
+                                   atol=FLOAT32_TOLERANCE)
     assert by_pair.run["model"]["architecture"] == "GPT2Model" and by_pair.run["corpus"]["path"] == "<in memory>"
 
 
