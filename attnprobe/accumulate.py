@@ -38,45 +38,81 @@ class Shape:
         return tuple(name for name in CATEGORY_SCORES if name in self.names)
 
 
+PENDING_SENTENCES = 64  # sentences held before their resample sums are folded in with one product
+
+
 class Accumulator:
-    """Sums over sentences of every per-sentence statistic; `add` a batch, `merge` another."""
+    """Sums over sentences of every per-sentence statistic; `add` a batch, `merge` another.
+
+    The resample sums [resample, layer, head] of a score are the costly part (1000 x heads floats touched per
+    fold): sentences wait in a fixed-size buffer ("pending/...", part of the state) and are folded in
+    PENDING_SENTENCES at a time with one product. The buffer fills at the same batches in a resumed run as in
+    an uninterrupted one, so the two add the same numbers in the same groups and agree exactly. `sums` folds
+    the buffer in first (results, merging ranks); `state()` is the raw dict, buffer included (checkpoints).
+    """
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
         lh, r, b = (shape.layers, shape.heads), shape.resamples, shape.bins
-        self.sums: dict[str, np.ndarray] = {}
-        for name in shape.names:
-            self.sums[f"sum/{name}"] = np.zeros(lh)  # [layer, head]
-            self.sums[f"count/{name}"] = np.zeros(lh)
-            self.sums[f"wsum/{name}"] = np.zeros((r, *lh))  # [resample, layer, head]
-            self.sums[f"wcount/{name}"] = np.zeros((r, *lh))
-        self.sums["sumsq/entropy"] = np.zeros(lh)
+        self._sums: dict[str, np.ndarray] = {}
+        # every score's resample sums are views of one array, so a fold adds them all in one operation
+        self._wsum = np.zeros((r, len(shape.names), *lh))  # [resample, score, layer, head]
+        self._wcount = np.zeros((r, len(shape.names), *lh))  # [resample, score, layer, head]
+        for k, name in enumerate(shape.names):
+            self._sums[f"sum/{name}"] = np.zeros(lh)  # [layer, head]
+            self._sums[f"count/{name}"] = np.zeros(lh)
+            self._sums[f"wsum/{name}"] = self._wsum[:, k]  # [resample, layer, head]
+            self._sums[f"wcount/{name}"] = self._wcount[:, k]
+        self._sums["sumsq/entropy"] = np.zeros(lh)
         for name in shape.bin_names:
-            self.sums[f"binsum/{name}"] = np.zeros((*lh, b))  # [layer, head, bin]
-            self.sums[f"bincount/{name}"] = np.zeros((*lh, b))
-        self.sums["rows"] = np.zeros(b)  # real query rows per bin
+            self._sums[f"binsum/{name}"] = np.zeros((*lh, b))  # [layer, head, bin]
+            self._sums[f"bincount/{name}"] = np.zeros((*lh, b))
+        self._sums["rows"] = np.zeros(b)  # real query rows per bin
         for category in shape.categories:
-            self.sums[f"catcount/{category}"] = np.zeros(shape.layers)  # [layer]
+            self._sums[f"catcount/{category}"] = np.zeros(shape.layers)  # [layer]
             for name in shape.category_scores:  # sums over the sentences where the score is defined
-                self.sums[f"catsum/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
-                self.sums[f"catn/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
-                self.sums[f"catwsum/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
-                self.sums[f"catwn/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
+                self._sums[f"catsum/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
+                self._sums[f"catn/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
+                self._sums[f"catwsum/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
+                self._sums[f"catwn/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
+        self._empty_buffer()
+
+    def _empty_buffer(self) -> None:
+        """The waiting sentences: all zeros when empty, so merging two emptied accumulators adds nothing."""
+        p, lh = PENDING_SENTENCES, (self.shape.layers, self.shape.heads)
+        self._sums["pending/fill"] = np.zeros(1)
+        self._sums["pending/index"] = np.zeros(p)  # [pending]: corpus index of each waiting sentence
+        self._sums["pending/category"] = np.zeros(p)  # [pending]: 1 + its category's position, 0: none
+        self._sums["pending/values"] = np.zeros((p, len(self.shape.names), *lh))  # [pending, score, layer, head]
+        self._sums["pending/present"] = np.zeros((p, len(self.shape.names), *lh))  # 1 where it has a value, else 0
+
+    @property
+    def sums(self) -> dict[str, np.ndarray]:
+        """Every sum, the waiting sentences folded in."""
+        self.flush()
+        return self._sums
+
+    @sums.setter
+    def sums(self, value: dict[str, np.ndarray]) -> None:
+        """Take these sums (a checkpoint's state, the ranks' merged sums), copied into place."""
+        for key, array in value.items():
+            self._sums[key][...] = array
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The raw sums with the buffer of waiting sentences, for a checkpoint (restore with `sums = ...`)."""
+        return self._sums
 
     def add(
         self, indices: Sequence[int], stats: dict[str, np.ndarray], bins: dict[str, np.ndarray],
         lengths: Sequence[int], categories: Sequence[str] | None = None,
     ) -> None:
         """Fold in one batch: `stats` [sentence, layer, head], `bins` [sentence, layer, head, bin]."""
-        weights = poisson_weights(indices, self.shape.resamples, self.shape.seed)  # [resample, sentence]
-        s = self.sums
+        s = self._sums
         for name, values in stats.items():
             present = ~np.isnan(values)  # [sentence, layer, head]
             zeroed = np.where(present, values, 0.0)
             s[f"sum/{name}"] += zeroed.sum(axis=0)
             s[f"count/{name}"] += present.sum(axis=0)
-            s[f"wsum/{name}"] += np.tensordot(weights, zeroed, axes=1)  # [resample, layer, head]
-            s[f"wcount/{name}"] += np.tensordot(weights, present.astype(np.float64), axes=1)
             if name == "entropy":
                 s["sumsq/entropy"] += (zeroed**2).sum(axis=0)
         for name, values in bins.items():
@@ -89,23 +125,76 @@ class Accumulator:
                 lo, hi = bin_range(b)
                 s["rows"][b] += max(0, min(hi, length - 1) - lo + 1)
         if self.shape.categories and categories is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                # per score [sentence, layer]: the mean over heads
-                by_sentence = {name: np.nanmean(stats[name], axis=2) for name in self.shape.category_scores}
-            for k, category in enumerate(categories):
+            for category in categories:
                 s[f"catcount/{category}"] += 1.0
-                for name, values in by_sentence.items():
-                    present = ~np.isnan(values[k])  # [layer]: a one-token sentence has no entropy_norm
-                    value = np.where(present, values[k], 0.0)  # [layer]
-                    s[f"catsum/{name}/{category}"] += value
-                    s[f"catn/{name}/{category}"] += present
-                    s[f"catwsum/{name}/{category}"] += np.outer(weights[:, k], value)  # [resample, layer]
-                    s[f"catwn/{name}/{category}"] += np.outer(weights[:, k], present)  # [resample, layer]
+        self._wait(indices, stats, categories)
+
+    def _wait(self, indices: Sequence[int], stats: dict[str, np.ndarray], categories: Sequence[str] | None) -> None:
+        """Put a batch's sentences in the buffer, folding the buffer in first when they would not fit."""
+        n = len(indices)
+        if n > PENDING_SENTENCES:  # a batch larger than the buffer: in slices, in order
+            for start in range(0, n, PENDING_SENTENCES):
+                part = slice(start, start + PENDING_SENTENCES)
+                self._wait(indices[part], {k: v[part] for k, v in stats.items()},
+                           None if categories is None else categories[part])
+            return
+        s = self._sums
+        if int(s["pending/fill"][0]) + n > PENDING_SENTENCES:
+            self.flush()
+        at = slice(int(s["pending/fill"][0]), int(s["pending/fill"][0]) + n)
+        s["pending/index"][at] = indices
+        values = np.stack([stats[name] for name in self.shape.names], axis=1)  # [n, score, layer, head]
+        present = ~np.isnan(values)
+        s["pending/values"][at] = np.where(present, values, 0.0)  # a checkpoint holds finite numbers only
+        s["pending/present"][at] = present
+        if self.shape.categories and categories is not None:
+            s["pending/category"][at] = [1 + self.shape.categories.index(c) for c in categories]
+        s["pending/fill"][0] += n
+
+    def flush(self) -> None:
+        """Fold the waiting sentences into the resample sums: one product [resample, sentence] x [sentence, ...]."""
+        s = self._sums
+        fill = int(s["pending/fill"][0])
+        if fill == 0:
+            return
+        r = self.shape.resamples
+        weights = poisson_weights(s["pending/index"][:fill].astype(np.int64), r, self.shape.seed)  # [resample, n]
+        flat = s["pending/values"][:fill].reshape(fill, -1)  # [n, score x layer x head], 0 where no value
+        present = s["pending/present"][:fill].reshape(fill, -1)  # [n, score x layer x head]
+        self._wsum += (weights @ flat).reshape(self._wsum.shape)  # [resample, score, layer, head]
+        gaps = present.min(axis=0) < 1  # [score x layer x head]: some sentence has no value there
+        counts = np.repeat(weights.sum(axis=1, keepdims=True), flat.shape[1], axis=1)  # [resample, columns]
+        counts[:, gaps] = weights @ present[:, gaps]
+        self._wcount += counts.reshape(self._wcount.shape)
+        if self.shape.categories:
+            values = np.where(s["pending/present"][:fill] > 0, s["pending/values"][:fill], np.nan)
+            self._flush_categories(weights, values, s["pending/category"][:fill].astype(np.int64))
+        self._empty_buffer()
+
+    def _flush_categories(self, weights: np.ndarray, values: np.ndarray, category: np.ndarray) -> None:
+        """The category sums of the waiting sentences: per score, each layer's mean over heads."""
+        s = self._sums
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            means = np.nanmean(values, axis=3)  # [n, score, layer]: the mean over heads
+        for position, label in enumerate(self.shape.categories):
+            chosen = category == position + 1  # [n]
+            if not chosen.any():
+                continue
+            w = weights[:, chosen]  # [resample, chosen]
+            for name in self.shape.category_scores:
+                by_sentence = means[chosen, self.shape.names.index(name)]  # [chosen, layer]
+                present = ~np.isnan(by_sentence)  # a one-token sentence has no entropy_norm
+                value = np.where(present, by_sentence, 0.0)
+                s[f"catsum/{name}/{label}"] += value.sum(axis=0)
+                s[f"catn/{name}/{label}"] += present.sum(axis=0)
+                s[f"catwsum/{name}/{label}"] += w @ value  # [resample, layer]
+                s[f"catwn/{name}/{label}"] += w @ present  # [resample, layer]
 
     def merge(self, other: Accumulator) -> None:
+        mine = self.sums
         for key, value in other.sums.items():
-            self.sums[key] += value
+            mine[key] += value
 
     # ---- results ------------------------------------------------------------------------------
 

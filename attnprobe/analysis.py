@@ -319,7 +319,7 @@ def measure(
     start = 0
     if checkpointing is not None and checkpointing.resume_from is not None:
         state = checkpointing.resume_from
-        state.check_fits(totals.sums, total, tuple(example_maps.shape))
+        state.check_fits(totals.state(), total, tuple(example_maps.shape))
         start = state.batches_done
         totals.sums = {key: value.copy() for key, value in state.sums.items()}
         if state.example_maps is not None:
@@ -327,7 +327,7 @@ def measure(
 
     def save(done: int) -> None:
         maps = example_maps.cpu().numpy()
-        checkpointing.save(State(fingerprint or {}, done, totals.sums, None if np.isnan(maps).all() else maps))
+        checkpointing.save(State(fingerprint or {}, done, totals.state(), None if np.isnan(maps).all() else maps))
         checkpointing.last_saved = time.monotonic()
 
     def run(batch: list[int], sentences: list[Sentence], tokens: Tokens) -> None:

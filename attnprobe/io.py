@@ -349,10 +349,11 @@ def finite_json(value: Any) -> Any:
     return value
 
 
-def npz_writer(**arrays: np.ndarray) -> Writer:
+def npz_writer(compress: bool = True, **arrays: np.ndarray) -> Writer:
+    """`compress=False` for arrays zip cannot shrink much (bootstrap resamples: 27% smaller for 50x the time)."""
     def write(path: Path) -> None:
         with open(path, "wb") as handle:
-            np.savez_compressed(handle, **arrays)
+            (np.savez_compressed if compress else np.savez)(handle, **arrays)
 
     return write
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -119,11 +120,40 @@ def cache_dir() -> Path:
 
 
 def file_sha256(path: Path) -> str:
+    """The sha256 of a file, remembered in the cache under its path, size, inode and modification time (as git's
+    index does), so a model hashed once is not read again at every start: rewriting the file changes its mtime."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = f"{path}\0{stat.st_size}\0{stat.st_ino}\0{stat.st_mtime_ns}"
+    memo = cache_dir() / "sha256" / hashlib.sha256(key.encode()).hexdigest()
+    try:
+        known = memo.read_text(encoding="ascii")
+        if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
+            return known
+    except OSError:
+        pass
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
+    _remember(memo, digest.hexdigest())
     return digest.hexdigest()
+
+
+def _remember(memo: Path, text: str) -> None:
+    """Write a cache entry whole (temp file + rename), or not at all: an unwritable cache only costs time."""
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=memo.parent, prefix=".")
+    except OSError:
+        return
+    try:
+        with os.fdopen(handle, "w", encoding="ascii") as tmp:
+            tmp.write(text)
+        os.replace(name, memo)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")

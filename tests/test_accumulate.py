@@ -100,3 +100,27 @@ def test_memory_does_not_hold_sentences():
     for start in range(0, 400, 8):
         accumulator.add(list(range(start, start + 8)), {"entropy": rng.random((8, 2, 2))}, {}, [5] * 8)
     assert sum(v.nbytes for v in accumulator.sums.values()) == size  # 400 sentences later, not a byte more
+
+
+@pytest.mark.parametrize("pending", [3, 5, 64])  # smaller than a batch, equal to it, larger than the corpus
+def test_the_buffer_of_waiting_sentences_changes_nothing(monkeypatch, pending):
+    """Sentences wait in a buffer before their resample sums are folded in; batches larger than the buffer go in
+    slices. Whatever its size, the intervals are those of the per-sentence computation."""
+    from attnprobe import accumulate
+
+    monkeypatch.setattr(accumulate, "PENDING_SENTENCES", pending)
+    shape = Shape(names=("entropy", "diagonal"), bin_names=("entropy",), layers=2, heads=3, bins=4, resamples=50,
+                  seed=1, categories=("a", "b"))
+    rng = np.random.default_rng(0)
+    batches = [list(range(k, k + 5)) for k in range(0, 20, 5)]
+    data = [random_batch(rng, b) for b in batches]
+    labels = ["a", "b"] * 10
+    totals = Accumulator(shape)
+    for batch, (stats, bins) in zip(batches, data):
+        totals.add(batch, stats, bins, [9] * len(batch), [labels[i] for i in batch])
+    weights = poisson_weights(range(20), 50, seed=1)  # [resample, sentence]
+    for name in shape.names:
+        values = np.concatenate([stats[name] for stats, _ in data])  # [sentence, layer, head]
+        np.testing.assert_allclose(totals.resampled_head_means(name), resampled_means(values, weights), atol=1e-12)
+        np.testing.assert_allclose(totals.head_means()[name], np.nanmean(values, axis=0), atol=1e-12)
+    assert totals.categories()["sentences"].tolist() == [10, 10, 10, 10]

@@ -87,3 +87,27 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("ATTNPROBE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert sources.cache_dir() == tmp_path / "xdg" / "attnprobe"
+
+
+def test_a_file_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    from attnprobe import sources
+
+    monkeypatch.setenv("ATTNPROBE_CACHE", str(tmp_path / "cache"))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x" * 1000)
+    assert sources.file_sha256(weights) == hashlib.sha256(b"x" * 1000).hexdigest()
+    stat = weights.stat()
+    # the same size, inode and mtime: the remembered hash, without reading the file (git's index assumes the same)
+    with open(weights, "r+b") as handle:
+        handle.write(b"y")
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert sources.file_sha256(weights) == hashlib.sha256(b"x" * 1000).hexdigest()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched: read again
+    assert sources.file_sha256(weights) == hashlib.sha256(b"y" + b"x" * 999).hexdigest()
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("ATTNPROBE_CACHE", str(tmp_path / "not-a-folder"))  # no cache can be written: only slower
+    weights.write_bytes(b"z")
+    assert sources.file_sha256(weights) == hashlib.sha256(b"z").hexdigest()
