@@ -447,9 +447,11 @@ def fused_attend(
 ) -> tuple[SentenceSums, Tensor | None, Tensor | None]:
     """The attention output from the fused kernel and every row statistic without a map.
 
-    A second fused call in float32 takes the keys as values (centred on their mean, so that the scores and the
+    A fused call in float32 takes the keys as values (centred on their mean, so that the scores and the
     logsumexp stay small) with extra value channels: the key's position (centred), 1 on the first `sink` keys and
-    1 on special tokens. For a 0/-inf mask ln p_ij = s_ij - lse_i, so the entropy is
+    1 on special tokens. A float32 model's own values ride in the same call (one call of head size ~2 dim + 3
+    costs ~1.8 calls of dim on CPU, two calls 2.0-2.1); other dtypes get their output from a call of their own.
+    For a 0/-inf mask ln p_ij = s_ij - lse_i, so the entropy is
     H_i = lse_i - scale q_i . (sum_j p_ij k_j); single weights (first key, previous, self, the +-2 diagonal) are
     exp(s_ij - lse_i) for those j; the mean distance is i - E[j] (causal) or, for encoders, E[j] - i plus twice
     the causal part sum_{j<=i} p_ij (i - j) from a third, causal call; the recent window of sink_window is a
@@ -464,7 +466,8 @@ def fused_attend(
     value_h = value.repeat_interleave(groups, dim=1) if groups > 1 else value  # [batch, head, key, dim]
     hidden = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
     output = None
-    if need_output:
+    together = need_output and value.dtype == torch.float32 and value.shape[-1] == dim  # one call does both
+    if need_output and not together:
         additive = None if hidden is None else torch.zeros(
             hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, float("-inf"))
         out, _ = flash(query, key_h, value_h, causal, additive, scale)  # [batch, head, q, dim]
@@ -474,30 +477,43 @@ def fused_attend(
     weight = real[:, None, :, None].float()  # [batch, 1, key, 1]
     centre = (keys * weight).sum(dim=2, keepdim=True) / lengths.clamp(min=1)[:, None, None, None]  # [b, h, 1, dim]
     keys = keys - centre  # [batch, head, key, dim]: softmax unchanged, scores and lse smaller
-    j = torch.arange(n, device=q.device, dtype=torch.float32)  # [key]
     mid = (n - 1) / 2
-    channels = [keys, (j - mid).expand(batch, heads, n)[..., None],
-                (j < info.sink).float().expand(batch, heads, n)[..., None]]  # each [batch, head, key, c]
+    first = dim if together else 0  # where the statistics' channels start: after the model's values, if they ride
+    extra = 2 + (info.special is not None)  # the centred key position, the sink keys' indicator, special tokens
+    width = -(-(first + dim + extra) // 8) * 8  # Q, K and V share one head size, a multiple of 8
+    values = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]: written in place, no concatenation
+    if together:  # float32: the model's values ride along
+        values[..., :dim] = value_h
+    values[..., first : first + dim] = keys
+    values[..., first + dim] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
+    values[..., : info.sink, first + dim + 1] = 1.0
     if info.special is not None:
-        channels.append(info.special[:, None, :n, None].float().expand(batch, heads, n, 1))
-    values = torch.cat(channels, dim=-1)  # [batch, head, key, dim + extra]
-    extra = values.shape[-1] - dim
+        values[..., first + dim + 2] = info.special[:, None, :n].float()  # [batch, 1, key]
     additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
         hidden, float("-inf"))  # [batch, 1, 1, key]
-    qp = nn.functional.pad(q, (0, extra))  # [batch, head, q, dim + extra]
-    mean, lse = flash(qp, nn.functional.pad(keys, (0, extra)), values, causal, additive32, scale)
+    qp = q.new_zeros(batch, heads, n, width)  # [batch, head, q, width]: zero channels leave the scores as they are
+    qp[..., :dim] = q
+    kp = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]
+    kp[..., :dim] = keys
+    mean, lse = flash(qp, kp, values, causal, additive32, scale)  # [batch, head, q, width], [batch, head, q]
+    del qp, kp, values
+    if together:  # centring the keys leaves every row's softmax, so the output, as it was
+        output = mean[..., :dim].transpose(1, 2)  # [batch, q, head, dim]
+        mean = mean[..., dim:]  # [batch, head, q, dim + extra']: the statistics' channels
     entropy = lse - scale * (q * mean[..., :dim]).sum(dim=-1)  # [batch, head, q]
     i = torch.arange(n, device=q.device)  # [q]
 
     def weight_at(offset: int) -> Tensor:
-        """p[i, i + offset] for every row, 0 where that key is not allowed."""
-        at = (i + offset).clamp(0, n - 1)  # [q]
-        logit = scale * (q * keys[:, :, at]).sum(dim=-1)  # [batch, head, q]
-        allowed = (i + offset >= 0) & (i + offset < n)  # [q]
-        if causal:
-            allowed = allowed & (offset <= 0)
-        allowed = allowed[None, :] & real[:, at]  # [batch, q]
-        return torch.where(allowed[:, None, :], (logit - lse).exp(), 0.0)  # [batch, head, q]
+        """p[i, i + offset] for every row, 0 where that key is not allowed (a future key of a causal row)."""
+        out = torch.zeros(batch, heads, n, device=q.device)  # [batch, head, q]
+        if (causal and offset > 0) or abs(offset) >= n:
+            return out
+        rows = slice(max(0, -offset), n - max(0, offset))  # the rows whose key i + offset exists
+        cols = slice(max(0, offset), n - max(0, -offset))
+        logit = scale * torch.linalg.vecdot(q[:, :, rows], keys[:, :, cols])  # [batch, head, m]
+        weight = (logit - lse[:, :, rows]).exp()  # [batch, head, m]
+        out[:, :, rows] = torch.where(real[:, None, cols], weight, 0.0)  # a padded key has no weight
+        return out
 
     near = {offset: weight_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
     first = (scale * (q * keys[:, :, :1]).sum(dim=-1) - lse).exp()  # [batch, head, q]: key 0 is always allowed
@@ -505,7 +521,7 @@ def fused_attend(
     if causal:
         distance = i - position  # [batch, head, q]
     else:
-        distance = _encoder_distance(qp, keys, values, lse, position, additive32, scale, extra)
+        distance = _encoder_distance(q, keys, lse, position, additive32, scale)
     masses = RowMasses(
         entropy=entropy, diagonal=sum(near.values()), first=first, previous=near[-1], self=near[0],
         distance=distance, sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale),
@@ -517,15 +533,18 @@ def fused_attend(
 
 
 def _encoder_distance(
-    qp: Tensor, keys: Tensor, values: Tensor, lse: Tensor, position: Tensor, additive: Tensor | None, scale: float,
-    extra: int,
+    q: Tensor, keys: Tensor, lse: Tensor, position: Tensor, additive: Tensor | None, scale: float,
 ) -> Tensor:
     """sum_j p_ij |i - j| of an encoder row: E[j] - i + 2 sum_{j <= i} p_ij (i - j), the causal part from a causal
-    fused call (its own logsumexp, rescaled to the row's)."""
-    n, dim = keys.shape[-2], keys.shape[-1]
+    fused call (its own logsumexp, rescaled to the row's) whose values are the centred key positions."""
+    batch, heads, n, dim = keys.shape
     mid = (n - 1) / 2
-    i = torch.arange(n, device=qp.device)  # [q]
-    before, lse_before = flash(qp, nn.functional.pad(keys, (0, extra)), values, True, additive, scale)
+    i = torch.arange(n, device=q.device)  # [q]
+    j = (torch.arange(n, device=q.device, dtype=torch.float32) - mid).expand(batch, heads, n)[..., None]  # [b, h, k, 1]
+    width = -(-(dim + 1) // 8) * 8
+    pad = (0, width - dim)
+    values = nn.functional.pad(torch.cat([keys, j], dim=-1), (0, width - dim - 1))  # [batch, head, key, width]
+    before, lse_before = flash(nn.functional.pad(q, pad), nn.functional.pad(keys, pad), values, True, additive, scale)
     share = (lse_before - lse).exp()  # [batch, head, q]: the mass on keys j <= i
     below = share * ((i - mid) - before[..., dim])  # [batch, head, q]: sum_{j <= i} p_ij (i - j)
     return position - i + 2 * below  # [batch, head, q]
@@ -541,16 +560,19 @@ def _sink_window(
     start, window = info.sink + info.window, info.window
     if not causal or start >= n:
         return out
-    rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), window))  # keys <= 2 window
+    # a block of r rows computes r + window - 1 logits per row for its window of `window`: r = window / 4 wastes a
+    # fifth (r = window, as many as it keeps)
+    rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), max(16, window // 4)))
     for q0 in range(start, n, rows):
         q1 = min(n, q0 + rows)
         k0 = q0 - window + 1  # >= sink: the window keys never reach the sink keys
-        logits = scale * (q[:, :, q0:q1] @ keys[:, :, k0:q1].transpose(-1, -2))  # [batch, head, r, keys]
+        logits = (q[:, :, q0:q1] @ keys[:, :, k0:q1].transpose(-1, -2)).mul_(scale)  # [batch, head, r, keys]
         i = torch.arange(q0, q1, device=q.device)[:, None]  # [r, 1]
         j = torch.arange(k0, q1, device=q.device)[None, :]  # [1, keys]
         band = (j > i - window) & (j <= i)  # [r, keys]
         allowed = band[None] & real[:, None, k0:q1]  # [batch, r, keys]
-        recent = torch.where(allowed[:, None], (logits - lse[:, :, q0:q1, None]).exp(), 0.0).sum(dim=-1)
+        logits.sub_(lse[:, :, q0:q1, None]).masked_fill_(~allowed[:, None], float("-inf"))
+        recent = logits.exp_().sum(dim=-1)  # [batch, head, r]: the window's mass
         out[:, :, q0:q1] = sink_mass[:, :, q0:q1] + recent  # [batch, head, r]
     return out
 

@@ -85,3 +85,21 @@ def test_layers_the_identity_does_not_cover_are_not_fused():
     assert kernel.fusable(plain)
     for change in ({"span": 4}, {"softcap": 30.0}, {"sinks": True}):
         assert not kernel.fusable(kernel.LayerFeatures(**{**plain.__dict__, **change}))
+
+
+def test_a_bfloat16_model_gets_its_output_from_its_own_call_and_float32_statistics():
+    """float32 values ride along in the statistics call; bfloat16 ones get their own call in bfloat16, while the
+    statistics are computed in float32 either way (bfloat16's 8 bits could not hold an entropy to 1e-5)."""
+    q, k, v, real = sharp_heads(40, 20.0)
+    info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(40),
+                        budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None)
+    q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    sums, _, output = kernel.fused_attend(q16, k16, v16, real, None, True, info)
+    p, _ = oracle(q16.float(), k16.float(), real, True)
+    expected = sentence_stats(p, real.long(), True, None, sink=2, window=8)
+    for name, value in sums.means().items():
+        assert_close(value.double(), expected[name], name)
+    assert output.dtype == torch.bfloat16
+    reference = (p.float() @ v16.float().repeat_interleave(2, 1)).transpose(1, 2)  # [batch, query, head, dim]
+    bfloat16 = 2**-8  # its unit roundoff: the kernel rounds p and the sums to 8 significant bits
+    assert float((output.float() - reference)[real].abs().max()) < 4 * bfloat16 * float(reference.abs().max())
