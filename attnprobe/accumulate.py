@@ -2,9 +2,11 @@
 
 For every score and head the accumulator keeps the sum of the per-sentence values and how many
 sentences had one; the Poisson-bootstrap resamples keep weighted sums and weights [resample, layer x
-head]; the entropy keeps its sum of squares (for `entropy_std`); position bins and categories keep
-sums and counts of their own. Every field is a sum, so two accumulators merge by adding them (one
-`all_reduce` under torchrun), and the results equal those computed from every sentence's values.
+head] (under the block bootstrap of a run of few sequences, `add_resampled` folds in each sequence's
+resampled means instead, with weight 1); the entropy keeps its sum of squares (for `entropy_std`);
+position bins and categories keep sums and counts of their own. Every field is a sum, so two
+accumulators merge by adding them (one `all_reduce` under torchrun), and the results equal those
+computed from every sentence's values.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from attnprobe.bootstrap import interval, poisson_weights
+from attnprobe.bootstrap import POISSON, interval, poisson_weights
 from attnprobe.metrics import bin_range
 
 CATEGORY_SCORES = ("entropy", "entropy_norm")  # categories.csv: each layer's mean over heads, per category
@@ -32,6 +34,7 @@ class Shape:
     resamples: int
     seed: int
     categories: tuple[str, ...]  # empty for an untagged corpus
+    method: str = POISSON  # the bootstrap: poisson (weights per sentence, folded by `flush`) or block (`add_resampled`)
 
     @property
     def category_scores(self) -> tuple[str, ...]:
@@ -127,7 +130,44 @@ class Accumulator:
         if self.shape.categories and categories is not None:
             for category in categories:
                 s[f"catcount/{category}"] += 1.0
-        self._wait(indices, stats, categories)
+        if self.shape.method == POISSON:
+            self._wait(indices, stats, categories)
+        elif self.shape.categories and categories is not None:  # the block resamples come through add_resampled
+            self._add_categories(stats, categories)
+
+    def _add_categories(self, stats: dict[str, np.ndarray], categories: Sequence[str]) -> None:
+        """The category sums of a batch (without resamples): per score, each layer's mean over heads."""
+        s = self._sums
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            by_sentence = {name: np.nanmean(stats[name], axis=2) for name in self.shape.category_scores}  # [n, layer]
+        for k, category in enumerate(categories):
+            for name, values in by_sentence.items():
+                present = ~np.isnan(values[k])  # [layer]: a one-token sentence has no entropy_norm
+                s[f"catsum/{name}/{category}"] += np.where(present, values[k], 0.0)
+                s[f"catn/{name}/{category}"] += present
+
+    def add_resampled(
+        self, layer: int, resampled: dict[str, np.ndarray], categories: Sequence[str] | None = None,
+    ) -> None:
+        """Fold in one layer's block-bootstrap means of a batch, per score [resample, sentence, head]: each sentence
+        with a value counts once in each resample, so a resample's head mean is the mean over sentences of their
+        resampled means, as the point is the mean over sentences of their means."""
+        s = self._sums
+        for name, values in resampled.items():
+            present = ~np.isnan(values)  # [resample, sentence, head]
+            s[f"wsum/{name}"][:, layer] += np.where(present, values, 0.0).sum(axis=1)  # [resample, head]
+            s[f"wcount/{name}"][:, layer] += present.sum(axis=1)
+        if not self.shape.categories or categories is None:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            by_sentence = {name: np.nanmean(resampled[name], axis=2) for name in self.shape.category_scores}
+        for k, category in enumerate(categories):
+            for name, values in by_sentence.items():  # [resample, sentence]: the mean over heads
+                present = ~np.isnan(values[:, k])  # [resample]
+                s[f"catwsum/{name}/{category}"][:, layer] += np.where(present, values[:, k], 0.0)
+                s[f"catwn/{name}/{category}"][:, layer] += present
 
     def _wait(self, indices: Sequence[int], stats: dict[str, np.ndarray], categories: Sequence[str] | None) -> None:
         """Put a batch's sentences in the buffer, folding the buffer in first when they would not fit."""

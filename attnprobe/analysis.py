@@ -18,7 +18,16 @@ import torch
 
 from attnprobe import __version__, defaults, distributed, kernel, limits
 from attnprobe.accumulate import Accumulator, Shape
-from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval
+from attnprobe.bootstrap import (
+    BLOCK,
+    CONFIDENCE,
+    DEFAULT_RESAMPLES,
+    FEW_SEQUENCES,
+    BlockResampler,
+    block_length,
+    bootstrap_method,
+    interval,
+)
 from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus, clip_text
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel import DEFAULT_BUDGET_MIB
@@ -136,6 +145,7 @@ def analyze_loaded(
         layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(scanned.longest),
         resamples=resamples, seed=seed,
         categories=tuple(dict.fromkeys(label or UNTAGGED for label in corpus.labels)) if corpus.tagged else (),
+        method=bootstrap_method(scanned.sentences),
     )
     if checkpointing is not None and keep_per_sentence:
         raise AttnprobeError("keep_per_sentence cannot be resumed from a checkpoint: use one or the other")
@@ -164,10 +174,10 @@ def analyze_loaded(
         run["attention"]["fused_layers"] = kernel.discover(loaded).fused_layers(loaded.device)
         run["attention"]["fused_min_tokens"] = fused_from(measured.path, options.attention)
     run["summary"] = summary
-    run["bootstrap"] = {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
-                        "method": "poisson"}
+    run["bootstrap"] = bootstrap_record(shape, scanned.lengths)
     run["example_sentence"] = {"index": scanned.example_index, "line": scanned.example.line}
-    run["notes"] = [note for note in (few_sentences_note(scanned.sentences),) if note]
+    run["notes"] = [note for note in (few_sentences_note(scanned.sentences, run["bootstrap"].get("block_lengths")),)
+                    if note]
     example = {
         "sentence": scanned.example.text,
         "tokens": token_labels(loaded.tokenizer, scanned.example_ids[:EXAMPLE_MAX_TOKENS], scanned.example.text),
@@ -343,10 +353,13 @@ def measure(
                 other_maps[index] = torch.full((shape.layers, shape.heads, m, m), torch.nan, device=loaded.device)
                 wanted.append((row, m, other_maps[index]))
         share = len(batch) * world.size / shape.layers  # the ranks run in step: an estimate of the whole run
-        stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
-                                    on_layer=(lambda: progress(share)) if progress else None)
-        check_finite(loaded, stats, sentences, [len(t) for t in ids])
         labels = sentence_categories(corpus, sentences)
+        resamplers = [BlockResampler.draw(index, len(t), shape.resamples, shape.seed) for index, t in zip(batch, ids)] \
+            if shape.method == BLOCK else None
+        stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
+                                    on_layer=(lambda: progress(share)) if progress else None, resamplers=resamplers,
+                                    on_resampled=lambda layer, values: totals.add_resampled(layer, values, labels))
+        check_finite(loaded, stats, sentences, [len(t) for t in ids])
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
         if on_batch is not None:
             on_batch(batch, stats, sentences)
@@ -420,12 +433,15 @@ def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: l
 def measure_batch(
     loaded: LoadedModel, path: str, input_ids: torch.Tensor, mask: torch.Tensor, special: torch.Tensor | None,
     shape: Shape, options: Options, examples: list[tuple[int, int, torch.Tensor]] = (),
-    on_layer: Callable[[], None] | None = None,
+    on_layer: Callable[[], None] | None = None, resamplers: list[BlockResampler] | None = None,
+    on_resampled: Callable[[int, dict[str, np.ndarray]], None] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-sentence statistics [sentence, layer, head] and position bins [sentence, layer, head, bin] of one batch.
 
     `examples`: (row in the batch, tokens kept, maps [layer, head, query, key]) of sentences whose maps to write;
     the blocked path writes the first one only. `on_layer` is called as each layer's statistics arrive.
+    `resamplers`: one per sentence, for the block bootstrap: each layer's rows are resampled as they arrive and
+    `on_resampled(layer, per score [resample, sentence, head])` gets the means; the rows are then dropped.
     """
     b, sink, window = input_ids.shape[0], options.sink, options.window
     k = min(shape.bins, bin_count(input_ids.shape[1]))
@@ -439,6 +455,8 @@ def measure_batch(
             stats[name][:, layer] = value
         for name, value in sums.bin_means().items():  # [batch, head, bin]
             bins[name][:, layer] = value
+        if resamplers and on_resampled is not None:
+            on_resampled(layer, resample_rows(sums.rows, shape.names, resamplers))
         if on_layer is not None:
             on_layer()
 
@@ -450,17 +468,35 @@ def measure_batch(
 
         kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
                          budget_mib=options.budget_mib, block_rows=options.block_rows,
-                         example=examples[0][:2] if examples else None, fused=fused_from(path, options.attention))
+                         example=examples[0][:2] if examples else None, fused=fused_from(path, options.attention),
+                         keep_rows=bool(resamplers))
     else:
         spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
 
         def on_map(layer: int, p: torch.Tensor) -> None:
-            store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k, spans[layer]))
+            store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k, spans[layer],
+                                       keep_rows=bool(resamplers)))
             for row, q, maps in examples:
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
         stream_attention(loaded, input_ids, mask, on_map)
     return _to_numpy(stats), _to_numpy(bins)
+
+
+def resample_rows(
+    rows: dict[str, torch.Tensor], names: tuple[str, ...], resamplers: list[BlockResampler]
+) -> dict[str, np.ndarray]:
+    """Per score [resample, sentence, head]: each sentence's block-bootstrap means of one layer's row values
+    (`rows` per score [sentence, head, query]); every score of a sentence goes through one resampler together."""
+    heads = rows[names[0]].shape[1]
+    out = {name: np.empty((resamplers[0].starts.shape[0], len(resamplers), heads)) for name in names}
+    for k, resampler in enumerate(resamplers):
+        n = resampler.rows
+        stacked = torch.cat([rows[name][k, :, :n] for name in names]).cpu().double().numpy()  # [score x head, query]
+        means = resampler.means(stacked)  # [resample, score x head]
+        for j, name in enumerate(names):
+            out[name][:, k] = means[:, j * heads : (j + 1) * heads]  # [resample, head]
+    return out
 
 
 def _to_numpy(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -579,6 +615,7 @@ class Scan:
     special: bool = False  # whether the tokenizer adds special tokens
     truncated: int = 0
     cut: list[tuple[int, int]] = field(default_factory=list)  # (line, tokens cut) of the first truncated ones
+    lengths: list[int] = field(default_factory=list)  # tokens of the first FEW_SEQUENCES sequences (block bootstrap)
     example_index: int = -1  # the example sentence for `plot`: the first closest to EXAMPLE_TARGET_TOKENS
     example: Sentence | None = None
     example_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
@@ -636,6 +673,8 @@ def scan(loaded: LoadedModel, corpus: Corpus, keep_first_window: bool = False) -
         result.truncated += tokens.truncated
         result.cut.extend(tokens.cut[: CUT_SHOWN - len(result.cut)])
         for k, (ids, flags) in enumerate(zip(tokens.ids, tokens.special)):
+            if first + k < FEW_SEQUENCES:
+                result.lengths.append(len(ids))
             result.tokens += len(ids)
             result.longest = max(result.longest, len(ids))
             result.special = result.special or bool(flags.any())
@@ -803,13 +842,31 @@ def add_intervals(
     return heads, layers, summary
 
 
-def few_sentences_note(sentences: int) -> str | None:
-    """The warning for a run over fewer than FEW_SENTENCES sentences, else None."""
+def bootstrap_record(shape: Shape, lengths: list[int]) -> dict[str, Any]:
+    """run.json's `bootstrap`: how the intervals were made. Under the block bootstrap (fewer than FEW_SEQUENCES
+    sequences), each sequence's query rows (`sequence_rows`) and block length (`block_lengths`), in corpus order."""
+    record = {"resamples": shape.resamples, "seed": shape.seed, "confidence": CONFIDENCE, "method": shape.method,
+              "over": "sentences"}
+    if shape.method == BLOCK:
+        record.update(over="query rows, in blocks within each sequence", sequence_rows=list(lengths),
+                      block_lengths=[block_length(n) for n in lengths],
+                      block_rule="circular blocks of round(n^(1/3)) consecutive query rows of a sequence of n rows, "
+                                 "ceil(n / L) blocks per resample, the last cut to make n rows")
+    return record
+
+
+def few_sentences_note(sentences: int, block_lengths: list[int] | None = None) -> str | None:
+    """The warning for a run over fewer than FEW_SENTENCES sentences (its intervals come from the block bootstrap
+    over query rows, `block_lengths` rows per block), else None."""
     if sentences >= FEW_SENTENCES:
         return None
-    return (f"only {sentences} sentence{'' if sentences == 1 else 's'}: 95% intervals from a bootstrap over fewer "
-            f"than {FEW_SENTENCES} sentences mean little{' (with one they have zero width)' if sentences == 1 else ''};"
-            " use more sentences for intervals to trust")
+    sizes = sorted(set(block_lengths or []))
+    blocks = f" (blocks of {sizes[0] if len(sizes) == 1 else f'{sizes[0]}-{sizes[-1]}'} rows)" if sizes else ""
+    return (f"only {sentences} sequence{'' if sentences == 1 else 's'}: the 95% intervals come from a block bootstrap "
+            f"over the query rows within {'it' if sentences == 1 else 'each'}{blocks}, not over sentences; they show "
+            "how the means would vary over another stretch of similar text, assuming rows more than a block apart are "
+            "nearly independent, and say nothing about another sample of sentences or documents. Use at least "
+            f"{FEW_SENTENCES} sequences for intervals over sentences")
 
 
 def model_record(loaded: LoadedModel) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""Bootstrap confidence intervals over sentences (pure numpy): the Poisson bootstrap.
+"""Bootstrap confidence intervals: the Poisson bootstrap over sentences, and for runs of few sequences a
+circular moving-block bootstrap over the query rows of each sequence (numpy; torch's sparse product for
+the block sums).
 
 Each sentence gets, for each of the R resamples, an independent Poisson(1) weight: how often it is
 drawn into that resample (Hanley & MacGibbon 2006; Chamandy et al. 2012). The weights come from
@@ -7,6 +9,20 @@ batch size, batch order or how many processes share the corpus, and a resample's
 can be accumulated as sentences stream past. Every statistic uses the same weights, so the
 intervals of heads, layers, categories and the early-vs-late gradient all describe the same
 "another sample of sentences".
+
+Below FEW_SEQUENCES sequences (one long document under `--split file`, say) a bootstrap over sentences
+says nothing: one sequence gives zero-width intervals. Such runs resample the query rows of each
+sequence instead, in blocks of consecutive rows, since neighbouring rows are not independent (Kunsch
+1989; the circular version of Politis & Romano 1992): a sequence of n rows is cut, in each resample,
+into ceil(n / L) blocks of L = `block_length(n)` consecutive rows (the last block shorter, so that
+the resample has n rows again), each starting at a row drawn uniformly from all n, wrapping past the
+last row to the first. Wrapping gives every row the same chance to be drawn, so the resampled means
+centre on the sample's mean. The starts come from (seed, the sequence's index) alone, so every head,
+layer and score uses the same resampled rows, as with the Poisson weights. A score defined on some
+rows only (`sink_window`, the `_unforced` scores) averages over exactly its rows in each resample.
+These intervals describe how the mean would vary over another stretch of similar text, under the
+assumption that rows more than a block apart are nearly independent; they are not intervals over
+another sample of sentences or documents.
 """
 
 from __future__ import annotations
@@ -16,8 +32,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from attnprobe.defaults import FEW_SENTENCES
+
 CONFIDENCE = 0.95
 DEFAULT_RESAMPLES = 1000
+FEW_SEQUENCES = FEW_SENTENCES  # below this many sequences, the block bootstrap over query rows replaces the Poisson one
+POISSON, BLOCK = "poisson", "block"  # run.json's bootstrap.method
+BLOCK_STREAM = 1  # the block starts' random stream: apart from the Poisson weights' (seed, index)
 
 
 def poisson_weights(indices: Iterable[int], resamples: int, seed: int) -> np.ndarray:
@@ -51,3 +72,105 @@ def interval(resampled: np.ndarray, confidence: float = CONFIDENCE) -> tuple[np.
         warnings.simplefilter("ignore", RuntimeWarning)  # a score undefined everywhere stays NaN
         low, high = np.nanpercentile(resampled, [tail, 100 - tail], axis=0)
     return low, high
+
+
+def bootstrap_method(sequences: int) -> str:
+    """`block` (over query rows within each sequence) below FEW_SEQUENCES sequences, else `poisson` (over them)."""
+    return BLOCK if sequences < FEW_SEQUENCES else POISSON
+
+
+def block_length(rows: int) -> int:
+    """Rows per block for a sequence of `rows` query rows: the whole number nearest to rows^(1/3), at least 1.
+
+    n^(1/3) is the order of block length that minimises the error of a block bootstrap's variance (Hall,
+    Horowitz & Jing 1995); 1,000 rows give blocks of 10, 32,768 rows blocks of 32.
+    """
+    return max(1, round(max(rows, 1) ** (1 / 3)))
+
+
+def block_plan(rows: int) -> tuple[int, np.ndarray]:
+    """(L, the length of each of a resample's ceil(rows / L) blocks [block]): all L but the last, which makes the
+    resample `rows` long."""
+    length = block_length(rows)
+    count = -(-rows // length)
+    sizes = np.full(count, length, dtype=np.int64)  # [block]
+    sizes[-1] = rows - length * (count - 1)
+    return length, sizes
+
+
+def block_starts(index: int, rows: int, resamples: int, seed: int) -> np.ndarray:
+    """The first row of each block of each resample [resample, block], uniform over 0 .. rows - 1.
+
+    Depends only on (seed, the sequence's index in the corpus, rows): not on the batch, its order or the process.
+    """
+    count = len(block_plan(rows)[1])
+    return np.random.default_rng([seed, int(index), BLOCK_STREAM]).integers(0, rows, size=(resamples, count))
+
+
+class BlockResampler:
+    """The circular block bootstrap of one sequence of `rows` query rows: `means` of any values over its rows.
+
+    A resample takes, for each block b, the rows starts[r, b] .. starts[r, b] + size_b - 1 (modulo the rows;
+    sizes from `block_plan`), and a score's resampled value is its mean over those rows, a row counted as
+    often as it is drawn. Block sums are differences of prefix sums over the rows (wrapped once); a
+    resample's sum of its full-length blocks is one sparse product with the counts of blocks starting at
+    each row, built once per sequence and reused for every layer.
+    """
+
+    def __init__(self, starts: np.ndarray, rows: int) -> None:
+        import torch  # here, not at the top: compare and report read intervals without torch
+
+        self.rows = rows
+        self.length, self.sizes = block_plan(rows)
+        if starts.ndim != 2 or starts.shape[1] != len(self.sizes):
+            raise ValueError(f"starts {starts.shape}: need [resample, {len(self.sizes)}] for {rows} rows")
+        self.starts = starts  # [resample, block]
+        resamples, full = starts.shape[0], starts.shape[1] - 1  # every block but the last has L rows
+        keys = (np.arange(resamples)[:, None] * rows + starts[:, :full]).reshape(-1)  # [resample x full]
+        keys, counts = np.unique(keys, return_counts=True)  # sorted (resample, row) pairs and their blocks
+        index = torch.from_numpy(np.stack([keys // rows, keys % rows]))  # [2, pairs]
+        self.starting = torch.sparse_coo_tensor(  # [resample, row]: full-length blocks starting at each row
+            index, torch.from_numpy(counts.astype(np.float64)), (resamples, rows), is_coalesced=True,
+            check_invariants=False,
+        )
+
+    @classmethod
+    def draw(cls, index: int, rows: int, resamples: int, seed: int) -> BlockResampler:
+        """The resampler of the sequence at corpus `index` (`block_starts`)."""
+        return cls(block_starts(index, rows, resamples, seed), rows)
+
+    def sums(self, values: np.ndarray) -> np.ndarray:
+        """Per resample, the sum of `values` [k, row] over the resample's rows: [resample, k]."""
+        import torch
+
+        if values.shape[-1] != self.rows:
+            raise ValueError(f"values {values.shape}: need {self.rows} rows")
+        v = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64)).T  # [row, k]
+        wrapped = torch.cat([v, v[: self.length]])  # [row + L, k]: a block may run past the last row
+        prefix = torch.cat([v.new_zeros(1, v.shape[1]), wrapped.cumsum(dim=0)])  # [row + L + 1, k]
+        first, size = torch.from_numpy(self.starts[:, -1]), int(self.sizes[-1])  # [resample]: the last block
+        total = prefix[first + size] - prefix[first]  # [resample, k]
+        if self.starts.shape[1] > 1:
+            windows = prefix[self.length : self.length + self.rows] - prefix[: self.rows]  # [row, k]: L rows from each
+            total = total + self.starting @ windows  # [resample, k]
+        return total.numpy()
+
+    def means(self, values: np.ndarray) -> np.ndarray:
+        """Per resample, the mean of `values` [k, row] over the resample's rows where they are not NaN: [resample, k];
+        NaN where a resample drew no row with a value."""
+        present = ~np.isnan(values)  # [k, row]
+        sums = self.sums(np.where(present, values, 0.0))  # [resample, k]
+        masks, which = distinct_rows(present)  # [mask, row], [k]: the scores' masks are a few distinct ones
+        counts = self.sums(masks.astype(np.float64))[:, which]  # [resample, k]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), np.nan)
+
+
+def distinct_rows(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of a bool array [k, n] ([distinct, n]) and which of them each row is ([k])."""
+    first: dict[bytes, int] = {}
+    packed = np.packbits(flags, axis=1)  # [k, n / 8]
+    which = np.array([first.setdefault(row.tobytes(), len(first)) for row in packed], dtype=np.int64)  # [k]
+    kept = np.zeros(len(first), dtype=np.int64)
+    kept[which] = np.arange(len(which))  # any row of each kind will do
+    return flags[kept], which

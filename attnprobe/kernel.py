@@ -96,6 +96,7 @@ class Batch:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # filled as the layers run
     discovering: list[str] | None = None  # discover(): collect what is not implemented instead of refusing
     fused: int | None = None  # through the fused kernel: layers it computes exactly, in batches this long or longer
+    keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
@@ -384,7 +385,7 @@ def attend(
     extra = None if span is None else sum(window_reach(causal, span))
     rows = info.block_rows or block_size(batch, heads, n, info.budget_bytes, extra)
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
-    sums = SentenceSums()
+    sums = SentenceSums(rows={} if info.keep_rows else None)
     example = _example_buffer(info, heads, query.device)  # [head, q, k] or None
     for q0 in range(0, n, rows):
         q1 = min(n, q0 + rows)
@@ -527,7 +528,7 @@ def fused_attend(
         distance=distance, sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale),
         special=None if info.special is None else mean[..., dim + 2],
     )
-    sums = SentenceSums()
+    sums = SentenceSums(rows={} if info.keep_rows else None)
     sums.add(row_stats(masses, 0, lengths, causal), 0, lengths, info.bins)
     return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
 
@@ -687,18 +688,21 @@ def run_batch(
     special: Tensor | None = None, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int = 1,
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
     discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
+    keep_rows: bool = False,
 ) -> None:
     """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums.
 
     `features`, when given, receives each layer's LayerFeatures; `discovering` collects what is not implemented
     instead of refusing it (discover()). `fused`: run the layers `fusable` accepts through the fused kernel when
-    the batch is at least this many tokens long (0: always; None: never).
+    the batch is at least this many tokens long (0: always; None: never). `keep_rows`: the sums handed to
+    `on_layer` keep every row's values too (`SentenceSums.rows`).
     """
     modules = attention_modules(loaded.model)
     info = Batch(
         layers={id(m): layer for layer, (m, _) in enumerate(modules)}, last_layer=len(modules) - 1,
         special=special, sink=sink, window=window, bins=bins, budget_bytes=int(budget_mib * 2**20),
         block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering, fused=fused,
+        keep_rows=keep_rows,
     )
     if features is not None:
         info.features = features

@@ -275,12 +275,17 @@ class SentenceSums:
     counts: dict[str, Tensor] = field(default_factory=dict)  # [batch, head]
     bin_sums: dict[str, Tensor] = field(default_factory=dict)  # [batch, head, bin]
     bin_counts: dict[str, Tensor] = field(default_factory=dict)  # [batch, head, bin]
+    # every row's value [batch, head, query] (NaN where none), only when asked for (`rows={}`): the block
+    # bootstrap of a run of few sequences resamples them; O(sequence length) per layer, dropped with it
+    rows: dict[str, Tensor] | None = None
 
     def add(self, per_row: dict[str, Tensor], q0: int, lengths: Tensor, bins: int) -> None:
         """Fold a block's row statistics in; `bins` is the number of position bins to keep."""
         some = next(iter(per_row.values()))  # [batch, head, rows]
         i = positions(q0, some.shape[-1], some.device)  # [rows]
         real = (i[None, :] < lengths[:, None])[:, None, :]  # [batch, 1, rows]
+        if self.rows is not None:
+            self.keep_rows(per_row, q0, real, lengths)
         where = position_bin(i).clamp(max=bins - 1)  # [rows]
         for name, values in per_row.items():
             keep = real & ~values.isnan()  # [batch, head, rows]
@@ -295,6 +300,16 @@ class SentenceSums:
                 )
                 _add(self.bin_sums, name, sums)  # [batch, head, bin]
                 _add(self.bin_counts, name, counts)  # [batch, head, bin]
+
+    def keep_rows(self, per_row: dict[str, Tensor], q0: int, real: Tensor, lengths: Tensor) -> None:
+        """Copy a block's row values into `rows` (padded rows NaN); `real` [batch, 1, rows] marks the real ones."""
+        for name, values in per_row.items():  # [batch, head, rows]
+            if name not in self.rows:
+                n = int(lengths.max())
+                self.rows[name] = torch.full((*values.shape[:-1], n), torch.nan, dtype=values.dtype,
+                                             device=values.device)  # [batch, head, query]
+            end = min(q0 + values.shape[-1], self.rows[name].shape[-1])
+            self.rows[name][..., q0:end] = torch.where(real, values, torch.nan)[..., : end - q0]
 
     def means(self) -> dict[str, Tensor]:
         """Per sentence and head, the mean over rows; NaN where no row had a value."""
@@ -315,11 +330,13 @@ def _ratio(total: Tensor, count: Tensor) -> Tensor:
 def sentence_sums(
     p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None,
     sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int | None = None, span: int | None = None,
+    keep_rows: bool = False,
 ) -> SentenceSums:
-    """The sums of a whole map [batch, head, query, key]: one block at q0 = 0; `span` is the layer's window."""
+    """The sums of a whole map [batch, head, query, key]: one block at q0 = 0; `span` is the layer's window;
+    `keep_rows`: keep every row's values too (`SentenceSums.rows`)."""
     lengths = attention_mask.sum(dim=-1)  # [batch]
     bins = bins or bin_count(p.shape[-2])
-    sums = SentenceSums()
+    sums = SentenceSums(rows={} if keep_rows else None)
     sums.add(block_row_stats(p, 0, lengths, causal, special, sink, window, span=span), 0, lengths, bins)
     return sums
 
