@@ -35,7 +35,14 @@ from torch import Tensor, nn
 
 from attnprobe import __version__, naming
 from attnprobe.analysis import check_options, length_batches, pad_batch, tokenize
-from attnprobe.bootstrap import CONFIDENCE, DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
+from attnprobe.bootstrap import (
+    CONFIDENCE,
+    DEFAULT_RESAMPLES,
+    few_items_note,
+    interval,
+    poisson_weights,
+    resampled_means,
+)
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, forward_kwargs, load_model, quiet_transformers
@@ -794,6 +801,7 @@ def run_info(
         "batch_size": batch_size,
         "bootstrap": {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
                       "method": "poisson"},
+        "notes": [note for note in (few_items_note(len(ids), "sentence"),) if note],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
     }

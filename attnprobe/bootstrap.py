@@ -174,3 +174,31 @@ def distinct_rows(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     kept = np.zeros(len(first), dtype=np.int64)
     kept[which] = np.arange(len(which))  # any row of each kind will do
     return flags[kept], which
+
+
+def interval_basis(run: dict) -> str:
+    """What a run's intervals resample, in words, from run.json (`bootstrap`, `sentences`): "bootstrap over 12
+    sentences", or "block bootstrap over the query rows of 1 sequence, blocks of 19 rows"."""
+    boot, n = run.get("bootstrap") or {}, run.get("sentences", "?")
+    if boot.get("method") != BLOCK:
+        return f"bootstrap over {n} sentence{'' if n == 1 else 's'}"
+    sizes = sorted(set(boot.get("block_lengths") or []))
+    blocks = "" if not sizes else f", blocks of {sizes[0]}{'' if len(sizes) == 1 else f'-{sizes[-1]}'} rows"
+    return f"block bootstrap over the query rows of {n} sequence{'' if n == 1 else 's'}{blocks}"
+
+
+def over_sentences(run: dict) -> bool:
+    """Whether a run's intervals stand for another sample of sentences: a bootstrap over FEW_SEQUENCES or more of
+    them (not the block bootstrap over query rows, nor an older run's bootstrap over fewer sentences)."""
+    boot, n = run.get("bootstrap") or {}, run.get("sentences")
+    return boot.get("method", POISSON) != BLOCK and isinstance(n, int) and n >= FEW_SEQUENCES
+
+
+def few_items_note(count: int, unit: str) -> str | None:
+    """The warning for a Poisson bootstrap over fewer than FEW_SEQUENCES `unit`s (probe's random sequences,
+    ablate's sentences), else None."""
+    if count >= FEW_SEQUENCES:
+        return None
+    return (f"only {count} {unit}{'' if count == 1 else 's'}: 95% intervals from a bootstrap over fewer than "
+            f"{FEW_SEQUENCES} {unit}s mean little{' (with one they have zero width)' if count == 1 else ''}; use "
+            f"{FEW_SEQUENCES} or more for intervals to trust")

@@ -390,10 +390,12 @@ def stop_requests():
 
 
 def summary_table(run: dict) -> Table:
-    s = run["summary"]
+    from attnprobe.bootstrap import interval_basis, over_sentences
+
+    s, n = run["summary"], run["sentences"]
     table = Table(
         title=Text(visible(f"{run['model']['spec']}: {run['model']['layers']} layers x {run['model']['heads']} heads, "
-                           f"{run['sentences']} sentences, {run['tokens']} tokens"))
+                           f"{n} sentence{'' if n == 1 else 's'}, {run['tokens']} tokens"))
     )
     table.add_column("layers")
     table.add_column("mean entropy (nats)", justify="right")
@@ -407,7 +409,9 @@ def summary_table(run: dict) -> Table:
     table.add_row(f"early {early[0]}-{early[1]}", f"{s['early_entropy']:.3f}", ci("early_entropy"))
     table.add_row(f"late {late[0]}-{late[1]}", f"{s['late_entropy']:.3f}", ci("late_entropy"))
     table.add_row("early - late", f"{s['difference']:+.3f}", ci("difference", "+"))
-    table.caption = f"intervals: bootstrap over sentences, {run['bootstrap']['resamples']} resamples"
+    table.caption = f"intervals: {interval_basis(run)}, {run['bootstrap']['resamples']} resamples"
+    if not over_sentences(run):
+        table.caption += "; not intervals over sentences (see the warning)"
     return table
 
 
@@ -734,6 +738,8 @@ def probe(
                            resamples=resamples, batch_size=batch_size, limit=limit)
     kinds = tuple(result.info["kinds"])  # each asked kind once, as the probe ran them
     result.info["threads"] = threads_used
+    for note in result.info.get("notes", []):
+        err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     written = io.write_files(out, {
         io.PROBE_FILE: io.csv_writer(result.scores),
         io.PROBE_RUN_FILE: io.json_writer(result.info),
@@ -923,6 +929,8 @@ def ablate(
     shape = (result.run["model"]["layers"], result.run["model"]["heads"])  # the model's, whatever --heads chose
     written = io.write_ablation(out, result, {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(
         result.heads, title, shape)})
+    for note in result.run.get("notes", []):
+        err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(importance_table(result.heads, result.run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 

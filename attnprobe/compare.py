@@ -17,6 +17,11 @@ runs give sentence index i the same weights, a correlation that means nothing ac
 An unpaired interval over the same sentences ignores that they are the same: where the two runs' values
 rise and fall together from sentence to sentence (two runs of one model), it is far wider than the paired one.
 
+A run of fewer than 10 sequences resampled blocks of query rows within each sequence instead (the block
+bootstrap, bootstrap.py). Its block starts depend on (seed, the sequence's index, its rows), so two such runs
+drew the same rows when they also tokenized every sequence to the same number of rows (`sequence_rows`):
+then they pair; their intervals, and those of the differences, are over those rows, not over sentences.
+
 Pure: reads through io.py, returns frames and plain data; writes nothing.
 """
 
@@ -32,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from attnprobe import io, limits
-from attnprobe.bootstrap import CONFIDENCE, interval
+from attnprobe.bootstrap import BLOCK, CONFIDENCE, interval
 from attnprobe.classify import EXTENDED_TYPES, HEAD_TYPES, KV_TYPES
 from attnprobe.classify import classify as default_classify
 from attnprobe.defaults import FEW_SENTENCES
@@ -141,7 +146,29 @@ def pairing_obstacles(a: Run, b: Run) -> list[str]:
     for key, what in (("method", "bootstrap methods"), ("seed", "bootstrap seeds"), ("resamples", "resample counts")):
         if ba.get(key) != bb.get(key) or ba.get(key) is None:
             found.append(f"the {what} differ ({ba.get(key)} vs {bb.get(key)})")
+    if BLOCK == ba.get("method") == bb.get("method") and not found:  # blocks of rows: the same rows?
+        for key, what in (("sequence_rows", "sequences' query rows"), ("block_lengths", "block lengths")):
+            if ba.get(key) != bb.get(key) or ba.get(key) is None:
+                found.append(f"the {what} differ ({ba.get(key)} vs {bb.get(key)}): other tokenizers draw other rows")
+                break
     return found
+
+
+def resampled_units(a: Run, b: Run) -> str:
+    """What the two runs' resamples drew: `sentences`, `query rows` (both block bootstraps) or both, in words."""
+    units = ["query rows" if run.info.get("bootstrap", {}).get("method") == BLOCK else "sentences" for run in (a, b)]
+    return units[0] if units[0] == units[1] else f"{units[0]} (A), {units[1]} (B)"
+
+
+def few_note(which: str, run: Run) -> str | None:
+    """The warning for a run of fewer than FEW_SENTENCES sequences, else None."""
+    n = run.info.get("sentences") or 0
+    if n >= FEW_SENTENCES:
+        return None
+    if run.info.get("bootstrap", {}).get("method") == BLOCK:
+        return (f"{which} has only {n} sequence{'' if n == 1 else 's'}: its intervals, and those of the differences, "
+                "come from a block bootstrap over query rows within them: they say nothing about other sentences")
+    return f"{which} has only {n} sentences: its intervals mean little, and so do those of the differences"
 
 
 def choose_pairing(a: Run, b: Run, paired: bool | None) -> tuple[str, str]:
@@ -153,11 +180,13 @@ def choose_pairing(a: Run, b: Run, paired: bool | None) -> tuple[str, str]:
     if paired is False:
         return UNPAIRED, "--unpaired was asked for: resamples matched at random, as if the samples were independent"
     if obstacles:
-        return UNPAIRED, f"{'; '.join(obstacles)}: resamples matched at random (independent samples of sentences)"
+        return UNPAIRED, (f"{'; '.join(obstacles)}: resamples matched at random (independent samples of "
+                          f"{resampled_units(a, b)})")
     boot = a.info["bootstrap"]
+    drawn = "query rows (block bootstrap)" if boot.get("method") == BLOCK else "sentences"
     return PAIRED, (f"same corpus (sha256 {a.info['corpus']['sha256'][:12]}, {a.info['sentences']} sentences) and "
                     f"bootstrap (seed {boot['seed']}, {boot['resamples']} resamples): resample r drew the same "
-                    "sentences in both runs, so the interval is over B_r - A_r")
+                    f"{drawn} in both runs, so the interval is over B_r - A_r")
 
 
 def draws(a: Run, b: Run, pairing: str) -> tuple[np.ndarray, np.ndarray]:
@@ -359,8 +388,7 @@ def compare(
     heads = head_differences(a, b, scores, ia, ib) if same else None
     layers = layer_differences(a, b, scores, ia, ib)
     types, labels_a, labels_b, notes = type_distribution(a, b)
-    few = [f"{which} has only {run.info.get('sentences')} sentences: its intervals mean little, and so do those of "
-           "the differences" for which, run in (("A", a), ("B", b)) if (run.info.get("sentences") or 0) < FEW_SENTENCES]
+    few = [note for note in (few_note("A", a), few_note("B", b)) if note]
     notes = [*few, *notes]
     if heads is not None and labels_a is not None:
         heads.insert(2, "head_type_a", labels_a.to_numpy())
@@ -369,6 +397,7 @@ def compare(
     info = {
         "a": provenance(a), "b": provenance(b), "difference": "B - A", "same_shape": same,
         "heads_matched": same, "matching": matching_note(a, b), "pairing": pairing, "pairing_reason": why,
+        "bootstrap_over": resampled_units(a, b),
         "draws": len(ia), "confidence": CONFIDENCE, "scores": scores, "score": score,
         "overall": overall(a, b, scores, ia, ib),
         "changed": {s: int(excludes_zero(heads if same else layers, s).sum()) for s in scores},

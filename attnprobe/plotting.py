@@ -688,7 +688,8 @@ def compare_figure(
         draw_type_fractions(shares, types, labels)
     matched = "heads matched by position" if heads is not None else "heads not matched (different shapes)"
     figure.suptitle(plain_text(f"B - A: B = {run_label(info['b'])}, A = {run_label(info['a'])}\n"
-                               f"{info['pairing']} bootstrap over sentences; {matched}"), fontsize=11)
+                               f"{info['pairing']} bootstrap over {info.get('bootstrap_over', 'sentences')}; "
+                               f"{matched}"), fontsize=11)
     return figure
 
 

@@ -23,7 +23,7 @@ import torch
 
 from attnprobe import __version__, limits
 from attnprobe.analysis import check_options, model_record, versions
-from attnprobe.bootstrap import DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
+from attnprobe.bootstrap import DEFAULT_RESAMPLES, few_items_note, interval, poisson_weights, resampled_means
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, as_loaded, stream_attention
 
@@ -141,6 +141,8 @@ def probe(
         "device": str(loaded.device), "dtype": loaded.dtype, "batch_size": batch_size,
         "wall_seconds": round(time.perf_counter() - started, 3),
         "versions": versions(),
+        # the bootstrap is over the random sequences, every length's together: few make `above_chance` unsure
+        "notes": [note for note in (few_items_note(len(lengths) * scored, "random sequence"),) if note],
     }
     return Probe(scores=frame, info=info)
 

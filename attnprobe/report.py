@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from attnprobe import io
+from attnprobe.bootstrap import BLOCK, FEW_SEQUENCES, interval_basis, over_sentences
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import visible
 
@@ -211,6 +212,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
         "examples": examples, "levels": MAP_LEVELS,
         "initial": _initial_head(heads),
         "summary": summary_sentence(run),
+        "runNotes": [visible(str(note)) for note in run.get("notes") or []],  # run.json's warnings, shown as such
         "typesSummary": types_sentence(types, scheme),
         "provenance": provenance(run, out),
         "notes": notes,
@@ -268,17 +270,25 @@ def summary_sentence(run: dict[str, Any]) -> str:
     def span(a: int, b: int) -> str:
         return f"layer {a}" if a == b else f"layers {a}-{b}"
 
-    bounds = s.get("difference_ci") or [None, None]
-    if None in bounds:
-        verdict = ""
-    elif bounds[0] > 0 or bounds[1] < 0:
-        verdict = ": the interval excludes 0, so the gradient would survive another sample of sentences"
-    else:
-        verdict = ": the interval includes 0, so this sample does not show a gradient"
     return (f"Mean attention entropy {verb} from {early:.3f}{ci('early_entropy')} nats in {span(e0, e1)} "
             f"to {late:.3f}{ci('late_entropy')} in {span(l0, l1)}; early - late = {diff:+.3f}"
-            f"{ci('difference', '+')} (95% bootstrap intervals over {run.get('sentences', '?')} sentences)"
-            f"{verdict}.")
+            f"{ci('difference', '+')} (95% intervals: {interval_basis(run)}){gradient_verdict(run)}.")
+
+
+def gradient_verdict(run: dict[str, Any]) -> str:
+    """What the difference's interval says, as far as the bootstrap behind it can: only a bootstrap over enough
+    sentences speaks of another sample of sentences."""
+    bounds = run["summary"].get("difference_ci") or [None, None]
+    if None in bounds:
+        return ""
+    if not (bounds[0] > 0 or bounds[1] < 0):
+        return ": the interval includes 0, so this sample does not show a gradient"
+    if over_sentences(run):
+        return ": the interval excludes 0, so the gradient would survive another sample of sentences"
+    if (run.get("bootstrap") or {}).get("method") == BLOCK:
+        return (": the interval excludes 0, so the gradient holds along these sequences' rows; whether other text "
+                f"shows it takes {FEW_SEQUENCES} or more sequences")
+    return f": the interval excludes 0, but an interval over fewer than {FEW_SEQUENCES} sentences means little"
 
 
 def types_sentence(types: list[str | None], scheme: str | None) -> str:
@@ -307,8 +317,8 @@ def provenance(run: dict[str, Any], out: Path) -> list[list[str]]:
         ("device / dtype / batch size", f"{run.get('device')} / {run.get('dtype')} / {run.get('batch_size')}"),
         ("attention", f"{attention.get('path')} (asked: {attention.get('requested')}), sink_window S = "
                       f"{attention.get('sink_tokens')}, W = {attention.get('window')}"),
-        ("bootstrap", f"{boot.get('resamples')} resamples over {boot.get('over', 'sentences')}, seed "
-                      f"{boot.get('seed')}, {boot.get('confidence', 0.95):.0%} intervals"),
+        ("bootstrap", f"{boot.get('resamples')} resamples, {interval_basis(run)}, seed {boot.get('seed')}, "
+                      f"{boot.get('confidence', 0.95):.0%} intervals"),
         ("processes", (run.get("distributed") or {}).get("world_size")),
         ("versions", ", ".join([f"attnprobe {run.get('attnprobe_version', '?')}",
                                 *(f"{k} {v}" for k, v in versions.items())])),
@@ -339,8 +349,10 @@ def render(data: dict[str, Any], sections: list[Section] | tuple[Section, ...] =
 
 def _header(title: str, data: dict[str, Any]) -> str:
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in data["notes"])
+    warnings = "".join(f"<li>{html.escape(n)}</li>" for n in data.get("runNotes", []))
     return (f"<h1>{html.escape(title)}</h1><p class=\"summary\" id=\"summary\">{html.escape(data['summary'])}</p>"
-            f"<p class=\"summary\">{html.escape(data['typesSummary'])}</p>"
+            + (f"<ul class=\"run-notes\" id=\"run-notes\">{warnings}</ul>" if warnings else "")
+            + f"<p class=\"summary\">{html.escape(data['typesSummary'])}</p>"
             + (f"<details class=\"notes\"><summary>Notes</summary><ul>{notes}</ul></details>" if notes else ""))
 
 

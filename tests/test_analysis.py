@@ -111,14 +111,14 @@ def test_float16_on_cpu_is_refused(gpt2_dir, corpus_file):
 
 def test_tagged_corpus_gives_categories_with_intervals(gpt2_dir, tmp_path):
     corpus = tmp_path / "tagged.txt"
-    corpus.write_text("Rain fell.\n# category: short\nBirds sing.\nThe cat sat on the mat.\n"
-                      "# category: long\n" + "\n".join(SENTENCES[3:6]) + "\n", encoding="utf-8")
+    corpus.write_text("Rain fell.\n# category: short\nBirds sing.\nThe cat sat on the mat.\n"  # 10 sentences: Poisson
+                      "# category: long\n" + "\n".join(SENTENCES[3:8] + SENTENCES[:2]) + "\n", encoding="utf-8")
     result = analyze(str(gpt2_dir), str(corpus), device="cpu", resamples=200, keep_per_sentence=True)
     cats = result.categories
     assert list(cats.columns) == ["category", "layer", "entropy", "entropy_ci_low", "entropy_ci_high", "entropy_norm",
                                   "entropy_norm_ci_low", "entropy_norm_ci_high", "sentences"]
     assert list(dict.fromkeys(cats["category"])) == ["untagged", "short", "long"]
-    assert cats.groupby("category")["sentences"].first().to_dict() == {"untagged": 1, "short": 2, "long": 3}
+    assert cats.groupby("category")["sentences"].first().to_dict() == {"untagged": 1, "short": 2, "long": 7}
     frame = result.per_sentence
     short = frame[frame["sentence"].isin([1, 2]) & (frame["layer"] == 1)]
     expected = short.groupby("sentence")["entropy"].mean().mean()  # mean over heads, then over sentences

@@ -61,8 +61,9 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     assert run_info["batch_size"] == 8 and run_info["device"] == "cpu"
     assert run_info["distributed"] == {"world_size": 1, "sentences_per_rank": [3]}  # one process, every sentence
     assert "early - late" in analyzed.stdout and "95% interval" in analyzed.stdout
-    assert run_info["bootstrap"] == {"resamples": 1000, "seed": 0, "confidence": 0.95, "over": "sentences",
-                                     "method": "poisson"}
+    assert run_info["bootstrap"] | {"block_rule": ""} == {  # 3 sentences: blocks of round(n^(1/3)) query rows
+        "resamples": 1000, "seed": 0, "confidence": 0.95, "over": "query rows, in blocks within each sequence",
+        "method": "block", "sequence_rows": [7, 3, 3], "block_lengths": [2, 1, 1], "block_rule": ""}
     low, high = run_info["summary"]["difference_ci"]
     assert low <= run_info["summary"]["difference"] <= high
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))

@@ -41,7 +41,7 @@ def runs(tmp_path_factory, gpt2_dir):
     another corpus, and a Llama of another shape."""
     root = tmp_path_factory.mktemp("compare")
     corpus = root / "corpus.txt"
-    corpus.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    corpus.write_text("\n".join(SENTENCES + SENTENCES[:2]) + "\n", encoding="utf-8")  # 10: the Poisson bootstrap
     other = root / "other.txt"
     other.write_text("\n".join(reversed(SENTENCES[:6])) + "\n", encoding="utf-8")
     planted = zero_query_head(gpt2_dir, root / "planted_model", layer=0, head=1)

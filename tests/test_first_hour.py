@@ -149,11 +149,11 @@ def test_few_sentences_warn_that_intervals_mean_little(gpt2_dir, tmp_path):
     result = run("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", tmp_path / "out", "--device", "cpu",
                  "--resamples", "50")
     assert result.exit_code == 0, result.output
-    assert "Warning: only 1 sentence: 95% intervals from a bootstrap over fewer than 10 sentences mean little " \
-           "(with one they have zero width)" in " ".join(result.stderr.split())
+    assert "Warning: only 1 sequence: the 95% intervals come from a block bootstrap over the query rows within it " \
+           "(blocks of 2 rows), not over sentences" in " ".join(result.stderr.split())
     notes = json.loads((tmp_path / "out" / "run.json").read_text())["notes"]
-    assert len(notes) == 1 and notes[0].startswith("only 1 sentence")
-    assert few_sentences_note(FEW_SENTENCES) is None and "only 9 sentences" in few_sentences_note(9)
+    assert len(notes) == 1 and notes[0].startswith("only 1 sequence")
+    assert few_sentences_note(FEW_SENTENCES) is None and "only 9 sequences" in few_sentences_note(9)
 
 
 # ---- outputs that mix or go stale ----------------------------------------------------------------------------

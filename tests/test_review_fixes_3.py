@@ -71,5 +71,5 @@ def test_runs_split_differently_are_not_paired(gpt2_dir, tmp_path):
     assert json.loads((tmp_path / "lines" / "run.json").read_text())["corpus"]["split"] == "lines"
     result = compare.compare(tmp_path / "lines", tmp_path / "paragraphs")
     assert result.info["pairing"] == "unpaired" and "split by lines vs paragraphs" in result.info["pairing_reason"]
-    assert any("only 3 sentences" in note for note in result.info["notes"])
+    assert any("only 3 sequences" in note for note in result.info["notes"])
     assert np.isfinite(result.heads["entropy_diff"]).all()
