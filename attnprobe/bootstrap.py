@@ -145,23 +145,26 @@ class BlockResampler:
 
         if values.shape[-1] != self.rows:
             raise ValueError(f"values {values.shape}: need {self.rows} rows")
-        v = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64)).T  # [row, k]
-        wrapped = torch.cat([v, v[: self.length]])  # [row + L, k]: a block may run past the last row
-        prefix = torch.cat([v.new_zeros(1, v.shape[1]), wrapped.cumsum(dim=0)])  # [row + L + 1, k]
-        first, size = torch.from_numpy(self.starts[:, -1]), int(self.sizes[-1])  # [resample]: the last block
-        total = prefix[first + size] - prefix[first]  # [resample, k]
-        if self.starts.shape[1] > 1:
-            windows = prefix[self.length : self.length + self.rows] - prefix[: self.rows]  # [row, k]: L rows from each
-            total = total + self.starting @ windows  # [resample, k]
-        return total.numpy()
+        k = values.shape[0]
+        wrapped = np.concatenate([values, values[:, : self.length]], axis=1)  # [k, row + L]: blocks run past the end
+        prefix = np.zeros((k, self.rows + self.length + 1))  # [k, row + L + 1]
+        np.cumsum(wrapped, axis=1, out=prefix[:, 1:])
+        first, size = self.starts[:, -1], int(self.sizes[-1])  # [resample]: the last block
+        total = (prefix[:, first + size] - prefix[:, first]).T  # [resample, k]
+        if self.starts.shape[1] > 1:  # numpy above (small, single-threaded); torch only for the sparse product
+            length, rows = self.length, self.rows
+            windows = np.ascontiguousarray((prefix[:, length : length + rows] - prefix[:, :rows]).T)  # [row, k]
+            total = total + (self.starting @ torch.from_numpy(windows)).numpy()  # [resample, k]
+        return total
 
     def means(self, values: np.ndarray) -> np.ndarray:
         """Per resample, the mean of `values` [k, row] over the resample's rows where they are not NaN: [resample, k];
         NaN where a resample drew no row with a value."""
         present = ~np.isnan(values)  # [k, row]
-        sums = self.sums(np.where(present, values, 0.0))  # [resample, k]
         masks, which = distinct_rows(present)  # [mask, row], [k]: the scores' masks are a few distinct ones
-        counts = self.sums(masks.astype(np.float64))[:, which]  # [resample, k]
+        k = values.shape[0]
+        both = self.sums(np.concatenate([np.where(present, values, 0.0), masks]))  # [resample, k + mask]: one pass
+        sums, counts = both[:, :k], both[:, k:][:, which]  # [resample, k] each
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), np.nan)
 

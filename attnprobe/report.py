@@ -213,6 +213,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
         "initial": _initial_head(heads),
         "summary": summary_sentence(run),
         "runNotes": [visible(str(note)) for note in run.get("notes") or []],  # run.json's warnings, shown as such
+        "intervalsOver": "blocks of query rows" if (run.get("bootstrap") or {}).get("method") == BLOCK else "sentences",
         "typesSummary": types_sentence(types, scheme),
         "provenance": provenance(run, out),
         "notes": notes,

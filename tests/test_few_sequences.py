@@ -167,6 +167,7 @@ def test_one_document_says_what_its_intervals_are_over(one_document):
     assert "would survive" not in page and "another sample of sentences" not in summary
     assert "only 1 sequence: the 95% intervals come from a block bootstrap" in page  # run.json's notes
     assert "block bootstrap over the query rows of 1 sequence" in page[page.index('id="provenance"'):]
+    assert '"intervalsOver":"blocks of query rows"' in page  # the layer chart's caption
 
 
 def test_few_sentences_note_names_the_blocks():

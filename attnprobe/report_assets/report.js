@@ -556,7 +556,8 @@
     if (layerData) {
       series = [{ name: "mean over the layer's heads, 95% interval band", ys: layerData.mean, lo: layerData.low,
         hi: layerData.high, colour: "#1f4fd1", width: 2, marker: "circle" }];
-      caption = "Layer gradient: " + info.label + " (mean over heads, 95% interval over sentences; dots: heads)";
+      caption = "Layer gradient: " + info.label + " (mean over heads, 95% interval over " + (D.intervalsOver || "sentences")
+        + "; dots: heads)";
     } else {
       const means = layersX.map((l) => {
         const vs = Array.from({ length: H }, (_, h) => D.values[key][idx(l, h)]).filter(finite);
