@@ -13,10 +13,10 @@ intervals of heads, layers, categories and the early-vs-late gradient all descri
 Below FEW_SEQUENCES sequences (one long document under `--split file`, say) a bootstrap over sentences
 says nothing: one sequence gives zero-width intervals. Such runs resample the query rows of each
 sequence instead, in blocks of consecutive rows, since neighbouring rows are not independent (Kunsch
-1989; the circular version of Politis & Romano 1992): a sequence of n rows is cut, in each resample,
-into ceil(n / L) blocks of L = `block_length(n)` consecutive rows (the last block shorter, so that
-the resample has n rows again), each starting at a row drawn uniformly from all n, wrapping past the
-last row to the first. Wrapping gives every row the same chance to be drawn, so the resampled means
+1989; the circular version of Politis & Romano 1992): each resample of a sequence of n rows strings
+together ceil(n / L) blocks of L = `block_length(n)` consecutive rows (the last block shorter, so that
+the resample has n rows again), each starting at a row drawn uniformly from all n and wrapping past
+the last row to the first. Wrapping gives every row the same chance to be drawn, so the resampled means
 centre on the sample's mean. The starts come from (seed, the sequence's index) alone, so every head,
 layer and score uses the same resampled rows, as with the Poisson weights. A score defined on some
 rows only (`sink_window`, the `_unforced` scores) averages over exactly its rows in each resample.

@@ -168,7 +168,8 @@ def analyze(
         DTypeChoice, typer.Option("--dtype", help="Model precision; statistics are kept in float32.")
     ] = DTypeChoice.float32,
     resamples: Annotated[
-        int, typer.Option("--resamples", help="Bootstrap resamples of the sentences for the 95% intervals.")
+        int, typer.Option("--resamples", help="Bootstrap resamples for the 95% intervals: of the sentences, or below "
+                          "10 sequences of blocks of query rows within each.")
     ] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap (same seed, same intervals).")] = 0,
     split: Annotated[

@@ -223,3 +223,21 @@ def test_probe_and_ablate_warn_below_ten(gpt2_dir, tmp_path):
     again = run("probe", "--model", gpt2_dir, "--lengths", "4,5", "--sequences", "5", "--resamples", "20",
                 "--out", tmp_path / "probe", "--device", "cpu")  # 10 sequences in all
     assert json.loads((tmp_path / "probe" / "probe.json").read_text())["notes"] == [] and "Warning" not in again.stderr
+
+
+@pytest.mark.parametrize(("bootstrap", "sentences", "verdict"), [
+    ({"method": "poisson"}, 100, "so the gradient would survive another sample of sentences"),
+    ({"method": "poisson"}, 5, "but an interval over fewer than 10 sentences means little"),  # a run from before
+    ({"method": "block", "block_lengths": [12]}, 1, "so the gradient holds along these sequences' rows"),
+])
+def test_only_a_bootstrap_over_enough_sentences_speaks_of_another_sample(bootstrap, sentences, verdict):
+    from attnprobe.report import summary_sentence
+
+    run_info = {"sentences": sentences, "bootstrap": bootstrap, "summary": {
+        "early_entropy": 2.0, "late_entropy": 1.0, "difference": 1.0, "early_layers": [0, 0], "late_layers": [1, 1],
+        "difference_ci": [0.5, 1.5]}}
+    sentence = summary_sentence(run_info)
+    assert verdict in sentence
+    assert ("another sample of sentences" in sentence) == (sentences == 100)
+    run_info["summary"]["difference_ci"] = [-0.5, 1.5]
+    assert "the interval includes 0" in summary_sentence(run_info)
