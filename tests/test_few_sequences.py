@@ -105,11 +105,15 @@ def test_block_resamples_do_not_depend_on_the_batches_and_categories_use_them(gp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         by_head = [np.nanmean(s["entropy"], axis=2) for s in per_sequence]  # per sequence [resample, layer]
+    points = [np.nanmean(reference_rows(loaded.model, loaded.tokenizer, t, True)["entropy"], axis=2).mean(axis=1)
+              for t in texts]  # per sequence [layer]: the mean over rows, then over heads
     for category, members in (("a", [0, 2]), ("b", [1, 3])):
         low, high = interval(np.mean([by_head[k] for k in members], axis=0))  # [layer] each
         rows = one.categories[one.categories["category"] == category]
         assert_close(rows["entropy_ci_low"].to_numpy(), low, category)
         assert_close(rows["entropy_ci_high"].to_numpy(), high, category)
+        assert_close(rows["entropy"].to_numpy(), np.mean([points[k] for k in members], axis=0), category)
+        assert (rows["sentences"] == 2).all()
 
 
 # ---- one long document from the command line -------------------------------------------------------------------
