@@ -739,14 +739,14 @@ def probe(
                            resamples=resamples, batch_size=batch_size, limit=limit)
     kinds = tuple(result.info["kinds"])  # each asked kind once, as the probe ran them
     result.info["threads"] = threads_used
-    for note in result.info.get("notes", []):
-        err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     written = io.write_files(out, {
         io.PROBE_FILE: io.csv_writer(result.scores),
         io.PROBE_RUN_FILE: io.json_writer(result.info),
         io.PROBE_FIGURE: io.figure_writer(plotting.probe_heatmap_figure(result.scores, list(kinds), model,
                                                                             result.info["chance"])),
     })
+    for note in result.info.get("notes", []):  # after writing: a failed write stays one line
+        err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     for k in kinds:
         chance, above = result.info["chance"][k], result.info["above_chance"][k]
         table = Table(title=f"Top {k} heads (uniform attention would score {chance:.3f})",

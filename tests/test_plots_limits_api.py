@@ -245,6 +245,7 @@ def test_ablate_logs_one_plain_line_per_step_when_stderr_is_no_terminal(gpt2_dir
                  "--resamples", 10, "--batch-size", 4)
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines.pop().startswith("Warning: only 8 sentences")  # fewer than 10: the intervals mean little
     stages = [line.split(":")[0] for line in lines]
     assert stages == ["mean"] * stages.count("mean") + ["ablate"] * 2 + ["gradient"] * 2 + ["pruning"] * 2
     assert lines[stages.index("ablate") + 1].startswith("ablate: 8/8 sentences (") and lines[-1].endswith(" s)")
