@@ -552,7 +552,8 @@ def plot(
     dpi: Annotated[float, typer.Option("--dpi", help="Pixels per inch of png figures (and of images in svg/pdf).")] = (
         120.0),
 ) -> None:
-    """Draw entropy_heatmap, layer_gradient, head_patterns, position_profile (and importance) figures."""
+    """Draw entropy_heatmap, layer_gradient, head_patterns, position_profile (and importance, head_similarity and
+    head_map) figures."""
     from attnprobe import io, naming, plotting
     from attnprobe.classify import RULE_COLUMNS
     from attnprobe.classify import classify as run_classify
@@ -606,11 +607,13 @@ def plot(
         title = run_title(out, "Attention by query position")
         figures[Path(POSITION_FIGURE).stem] = plotting.position_profile_figure(positions, title)
     figures.update({Path(name).stem: f for name, f in importance_figures(out, heads, types).items()})
+    figures.update(similarity_figures(out, heads, types, chosen))
     suffix = figure_format.value
     position = f"{Path(POSITION_FIGURE).stem}.{suffix}"
     files = {f"{stem}.{suffix}": io.figure_writer(f, suffix, dpi) for stem, f in figures.items()}
     stale = [name for name in (position, *(f"{stem}.{suffix}" for stem in io.ABLATE_PLOT_FIGURES))
              if name not in files]  # from an earlier run
+    stale += [name for name in (f"{stem}.{suffix}" for stem in SIMILARITY_FIGURES) if name not in files]
     written = io.write_files(out, files, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
     if chosen is not None:
@@ -1000,6 +1003,39 @@ def importance_figures(out: Path, heads, types) -> dict:
     shape = (int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1)
     return {**figures, io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(importance, title, shape),
             io.IMPORTANCE_TYPE_FIGURE: plotting.importance_vs_type_figure(importance, heads, types, title)}
+
+
+SIMILARITY_FIGURES = ("head_similarity", "head_map")  # plot's figures of `related`'s head_similarity.npz
+
+
+def similarity_figures(out: Path, heads, types, chosen: list[tuple[int, int]] | None) -> dict:
+    """head_similarity and head_map for `plot`, when `attnprobe related` wrote head_similarity.npz to `out`: the
+    heads named in them are the --heads ones, else one head of each type (those of head_patterns)."""
+    from attnprobe import io, plotting
+
+    similarity = io.read_similarity(out)
+    if similarity is None:
+        return {}
+    pairs = set(zip(similarity["layer"].tolist(), similarity["head"].tolist()))
+    recorded = run_model_spec(out)
+    if pairs != set(zip(heads["layer"], heads["head"])) or recorded not in (None, similarity["model"]):
+        raise AttnprobeError(f"{io.SIMILARITY_FILE} does not match heads.csv (another model): run `attnprobe related "
+                             f"--out {out}` again")
+    labelled = list(chosen) if chosen else list(plotting.representatives(types, heads).values())
+    title = run_title(out, "Related heads")
+    arrays = (similarity["js"], similarity["layer"], similarity["head"])
+    return {"head_similarity": plotting.head_similarity_figure(*arrays, types, labelled, title),
+            "head_map": plotting.head_map_figure(*arrays, types, labelled, title)}
+
+
+def run_model_spec(out: Path) -> str | None:
+    """The model run.json in `out` names (its spec), or None when it cannot be read."""
+    import json
+
+    try:
+        return str(json.loads((Path(out) / "run.json").read_text(encoding="utf-8"))["model"]["spec"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
 
 
 def run_title(out: Path, what: str) -> str:

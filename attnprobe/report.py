@@ -95,7 +95,8 @@ class Report:
 def build_report(out: str | Path, sections: list[Section] | tuple[Section, ...] = ()) -> Report:
     """The page for the results folder `out`: heads.csv, layers.csv and run.json are needed, the rest is used
     when present (head_types.csv, categories.csv, positions.csv, examples.npz or example_attention.npz,
-    importance.csv, probe.csv, and a comparison `attnprobe compare` wrote into `out` or `out/compare`)."""
+    importance.csv, probe.csv, head_similarity.npz, and a comparison `attnprobe compare` wrote into `out` or
+    `out/compare`)."""
     data, notes = report_data(out)
     sections = [*sections, *compare_sections(Path(out))]
     return Report(render(data, sections), notes, len(data["examples"]))
@@ -210,6 +211,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
         "positions": _positions(out, heads, n_layers, n_heads),
         "examples": examples, "levels": MAP_LEVELS,
         "initial": _initial_head(heads),
+        "related": _related(out, run, n_layers, n_heads, notes),
         "summary": summary_sentence(run),
         "typesSummary": types_sentence(types, scheme),
         "provenance": provenance(run, out),
@@ -455,6 +457,34 @@ def _positions(out: Path, heads: pd.DataFrame, n_layers: int, n_heads: int) -> d
             flat = _numbers(frame[key], 4)
             values[key] = [flat[i:i + len(labels)] for i in range(0, len(flat), len(labels))]
     return {"bins": labels, "values": values} if values else None
+
+
+def _related(out: Path, run: dict[str, Any], n_layers: int, n_heads: int, notes: list[str]) -> dict[str, Any] | None:
+    """Per head (layer * heads + head), its NEAREST heads by JS divergence and the divergences, from
+    head_similarity.npz when `attnprobe related` wrote one for this model (else None, with a note)."""
+    from attnprobe.similarity import NEAREST
+
+    similarity = io.read_similarity(out)
+    if similarity is None:
+        return None
+    if similarity["model"] != run["model"]["spec"]:
+        notes.append(f"{io.SIMILARITY_FILE} is from another model ({visible(similarity['model'])}, not "
+                     f"{visible(str(run['model']['spec']))}): nearest heads not shown")
+        return None
+    index = similarity["layer"] * n_heads + similarity["head"]  # [row]: the page's head index of each row
+    if sorted(index.tolist()) != list(range(n_layers * n_heads)) or similarity["layer"].max() >= n_layers \
+            or similarity["head"].max() >= n_heads:
+        notes.append(f"{io.SIMILARITY_FILE} does not fit this model's heads: nearest heads not shown")
+        return None
+    js = np.empty_like(similarity["js"])
+    js[np.ix_(index, index)] = similarity["js"]  # [head, head] in the page's order
+    nearest, values = [], []
+    for i in range(len(js)):
+        order = [int(j) for j in np.argsort(js[i], kind="stable") if j != i][:NEAREST]
+        nearest.append(order)
+        values.append([float(f"{js[i, j]:.5g}") for j in order])
+    return {"nearest": nearest, "js": values, "sentences": int(similarity["sentences"]),
+            "rows": int(similarity["rows"])}
 
 
 def _initial_head(heads: pd.DataFrame) -> list[int]:

@@ -270,6 +270,23 @@ def run_corpus(run: dict[str, Any], out: str | Path) -> Any:
     return sentences
 
 
+def cluster(js: np.ndarray) -> np.ndarray:
+    """Average-linkage hierarchical clustering of the heads on the JS distance sqrt(JS), leaves in optimal order
+    (neighbours in the order are as alike as the tree allows): a scipy linkage matrix [head - 1, 4]."""
+    from scipy.cluster.hierarchy import linkage, optimal_leaf_ordering
+    from scipy.spatial.distance import squareform
+
+    distances = squareform(np.sqrt(np.clip(np.asarray(js, dtype=np.float64), 0.0, None)), checks=False)
+    return optimal_leaf_ordering(linkage(distances, method="average"), distances)
+
+
+def cluster_order(js: np.ndarray) -> np.ndarray:
+    """The heads (row indices of `js`) in the order of `cluster`'s leaves; as they are for fewer than 2 heads."""
+    from scipy.cluster.hierarchy import leaves_list
+
+    return np.arange(len(js)) if len(js) < 2 else leaves_list(cluster(js))
+
+
 def classical_mds(js: np.ndarray, dims: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """Classical (Torgerson) multidimensional scaling of the JS distance sqrt(JS), a metric: [head, head] ->
     (coordinates [head, dims], share of the variance each axis shows [dims]).
