@@ -8,6 +8,7 @@ import math
 import shutil
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import FLOAT32_TOLERANCE, SENTENCES
@@ -228,6 +229,7 @@ def run_dir(tmp_path_factory, gpt2_dir):
     analyzed = run("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", out, "--device", "cpu",
                    "--resamples", "50")
     assert analyzed.exit_code == 0, analyzed.output
+    assert run("classify", "--out", out).exit_code == 0
     return out
 
 
@@ -290,3 +292,132 @@ def test_a_damaged_file_is_refused(copy_of):
 
     with pytest.raises(AttnprobeError, match="symmetric"):
         io.read_similarity(copy_of)
+
+
+# ---------- the figures (pure: arrays in, a Figure out) ----------
+
+def planted(groups: int = 3, size: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A [head, head] JS matrix of `groups` groups of alike heads (0.05 within, 0.5 between), heads shuffled over
+    the layers, with each row's layer and head."""
+    count = groups * size
+    group = np.random.default_rng(seed).permutation(np.repeat(np.arange(groups), size))  # [head]
+    js = np.where(group[:, None] == group[None], 0.05, 0.5)
+    np.fill_diagonal(js, 0.0)
+    layer, head = np.divmod(np.arange(count), size)
+    return js, layer, head
+
+
+def test_the_matrix_is_reordered_so_that_groups_are_blocks():
+    from attnprobe import plotting
+
+    js, layer, head = planted()
+    figure = plotting.head_similarity_figure(js, layer, head, title="a title")
+    ax = next(a for a in figure.axes if a.images and a.images[0].get_array().shape == js.shape)
+    shown = np.asarray(ax.images[0].get_array())
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(names) == 12  # every head named: few heads
+    position = {(int(n[1:n.index("H")]), int(n[n.index("H") + 1:])): k for k, n in enumerate(names)}
+    order = [position[(int(a), int(b))] for a, b in zip(layer, head)]
+    np.testing.assert_array_equal(shown[np.ix_(order, order)], js)  # the same matrix, rows and columns permuted
+    group = np.where(js[0] < 0.1)[0]  # head 0 and its alike heads sit side by side in the order
+    spots = sorted(order[i] for i in group)
+    assert spots == list(range(spots[0], spots[0] + 4))
+    image = ax.images[0]
+    assert image.get_cmap().name.startswith("viridis") and image.get_clim() == (0.0, pytest.approx(math.log(2)))
+    assert "a title" in figure._suptitle.get_text()
+
+
+def test_the_type_strip_and_legend_use_the_type_colours():
+    from matplotlib.colors import to_rgb
+
+    from attnprobe import plotting
+
+    js, layer, head = planted()
+    kinds = ["local", "copy", "broad"] * 4
+    types = pd.DataFrame({"layer": layer, "head": head, "head_type": kinds})
+    figure = plotting.head_similarity_figure(js, layer, head, types)
+    strip = next(a for a in figure.axes if a.images and a.images[0].get_array().shape[1:] == (1, 3))
+    ax = next(a for a in figure.axes if a.images and a.images[0].get_array().shape == js.shape)
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    kind_of = {f"L{a}H{b}": k for a, b, k in zip(layer, head, kinds)}
+    colours = np.asarray(strip.images[0].get_array())[:, 0, :]
+    for name, colour in zip(names, colours):
+        assert tuple(colour) == pytest.approx(to_rgb(plotting.TYPE_COLORS[kind_of[name]]))
+    legend = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert legend == ["local (4)", "copy (4)", "broad (4)"]
+
+
+def test_many_heads_name_only_the_labelled_ones():
+    from attnprobe import plotting
+
+    rng = np.random.default_rng(1)
+    points = rng.normal(size=(270, 3)) * 0.2
+    js = np.minimum(((points[:, None] - points[None]) ** 2).sum(-1), 0.69)
+    layer, head = np.divmod(np.arange(270), 9)
+    figure = plotting.head_similarity_figure(js, layer, head, labelled=[(17, 4), (18, 6)])
+    ax = next(a for a in figure.axes if a.images and a.images[0].get_array().shape == js.shape)
+    assert sorted(t.get_text() for t in ax.get_yticklabels()) == ["L17H4", "L18H6"]
+    assert "270 heads in cluster order" in ax.get_xlabel()
+
+
+def test_the_head_map_places_heads_by_mds_and_colours_them_by_type():
+    from matplotlib.colors import to_rgba
+
+    from attnprobe import plotting
+
+    js, layer, head = planted()
+    kinds = ["local", "copy", "broad"] * 4
+    types = pd.DataFrame({"layer": layer, "head": head, "head_type": kinds})
+    figure = plotting.head_map_figure(js, layer, head, types, labelled=[(1, 2)], title="t")
+    ax = figure.axes[0]
+    coords, shares = classical_mds(js)
+    by_kind = {}
+    for collection in ax.collections[:3]:
+        kind = collection.get_label().split(" (")[0]
+        by_kind[kind] = collection
+        assert tuple(collection.get_facecolor()[0][:3]) == pytest.approx(to_rgba(plotting.TYPE_COLORS[kind])[:3])
+    for kind, collection in by_kind.items():
+        expected = coords[[i for i, k in enumerate(kinds) if k == kind]]
+        np.testing.assert_allclose(collection.get_offsets(), expected)
+    assert [t.get_text() for t in ax.texts] == ["L1H2"]
+    assert f"{shares[0]:.0%}" in ax.get_xlabel() and f"{shares[1]:.0%}" in ax.get_ylabel()
+
+
+def test_plot_draws_the_figures_of_head_similarity(copy_of):
+    assert run("related", "--out", copy_of, "--sentences", "4").exit_code == 0
+    result = run("plot", "--out", copy_of)
+    assert result.exit_code == 0, result.output
+    assert (copy_of / io.SIMILARITY_FIGURE).is_file() and (copy_of / io.HEAD_MAP_FIGURE).is_file()
+    (copy_of / io.SIMILARITY_FILE).unlink()  # without it, plot draws neither and removes the earlier ones
+    assert run("plot", "--out", copy_of).exit_code == 0
+    assert not (copy_of / io.SIMILARITY_FIGURE).exists() and not (copy_of / io.HEAD_MAP_FIGURE).exists()
+
+
+def test_plot_refuses_head_similarity_of_another_model(copy_of):
+    js, layer, head = planted(2, 3)
+    np.savez(copy_of / io.SIMILARITY_FILE, js=js, layer=layer, head=head, sentences=np.int64(1),
+             rows=np.int64(1), model=np.asarray("another"))
+    assert_one_line_error(run("plot", "--out", copy_of), "head_similarity.npz does not match",
+                          "attnprobe related --out")
+
+
+def test_the_report_lists_each_heads_nearest_heads(copy_of):
+    from test_report import page_data
+
+    from attnprobe.report import build_report
+
+    assert page_data(build_report(copy_of).html)["related"] is None
+    assert run("related", "--out", copy_of, "--sentences", "4").exit_code == 0
+    data = page_data(build_report(copy_of).html)
+    similarity = io.read_similarity(copy_of)
+    for layer, head in [(0, 0), (1, 2), (2, 3)]:
+        nearest = nearest_heads(similarity["js"], similarity["layer"], similarity["head"], layer, head)
+        i = layer * 4 + head
+        assert data["related"]["nearest"][i] == [a * 4 + b for a, b, _ in nearest]
+        assert data["related"]["js"][i] == pytest.approx([v for *_, v in nearest], rel=1e-4)
+    assert data["related"]["sentences"] == 4 and data["related"]["rows"] == int(similarity["rows"])
+    js, layer, head = planted(3, 4)
+    np.savez(copy_of / io.SIMILARITY_FILE, js=js, layer=layer, head=head, sentences=np.int64(1),
+             rows=np.int64(1), model=np.asarray("another"))
+    report = build_report(copy_of)
+    assert page_data(report.html)["related"] is None and any("another model" in n for n in report.notes)
