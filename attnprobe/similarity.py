@@ -24,10 +24,11 @@ from attnprobe.errors import AttnprobeError
 SENTENCES = 200  # default sample: at most this many sentences, spread evenly over the corpus
 MAX_TOKENS = 64  # default: each sentence cut to its first 64 tokens
 NEAREST = 5  # the report lists this many nearest heads of the selected one
-BUDGET = 1 << 16  # elements (float32) of `pairwise_js_sums`' temporary on a CPU: 256 KiB, in cache (faster than larger)
+BUDGET = 1 << 16  # elements (float32) of `pairwise_js_sums`' temporary per CPU thread: 256 KiB, in its cache
 GPU_BUDGET = 1 << 26  # on an accelerator: 256 MiB, so that few kernels are launched
 FLUSH = 1 << 22  # weights buffered (heads x entries) before `PairwiseJS` folds them into the sums: 16 MiB
 LN2 = math.log(2.0)  # the largest JS divergence of two distributions, in nats
+TINY = torch.finfo(torch.float32).tiny  # float32's smallest normal number, 1.2e-38
 
 
 def js_divergence(p: Tensor, q: Tensor) -> Tensor:
@@ -43,26 +44,30 @@ def pairwise_js_sums(weights: Tensor, budget: int | None = None) -> Tensor:
     entr(m) - (entr(p) + entr(q)) / 2 with p, q their weights and m = (p + q) / 2.
 
     An entry is one (row, key) weight; summed over every entry of a set of rows this is the sum of those rows'
-    JS divergences. With s = p + q, entr(s / 2) = entr(s) / 2 + s ln 2 / 2, so each pair costs one add and
-    one entr per entry; the per-head sums of entr(p) and of p are taken once. Pairs a < b only, in blocks of
-    heads and entries whose temporary holds at most `budget` elements (small enough to stay in cache); sums
-    in float64. The diagonal is 0 and rounding's tiny negatives are clipped to 0.
+    JS divergences. With s = p + q, entr(s / 2) = entr(s) / 2 + s ln 2 / 2, so each pair costs one add, one
+    log and one product per entry; the per-head sums of entr(p) and of p are taken once. Pairs a < b only,
+    in blocks of heads and entries whose temporary holds at most `budget` elements (default: BUDGET per CPU
+    thread, so that each thread's share stays in its cache; GPU_BUDGET on an accelerator); sums in float64.
+    The diagonal is 0, and rounding's tiny negatives are clipped to 0.
     """
     heads, entries = weights.shape
     sums = torch.zeros(heads, heads, dtype=torch.float64, device=weights.device)  # [head, head]
     if entries == 0 or heads == 0:
         return sums
-    budget = budget or (BUDGET if weights.device.type == "cpu" else GPU_BUDGET)
+    budget = budget or (BUDGET * torch.get_num_threads() if weights.device.type == "cpu" else GPU_BUDGET)
     weights = weights.float()  # [head, entry]
+    # a weight below float32's smallest normal number (a sink head's other keys) counts as 0: it changes a row's JS
+    # by less than 1e-35 nats, and entr on subnormal numbers runs 10x slower
+    weights = torch.where(weights < TINY, 0.0, weights)  # [head, entry]
     columns = max(1, min(entries, budget // heads))  # entries per chunk: at least one head against all
     for start in range(0, entries, columns):
         p = weights[:, start : start + columns]  # [head, entry]
         block = max(1, budget // (heads * p.shape[1]))  # heads a per step, each against every b >= the block's first
         for a0 in range(0, heads, block):
             a1 = min(heads, a0 + block)
-            both = p[a0:a1, None, :] + p[None, a0:, :]  # [a, b, entry]: s = p + q
-            torch.special.entr(both, out=both)  # [a, b, entry]
-            sums[a0:a1, a0:] += both.sum(dim=-1, dtype=torch.float64)  # [a, b]
+            both = p[a0:a1, None, :] + p[None, a0:, :]  # [a, b, entry]: s = p + q, 0 or at least TINY
+            logs = torch.log(both.clamp_min(TINY)).mul_(both)  # [a, b, entry]: s ln s (3x faster than entr here)
+            sums[a0:a1, a0:] -= logs.sum(dim=-1, dtype=torch.float64)  # [a, b]: sum of entr(s)
     own = torch.special.entr(weights).sum(dim=-1, dtype=torch.float64)  # [head]: sum of entr(p)
     mass = weights.sum(dim=-1, dtype=torch.float64)  # [head]: sum of p (1 per row)
     mixed = 0.5 * sums + 0.5 * LN2 * (mass[:, None] + mass[None, :])  # [head, head]: sum of entr(m)

@@ -94,6 +94,15 @@ def test_blocks_of_any_size_give_the_same_sums(budget):
                                rtol=1e-6, atol=1e-9)
 
 
+def test_subnormal_weights_count_as_zero():
+    maps = softmax_rows(4, 3, 6, seed=6)  # [head, row, key]
+    tiny = maps.clone()
+    tiny[0, :, 1] = 1e-40  # a sink head's other keys: below float32's smallest normal number
+    zero = maps.clone()
+    zero[0, :, 1] = 0.0
+    np.testing.assert_allclose(mean_js(tiny), mean_js(zero), rtol=1e-7, atol=1e-12)
+
+
 def test_buffered_batches_equal_one_pass(monkeypatch):
     import attnprobe.similarity as similarity
 
