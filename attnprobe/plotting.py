@@ -979,6 +979,17 @@ def head_similarity_figure(
     return figure
 
 
+def label_rises(points: np.ndarray, span: float, near: float = 0.05, step: float = 11.0) -> list[float]:
+    """Points by which each label of `points` [label, 2] is raised so that the labels of dots close together
+    (within `near` x `span`, the plot's extent) stack instead of overlapping: `step` above the highest earlier
+    close one."""
+    rises: list[float] = []
+    for k, point in enumerate(points):
+        close = [rises[j] for j in range(k) if np.abs(points[j] - point).max() <= near * span]
+        rises.append(max(close) + step if close else 0.0)
+    return rises
+
+
 @any_script_figure
 def head_map_figure(
     js: np.ndarray, layers: np.ndarray, heads: np.ndarray, types: pd.DataFrame | None = None,
@@ -1001,12 +1012,11 @@ def head_map_figure(
         ax.scatter(coords[chosen, 0], coords[chosen, 1], s=22, alpha=0.85, linewidths=0,
                    color=TYPE_COLORS.get(kind, NO_TYPE_COLOR), label=plain_text(label) if label else None)
     index = {(int(layer), int(head)): i for i, (layer, head) in enumerate(zip(layers, heads))}
-    for pair in labelled or []:
-        i = index.get((int(pair[0]), int(pair[1])))
-        if i is None:
-            continue
+    named = [index[key] for key in dict.fromkeys((int(a), int(b)) for a, b in labelled or []) if key in index]
+    for i, rise in zip(named, label_rises(coords[named], float(np.ptp(coords, axis=0).max()))):
         ax.scatter(coords[i, 0], coords[i, 1], s=60, facecolors="none", edgecolors="black", linewidths=1.0)
-        ax.annotate(head_name(*pair), coords[i], xytext=(5, 4), textcoords="offset points", fontsize=8)
+        ax.annotate(head_name(layers[i], heads[i]), coords[i], xytext=(8, 4 + rise), textcoords="offset points",
+                    fontsize=8, arrowprops={"arrowstyle": "-", "color": "#777777", "linewidth": 0.6} if rise else None)
     ax.set_xlabel(f"MDS axis 1 ({shares[0]:.0%} of the spread)")
     ax.set_ylabel(f"MDS axis 2 ({shares[1]:.0%} of the spread)")
     ax.set_aspect("equal", adjustable="datalim")

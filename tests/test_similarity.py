@@ -430,3 +430,10 @@ def test_the_report_lists_each_heads_nearest_heads(copy_of):
              rows=np.int64(1), model=np.asarray("another"))
     report = build_report(copy_of)
     assert page_data(report.html)["related"] is None and any("another model" in n for n in report.notes)
+
+
+def test_labels_of_close_dots_stack():
+    from attnprobe.plotting import label_rises
+
+    points = np.array([[0.0, 0.0], [0.01, 0.0], [1.0, 1.0], [0.02, 0.01]])
+    assert label_rises(points, span=1.0) == [0.0, 11.0, 0.0, 22.0]  # the far one stays; the close ones stack
