@@ -56,8 +56,8 @@ def pairwise_js_sums(weights: Tensor, budget: int | None = None) -> Tensor:
         return sums
     budget = budget or (BUDGET * torch.get_num_threads() if weights.device.type == "cpu" else GPU_BUDGET)
     weights = weights.float()  # [head, entry]
-    # a weight below float32's smallest normal number (a sink head's other keys) counts as 0: it changes a row's JS
-    # by less than 1e-35 nats, and entr on subnormal numbers runs 10x slower
+    # a weight below float32's smallest normal number (a sink head's other keys) counts as 0: each moves a row's JS
+    # by less than 1e-35 nats, and arithmetic on subnormal numbers runs 10x slower
     weights = torch.where(weights < TINY, 0.0, weights)  # [head, entry]
     columns = max(1, min(entries, budget // heads))  # entries per chunk: at least one head against all
     for start in range(0, entries, columns):
