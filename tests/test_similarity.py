@@ -437,3 +437,21 @@ def test_labels_of_close_dots_stack():
 
     points = np.array([[0.0, 0.0], [0.01, 0.0], [1.0, 1.0], [0.02, 0.01]])
     assert label_rises(points, span=1.0) == [0.0, 11.0, 0.0, 22.0]  # the far one stays; the close ones stack
+
+
+def test_analyze_keeps_head_similarity_and_names_another_models(copy_of, llama_dir, tmp_path):
+    """head_similarity.npz is `related`'s measurement of a model: a new analysis into the folder keeps it, says so
+    when it is of another model, and removes the figures plot drew of it."""
+    assert run("related", "--out", copy_of, "--sentences", "3").exit_code == 0
+    assert run("plot", "--out", copy_of).exit_code == 0
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(SENTENCES[:3]) + "\n", encoding="utf-8")
+    again = run("analyze", "--model", llama_dir, "--corpus", corpus, "--out", copy_of, "--device", "cpu",
+                "--resamples", "20")
+    assert again.exit_code == 0, again.output
+    stderr = " ".join(again.stderr.split())
+    assert "Note: kept head_similarity.npz in" in stderr and "`attnprobe related` results for" in stderr
+    assert (copy_of / io.SIMILARITY_FILE).exists()
+    assert not (copy_of / io.SIMILARITY_FIGURE).exists() and not (copy_of / io.HEAD_MAP_FIGURE).exists()
+    assert run("classify", "--out", copy_of).exit_code == 0
+    assert_one_line_error(run("plot", "--out", copy_of), "head_similarity.npz does not match")
