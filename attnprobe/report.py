@@ -462,7 +462,7 @@ def _positions(out: Path, heads: pd.DataFrame, n_layers: int, n_heads: int) -> d
 def _related(out: Path, run: dict[str, Any], n_layers: int, n_heads: int, notes: list[str]) -> dict[str, Any] | None:
     """Per head (layer * heads + head), its NEAREST heads by JS divergence and the divergences, from
     head_similarity.npz when `attnprobe related` wrote one for this model (else None, with a note)."""
-    from attnprobe.similarity import NEAREST
+    from attnprobe.similarity import NEAREST, nearest_heads
 
     similarity = io.read_similarity(out)
     if similarity is None:
@@ -478,11 +478,12 @@ def _related(out: Path, run: dict[str, Any], n_layers: int, n_heads: int, notes:
         return None
     js = np.empty_like(similarity["js"])
     js[np.ix_(index, index)] = similarity["js"]  # [head, head] in the page's order
+    layers, heads = np.divmod(np.arange(len(js)), n_heads)  # [head] each, the page's order
     nearest, values = [], []
-    for i in range(len(js)):
-        order = [int(j) for j in np.argsort(js[i], kind="stable") if j != i][:NEAREST]
-        nearest.append(order)
-        values.append([float(f"{js[i, j]:.5g}") for j in order])
+    for layer, head in zip(layers, heads):
+        found = nearest_heads(js, layers, heads, int(layer), int(head), NEAREST)
+        nearest.append([a * n_heads + b for a, b, _ in found])
+        values.append([float(f"{value:.5g}") for *_, value in found])
     return {"nearest": nearest, "js": values, "sentences": int(similarity["sentences"]),
             "rows": int(similarity["rows"])}
 

@@ -285,13 +285,6 @@ def cluster(js: np.ndarray) -> np.ndarray:
     return optimal_leaf_ordering(linkage(distances, method="average"), distances)
 
 
-def cluster_order(js: np.ndarray) -> np.ndarray:
-    """The heads (row indices of `js`) in the order of `cluster`'s leaves; as they are for fewer than 2 heads."""
-    from scipy.cluster.hierarchy import leaves_list
-
-    return np.arange(len(js)) if len(js) < 2 else leaves_list(cluster(js))
-
-
 def classical_mds(js: np.ndarray, dims: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """Classical (Torgerson) multidimensional scaling of the JS distance sqrt(JS), a metric: [head, head] ->
     (coordinates [head, dims], share of the variance each axis shows [dims]).
