@@ -25,6 +25,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(BIN)/attnprobe analyze --model $(MODEL) --corpus $(CORPUS) --out $(OUT)
 	$(BIN)/attnprobe classify --out $(OUT)
+	$(BIN)/attnprobe related --out $(OUT)
 	$(BIN)/attnprobe plot --out $(OUT)
 	$(BIN)/attnprobe report --out $(OUT)
 	@echo "Done: results in $(OUT)/. To run attnprobe commands in this shell, activate the environment once: . $(VENV)/bin/activate"

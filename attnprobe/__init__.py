@@ -42,6 +42,9 @@ _FUNCTIONS = {
     "compare_figure": "plotting",
     "importance_heatmap_figure": "plotting",
     "rollout_figure": "plotting",
+    "head_similarity": "similarity",
+    "head_similarity_figure": "plotting",
+    "head_map_figure": "plotting",
 }
 # submodules that are also their namesake function
 _CALLABLE_MODULES = ("classify", "probe", "verify", "compare", "ablate", "rollout")
@@ -50,7 +53,8 @@ __all__ = [  # spelled out for linters and type checkers; the tests check it aga
     "AttnprobeError", "__version__", "analyze", "load_model", "from_transformers", "attention_maps", "read_corpus",
     "build_report", "entropy_heatmap_figure", "layer_gradient_figure", "head_patterns_figure",
     "position_profile_figure", "probe_heatmap_figure", "compare_figure", "importance_heatmap_figure",
-    "rollout_figure", "classify", "probe", "verify", "compare", "ablate", "rollout",
+    "rollout_figure", "head_similarity", "head_similarity_figure", "head_map_figure", "classify", "probe", "verify",
+    "compare", "ablate", "rollout",
 ]
 
 if TYPE_CHECKING:
@@ -61,7 +65,9 @@ if TYPE_CHECKING:
     from attnprobe.plotting import (
         compare_figure,
         entropy_heatmap_figure,
+        head_map_figure,
         head_patterns_figure,
+        head_similarity_figure,
         importance_heatmap_figure,
         layer_gradient_figure,
         position_profile_figure,
@@ -69,6 +75,7 @@ if TYPE_CHECKING:
         rollout_figure,
     )
     from attnprobe.report import build_report
+    from attnprobe.similarity import head_similarity
 
 
 class _CallableModule(types.ModuleType):

@@ -557,7 +557,8 @@ def plot(
     dpi: Annotated[float, typer.Option("--dpi", help="Pixels per inch of png figures (and of images in svg/pdf).")] = (
         120.0),
 ) -> None:
-    """Draw entropy_heatmap, layer_gradient, head_patterns, position_profile (and importance) figures."""
+    """Draw entropy_heatmap, layer_gradient, head_patterns, position_profile (and importance, head_similarity and
+    head_map) figures."""
     from attnprobe import io, naming, plotting
     from attnprobe.classify import RULE_COLUMNS
     from attnprobe.classify import classify as run_classify
@@ -611,11 +612,13 @@ def plot(
         title = run_title(out, "Attention by query position")
         figures[Path(POSITION_FIGURE).stem] = plotting.position_profile_figure(positions, title)
     figures.update({Path(name).stem: f for name, f in importance_figures(out, heads, types).items()})
+    figures.update(similarity_figures(out, heads, types, chosen))
     suffix = figure_format.value
     position = f"{Path(POSITION_FIGURE).stem}.{suffix}"
     files = {f"{stem}.{suffix}": io.figure_writer(f, suffix, dpi) for stem, f in figures.items()}
     stale = [name for name in (position, *(f"{stem}.{suffix}" for stem in io.ABLATE_PLOT_FIGURES))
              if name not in files]  # from an earlier run
+    stale += [name for name in (f"{stem}.{suffix}" for stem in SIMILARITY_FIGURES) if name not in files]
     written = io.write_files(out, files, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
     if chosen is not None:
@@ -1011,6 +1014,39 @@ def importance_figures(out: Path, heads, types) -> dict:
             io.IMPORTANCE_TYPE_FIGURE: plotting.importance_vs_type_figure(importance, heads, types, title)}
 
 
+SIMILARITY_FIGURES = ("head_similarity", "head_map")  # plot's figures of `related`'s head_similarity.npz
+
+
+def similarity_figures(out: Path, heads, types, chosen: list[tuple[int, int]] | None) -> dict:
+    """head_similarity and head_map for `plot`, when `attnprobe related` wrote head_similarity.npz to `out`: the
+    heads named in them are the --heads ones, else one head of each type (those of head_patterns)."""
+    from attnprobe import io, plotting
+
+    similarity = io.read_similarity(out)
+    if similarity is None:
+        return {}
+    pairs = set(zip(similarity["layer"].tolist(), similarity["head"].tolist()))
+    recorded = run_model_spec(out)
+    if pairs != set(zip(heads["layer"], heads["head"])) or recorded not in (None, similarity["model"]):
+        raise AttnprobeError(f"{io.SIMILARITY_FILE} does not match heads.csv (another model): run `attnprobe related "
+                             f"--out {out}` again")
+    labelled = list(chosen) if chosen else list(plotting.representatives(types, heads).values())
+    title = run_title(out, "Related heads")
+    arrays = (similarity["js"], similarity["layer"], similarity["head"])
+    return {"head_similarity": plotting.head_similarity_figure(*arrays, types, labelled, title),
+            "head_map": plotting.head_map_figure(*arrays, types, labelled, title)}
+
+
+def run_model_spec(out: Path) -> str | None:
+    """The model run.json in `out` names (its spec), or None when it cannot be read."""
+    import json
+
+    try:
+        return str(json.loads((Path(out) / "run.json").read_text(encoding="utf-8"))["model"]["spec"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+
+
 def run_title(out: Path, what: str) -> str:
     """`what: model on corpus`, from run.json when it can be read."""
     import json
@@ -1086,6 +1122,80 @@ def rollout(
                       f"{first_token_share(result.rollout[s][-1]):.3f}", f"{first_token_share(result.raw[s]):.3f}")
     out_console.print(table)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+@app.command()
+@friendly_errors
+def related(
+    out: ResultsOption = DEFAULT_OUT,
+    sentences: Annotated[
+        int, typer.Option("--sentences", "-n", metavar="N", help="Sample at most N sentences of the run's corpus, "
+                          "spread evenly over it.")
+    ] = 200,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", metavar="N", help="Cut each sampled sentence to its first N tokens.")
+    ] = 64,
+    heads_option: Annotated[
+        str | None, typer.Option("--heads", metavar="L17H4,L18H6", help="Also print these heads' 5 nearest heads.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
+    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    threads: ThreadsOption = "auto",
+) -> None:
+    """Jensen-Shannon divergence between every pair of heads' attention on a sample of the run's corpus; write
+    head_similarity.npz (plot draws it, report lists each head's nearest heads)."""
+    from attnprobe import io, naming
+    from attnprobe.model import load_model
+    from attnprobe.similarity import NEAREST, check_settings, head_similarity, run_corpus, run_model
+
+    started = time.monotonic()
+    check_settings(sentences, max_tokens, batch_size)
+    chosen = naming.parse_heads(heads_option) if heads_option is not None else []
+    run = io.read_run(out)
+    naming.check_heads_exist(chosen, run["model"]["layers"], run["model"]["heads"])
+    corpus = run_corpus(run, out)
+    spec = run_model(run)
+    apply_threads(threads)
+    with loading(spec) as on_status:
+        loaded = load_model(spec, device.value, run.get("dtype", "float32"), on_status=on_status)
+    if (loaded.num_layers, loaded.num_heads) != (run["model"]["layers"], run["model"]["heads"]):
+        raise AttnprobeError(f"{spec} has {loaded.num_layers} x {loaded.num_heads} heads, but run.json in {out} "
+                             f"records {run['model']['layers']} x {run['model']['heads']}: run `attnprobe analyze "
+                             f"--out {out}` again")
+    with err_console.status(f"Comparing {loaded.num_layers * loaded.num_heads} heads"):
+        result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens, batch_size=batch_size)
+    result.info["model"] = run["model"]["spec"]  # as run.json names it, whatever path loaded it
+    written = io.write_similarity(out, result)
+    seconds = time.monotonic() - started
+    out_console.print(similarity_table(result), soft_wrap=True)
+    for layer, head in chosen:
+        nearest = ", ".join(f"{head_name(other, index)} {value:.4f}"
+                            for other, index, value in result.nearest(layer, head, NEAREST))
+        out_console.print(f"{head_name(layer, head)}: nearest {nearest}", markup=False, highlight=False,
+                          soft_wrap=True)
+    cut = f", {result.cut} cut to {result.max_tokens} tokens" if result.cut else ""
+    out_console.print(f"{result.sentences} sentences{cut}, {result.rows} query rows, {seconds:.1f} s", markup=False,
+                      highlight=False)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False, soft_wrap=True)
+
+
+def similarity_table(result) -> Table:
+    """The ten most alike pairs of different heads, and the mean over all pairs."""
+    import numpy as np
+
+    js = result.js
+    upper = np.triu_indices(js.shape[0], k=1)
+    order = np.argsort(js[upper], kind="stable")[:10]
+    mean = float(js[upper].mean()) if len(upper[0]) else float("nan")
+    table = Table(title="Most alike heads (Jensen-Shannon divergence, nats; 0 = same attention, ln 2 = 0.693 = "
+                  "disjoint)", caption=f"mean over all {len(upper[0])} pairs: {mean:.4f}")
+    for column in ("head", "head", "JS"):
+        table.add_column(column, justify="right")
+    for k in order:
+        a, b = upper[0][k], upper[1][k]
+        table.add_row(head_name(result.layer[a], result.head[a]), head_name(result.layer[b], result.head[b]),
+                      f"{js[a, b]:.4f}")
+    return table
 
 
 def is_usage_error(err: BaseException) -> bool:

@@ -47,10 +47,13 @@ COMPARE_RUN_FILE = "compare.json"  # compare: both runs' provenance, pairing and
 COMPARE_FIGURE = "compare.png"
 ROLLOUT_FILE = "rollout.npz"  # rollout: per example sentence, tokens, rollout and head-averaged maps
 ROLLOUT_FIGURE = "rollout.png"
+SIMILARITY_FILE = "head_similarity.npz"  # related: JS divergence of every pair of heads on a sample of sentences
+SIMILARITY_FIGURE = "head_similarity.png"  # plot: that matrix, reordered by hierarchical clustering
+HEAD_MAP_FIGURE = "head_map.png"  # plot: the heads in 2-D by classical multidimensional scaling
 COMPARE_FOLDER = "compare"  # where `compare A OUT` writes by default
 # `plot`'s figures, in any of FIGURE_FORMATS (importance.png is ablate's, drawn from importance.csv alone)
 PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "head_patterns_selected", "position_profile",
-                "importance_vs_type")
+                "importance_vs_type", "head_similarity", "head_map")
 # `plot`'s figures of ablate's pruning.csv and layer_importance.csv (an ablate run that remakes those removes them)
 ABLATE_PLOT_FIGURES = ("pruning", "layer_importance")
 
@@ -473,6 +476,7 @@ MODEL_OUTPUTS = (
     ("probe", PROBE_RUN_FILE, _PROBE_FILES),
     ("probe", f"{PROBE_FOLDER}/{PROBE_RUN_FILE}", tuple(f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES)),
     ("rollout", ROLLOUT_FILE, (ROLLOUT_FILE, ROLLOUT_FIGURE)),
+    ("related", SIMILARITY_FILE, (SIMILARITY_FILE,)),
 )
 
 
@@ -491,7 +495,8 @@ def other_model_files(out: str | Path, model: dict[str, Any]) -> list[tuple[str,
 
 
 def _recorded_model(path: Path) -> str | None:
-    """The model a probe.json / ablate.json (its model's source, else spec) or rollout.npz (its spec) names."""
+    """The model a probe.json / ablate.json (its model's source, else spec) or rollout.npz / head_similarity.npz (its
+    spec) names."""
     import zipfile
 
     try:
@@ -737,6 +742,55 @@ def write_rollout(out: str | Path, rollout: Any, figure: Any) -> list[Path]:
         "limit": np.int64(rollout.info.get("limit") or 0),  # --limit N: chosen among the first N; 0: no limit
     }
     return write_files(out, {ROLLOUT_FILE: npz_writer(**arrays), ROLLOUT_FIGURE: figure_writer(figure)})
+
+
+def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
+    """head_similarity.npz for `attnprobe related` (a similarity.HeadSimilarity), to a temporary name, then renamed.
+
+    Keys: `js` [head, head] float64 (nats), `layer` and `head` [head] int64 (the matrix's rows, layer-major),
+    `sentences`, `rows`, `tokens`, `max_tokens`, `cut` (int64), `indices` [sentence] int64 (0-based corpus
+    positions), `model` and `corpus_sha256` (strings), `causal` (bool). No pickles: `np.load(path)` reads it.
+    """
+    info = similarity.info
+    arrays = {
+        "js": np.asarray(similarity.js, dtype=np.float64), "layer": np.asarray(similarity.layer, dtype=np.int64),
+        "head": np.asarray(similarity.head, dtype=np.int64), "sentences": np.int64(similarity.sentences),
+        "rows": np.int64(similarity.rows), "tokens": np.int64(similarity.tokens),
+        "max_tokens": np.int64(similarity.max_tokens), "cut": np.int64(similarity.cut),
+        "indices": np.asarray(similarity.indices, dtype=np.int64), "model": np.asarray(str(info.get("model", ""))),
+        "corpus_sha256": np.asarray(str(info.get("corpus_sha256", ""))),
+        "causal": np.asarray(bool(info.get("causal", True))),
+    }
+    return write_files(out, {SIMILARITY_FILE: npz_writer(**arrays)})
+
+
+def read_similarity(out: str | Path) -> dict[str, Any] | None:
+    """head_similarity.npz as `write_similarity` wrote it (None when `out` has none), checked: a square,
+    symmetric, finite `js` of values in [0, ln 2] with a layer and head per row."""
+    import zipfile
+
+    path = Path(out) / SIMILARITY_FILE
+    if not path.is_file():
+        return None
+    made_by = f"attnprobe related --out {out}"
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            found = {key: data[key] for key in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}); run `{made_by}` again") from err
+    missing = [key for key in ("js", "layer", "head", "sentences", "rows", "model") if key not in found]
+    if missing:
+        raise AttnprobeError(f"{path} lacks {', '.join(missing)}: it was not made by `{made_by}`; run it again")
+    js, layer, head = found["js"], found["layer"], found["head"]
+    n = layer.shape[0] if layer.ndim == 1 else -1
+    good = (js.ndim == 2 and js.shape == (n, n) and head.shape == (n,) and n > 0 and js.dtype.kind == "f"
+            and layer.dtype.kind in "iu" and head.dtype.kind in "iu")
+    if not good or not np.all(np.isfinite(js)) or np.any(js < 0) or np.any(js > np.log(2) + 1e-6) \
+            or not np.allclose(js, js.T, rtol=0, atol=1e-9):
+        raise AttnprobeError(f"{path} does not hold a symmetric [head, head] matrix of JS divergences with a layer "
+                             f"and head per row: run `{made_by}` again")
+    found["model"] = str(found["model"])
+    return found
 
 
 def _umask() -> int:

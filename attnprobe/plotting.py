@@ -895,3 +895,138 @@ def rollout_figure(rollout: Any, model: str, corpus: str | None = None) -> Figur
     figure.suptitle(plain_text(f"Attention rollout of {model}{source}: heads averaged, residual as identity with "
                                f"weight {rollout.residual:g}"))
     return figure
+
+
+SIMILARITY_CMAP = "viridis"  # dark = alike (low JS), light = different: dark = low, as every grid here
+SIMILARITY_BAR_LABEL = "Jensen-Shannon divergence (nats): dark = alike, light = different (ln 2 = 0.693: disjoint)"
+MAX_HEAD_LABELS = 64  # up to this many heads the similarity matrix names every head; beyond, only the labelled ones
+NO_TYPE_COLOR = "#333333"  # a head without a type (no head_types.csv row)
+
+
+def head_kinds(layers: np.ndarray, heads: np.ndarray, types: pd.DataFrame | None) -> list[str]:
+    """The head type of each (layers[i], heads[i]) from head_types.csv's table ("" where it has none)."""
+    if types is None:
+        return [""] * len(layers)
+    known = {(int(r.layer), int(r.head)): str(r.head_type) for r in types[["layer", "head", "head_type"]].itertuples()}
+    return [known.get((int(layer), int(head)), "") for layer, head in zip(layers, heads)]
+
+
+def type_handles(kinds: list[str]) -> list[Any]:
+    """Legend patches of the types present, in classify's order, with their counts."""
+    present = [k for k in ALL_TYPES if k in kinds] + sorted({k for k in kinds if k and k not in ALL_TYPES})
+    return [Rectangle((0, 0), 1, 1, color=TYPE_COLORS.get(kind, NO_TYPE_COLOR),
+                      label=plain_text(f"{kind} ({kinds.count(kind)})")) for kind in present]
+
+
+@any_script_figure
+def head_similarity_figure(
+    js: np.ndarray, layers: np.ndarray, heads: np.ndarray, types: pd.DataFrame | None = None,
+    labelled: list[tuple[int, int]] | None = None, title: str | None = None,
+) -> Figure:
+    """The [head, head] JS divergences of `attnprobe related`, rows and columns reordered by hierarchical
+    clustering (average linkage on sqrt(JS), its tree above), with a strip of head-type colours on the left.
+
+    Every head is named up to MAX_HEAD_LABELS heads; beyond, only the `labelled` (layer, head)s are."""
+    from scipy.cluster.hierarchy import dendrogram, leaves_list
+
+    from attnprobe.similarity import LN2, cluster
+
+    n = len(layers)
+    tree = cluster(js) if n >= 2 else None
+    order = leaves_list(tree) if tree is not None else np.arange(n)  # the tree's leaves, left to right
+    names = [head_name(layers[i], heads[i]) for i in order]
+    kinds = head_kinds(layers, heads, types)
+    side = min(11.0, max(5.0, 0.16 * n + 3.0)) if n <= MAX_HEAD_LABELS else 9.0
+    figure = Figure(figsize=(side + 1.8, side + 2.6), layout="constrained")
+    grid = figure.add_gridspec(2, 2, width_ratios=[0.35, side], height_ratios=[1.4, side])
+    corner, tree_ax = figure.add_subplot(grid[0, 0]), figure.add_subplot(grid[0, 1])
+    ax = figure.add_subplot(grid[1, 1])
+    strip = figure.add_subplot(grid[1, 0], sharey=ax)
+    if tree is not None:  # the leaves sit at x = 5, 15, ...: the tree spans [0, 10 n] over the matrix's n columns
+        dendrogram(tree, ax=tree_ax, no_labels=True, link_color_func=lambda _: "#555555")
+        tree_ax.set_xlim(0, 10 * n)
+    tree_ax.set_axis_off()
+    tree_ax.set_title("average-linkage tree on sqrt(JS)", fontsize=9)
+    image = ax.imshow(js[np.ix_(order, order)], cmap=SIMILARITY_CMAP, vmin=0.0, vmax=LN2, aspect="auto",
+                      interpolation="nearest")
+    colours = [matplotlib.colors.to_rgb(TYPE_COLORS.get(kinds[i], NO_TYPE_COLOR) if kinds[i] else "#ffffff")
+               for i in order]
+    strip.imshow(np.asarray(colours)[:, None, :], aspect="auto", interpolation="nearest")
+    strip.set_xticks([])
+    strip.set_ylabel("head type", fontsize=9)
+    if types is None:
+        strip.set_axis_off()  # no head types: no strip
+    if n <= MAX_HEAD_LABELS:
+        size = 8 if n <= 32 else 6
+        ax.set_xticks(range(n), names, rotation=90, fontsize=size)
+        ax.set_yticks(range(n), names, fontsize=size)
+    else:
+        position = {name: k for k, name in enumerate(names)}
+        marked = sorted((position[head_name(*pair)], head_name(*pair)) for pair in labelled or []
+                        if head_name(*pair) in position)
+        ax.set_xticks([k for k, _ in marked], [name for _, name in marked], rotation=90, fontsize=7)
+        ax.set_yticks([k for k, _ in marked], [name for _, name in marked], fontsize=7)
+        ax.set_xlabel(f"{n} heads in cluster order" + (" (some named)" if marked else ""), fontsize=9)
+    ax.yaxis.tick_right()
+    strip.tick_params(axis="y", left=False, labelleft=False)  # the names are on the matrix's right
+    figure.colorbar(image, ax=ax, location="bottom", shrink=0.7, label=SIMILARITY_BAR_LABEL)
+    corner.set_axis_off()
+    handles = type_handles(kinds)
+    if handles:
+        figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize=8,
+                      title="head type (left strip)", frameon=False)
+    heading = "How alike heads attend: JS divergence of every pair, clustered (dark blocks: groups of alike heads)"
+    figure.suptitle(f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
+    return figure
+
+
+def label_rises(points: np.ndarray, span: float, near: float = 0.05, step: float = 11.0) -> list[float]:
+    """Points by which each label of `points` [label, 2] is raised so that the labels of dots close together
+    (within `near` x `span`, the plot's extent) stack instead of overlapping: `step` above the highest earlier
+    close one."""
+    rises: list[float] = []
+    for k, point in enumerate(points):
+        close = [rises[j] for j in range(k) if np.abs(points[j] - point).max() <= near * span]
+        rises.append(max(close) + step if close else 0.0)
+    return rises
+
+
+@any_script_figure
+def head_map_figure(
+    js: np.ndarray, layers: np.ndarray, heads: np.ndarray, types: pd.DataFrame | None = None,
+    labelled: list[tuple[int, int]] | None = None, title: str | None = None,
+) -> Figure:
+    """Every head as a dot placed by classical multidimensional scaling of sqrt(JS): heads that attend alike lie
+    close together. Coloured by head type; the `labelled` (layer, head)s are named."""
+    from attnprobe.similarity import classical_mds
+
+    coords, shares = classical_mds(js)
+    kinds = head_kinds(layers, heads, types)
+    figure = Figure(figsize=(8.5, 7.0), layout="constrained")
+    ax = figure.add_subplot()
+    groups: dict[str, list[int]] = {}  # head type ("" for none) -> the heads' indices
+    for i, kind in enumerate(kinds):
+        groups.setdefault(kind, []).append(i)
+    for kind in [k for k in ALL_TYPES if k in groups] + sorted(k for k in groups if k not in ALL_TYPES):
+        chosen = groups[kind]
+        label = f"{kind} ({len(chosen)})" if kind else f"no type ({len(chosen)})" if types is not None else None
+        ax.scatter(coords[chosen, 0], coords[chosen, 1], s=22, alpha=0.85, linewidths=0,
+                   color=TYPE_COLORS.get(kind, NO_TYPE_COLOR), label=plain_text(label) if label else None)
+    index = {(int(layer), int(head)): i for i, (layer, head) in enumerate(zip(layers, heads))}
+    named = [index[key] for key in dict.fromkeys((int(a), int(b)) for a, b in labelled or []) if key in index]
+    for i, rise in zip(named, label_rises(coords[named], float(np.ptp(coords, axis=0).max()))):
+        ax.scatter(coords[i, 0], coords[i, 1], s=60, facecolors="none", edgecolors="black", linewidths=1.0)
+        ax.annotate(head_name(layers[i], heads[i]), coords[i], xytext=(8, 4 + rise), textcoords="offset points",
+                    fontsize=8, arrowprops={"arrowstyle": "-", "color": "#777777", "linewidth": 0.6} if rise else None)
+    ax.set_xlabel(f"MDS axis 1 ({shares[0]:.0%} of the spread)")
+    ax.set_ylabel(f"MDS axis 2 ({shares[1]:.0%} of the spread)")
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.axhline(0.0, color="#dddddd", linewidth=0.6, zorder=0)
+    ax.axvline(0.0, color="#dddddd", linewidth=0.6, zorder=0)
+    if types is not None:
+        ax.legend(loc="best", fontsize=8, title="head type")
+    ax.set_title("Distance between dots approximates sqrt(JS): close = attend alike (circled: named heads)",
+                 fontsize=9)
+    heading = "Heads by how alike they attend (classical multidimensional scaling)"
+    figure.suptitle(f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
+    return figure

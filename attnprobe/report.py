@@ -96,7 +96,8 @@ class Report:
 def build_report(out: str | Path, sections: list[Section] | tuple[Section, ...] = ()) -> Report:
     """The page for the results folder `out`: heads.csv, layers.csv and run.json are needed, the rest is used
     when present (head_types.csv, categories.csv, positions.csv, examples.npz or example_attention.npz,
-    importance.csv, probe.csv, and a comparison `attnprobe compare` wrote into `out` or `out/compare`)."""
+    importance.csv, probe.csv, head_similarity.npz, and a comparison `attnprobe compare` wrote into `out` or
+    `out/compare`)."""
     data, notes = report_data(out)
     sections = [*sections, *compare_sections(Path(out))]
     return Report(render(data, sections), notes, len(data["examples"]))
@@ -211,6 +212,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
         "positions": _positions(out, heads, n_layers, n_heads),
         "examples": examples, "levels": MAP_LEVELS,
         "initial": _initial_head(heads),
+        "related": _related(out, run, n_layers, n_heads, notes),
         "summary": summary_sentence(run),
         "runNotes": [visible(str(note)) for note in run.get("notes") or []],  # run.json's warnings, shown as such
         "intervalsOver": "blocks of query rows" if (run.get("bootstrap") or {}).get("method") == BLOCK else "sentences",
@@ -468,6 +470,35 @@ def _positions(out: Path, heads: pd.DataFrame, n_layers: int, n_heads: int) -> d
             flat = _numbers(frame[key], 4)
             values[key] = [flat[i:i + len(labels)] for i in range(0, len(flat), len(labels))]
     return {"bins": labels, "values": values} if values else None
+
+
+def _related(out: Path, run: dict[str, Any], n_layers: int, n_heads: int, notes: list[str]) -> dict[str, Any] | None:
+    """Per head (layer * heads + head), its NEAREST heads by JS divergence and the divergences, from
+    head_similarity.npz when `attnprobe related` wrote one for this model (else None, with a note)."""
+    from attnprobe.similarity import NEAREST, nearest_heads
+
+    similarity = io.read_similarity(out)
+    if similarity is None:
+        return None
+    if similarity["model"] != run["model"]["spec"]:
+        notes.append(f"{io.SIMILARITY_FILE} is from another model ({visible(similarity['model'])}, not "
+                     f"{visible(str(run['model']['spec']))}): nearest heads not shown")
+        return None
+    index = similarity["layer"] * n_heads + similarity["head"]  # [row]: the page's head index of each row
+    if sorted(index.tolist()) != list(range(n_layers * n_heads)) or similarity["layer"].max() >= n_layers \
+            or similarity["head"].max() >= n_heads:
+        notes.append(f"{io.SIMILARITY_FILE} does not fit this model's heads: nearest heads not shown")
+        return None
+    js = np.empty_like(similarity["js"])
+    js[np.ix_(index, index)] = similarity["js"]  # [head, head] in the page's order
+    layers, heads = np.divmod(np.arange(len(js)), n_heads)  # [head] each, the page's order
+    nearest, values = [], []
+    for layer, head in zip(layers, heads):
+        found = nearest_heads(js, layers, heads, int(layer), int(head), NEAREST)
+        nearest.append([a * n_heads + b for a, b, _ in found])
+        values.append([float(f"{value:.5g}") for *_, value in found])
+    return {"nearest": nearest, "js": values, "sentences": int(similarity["sentences"]),
+            "rows": int(similarity["rows"])}
 
 
 def _initial_head(heads: pd.DataFrame) -> list[int]:

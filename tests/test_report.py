@@ -290,6 +290,7 @@ def browser():
 
 def test_report_in_chromium(browser, copy_of):
     examples = with_examples(copy_of, 3)
+    assert run("related", "--out", copy_of).exit_code == 0  # head_similarity.npz: the nearest heads
     assert run("report", "--out", copy_of).exit_code == 0
     path = (copy_of / io.REPORT_FILE).resolve()
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -316,6 +317,16 @@ def test_report_in_chromium(browser, copy_of):
         assert len(shown) == (n * (n + 1) // 2 if causal else n * n)  # causal: every key up to the query
         for q, k, v in shown:
             assert abs(v - example["maps"][1, 2, q, k]) <= STEP + 5e-4, (i, q, k)
+
+    # issue 19: the clicked head's 5 nearest heads by JS divergence (head_similarity.npz), with the values
+    from attnprobe.similarity import nearest_heads
+
+    similarity = io.read_similarity(copy_of)
+    nearest = nearest_heads(similarity["js"], similarity["layer"], similarity["head"], 1, 2)
+    listed = page.eval_on_selector_all("#related-heads li", "items => items.map(i => [i.dataset.name, +i.dataset.js])")
+    assert [name for name, _ in listed] == [f"L{a}H{b}" for a, b, _ in nearest] and len(listed) == 5
+    assert [value for _, value in listed] == pytest.approx([value for *_, value in nearest], rel=1e-4)
+    assert f"{nearest[0][2]:.4f}" in page.inner_text("#related-heads li:first-child")
 
     # the arcs: from the last token by default, one per weight at or above the threshold
     row = examples[0]["maps"][1, 2, len(examples[0]["tokens"]) - 1]
@@ -374,6 +385,12 @@ def test_report_in_chromium(browser, copy_of):
     top = page.eval_on_selector_all("#layers-section, #heads-section, .example",
                                     "nodes => nodes.map(n => [n.id || 'example', n.getBoundingClientRect().top])")
     assert [name for name, _ in sorted(top, key=lambda item: item[1])][:2] == ["layers-section", "heads-section"]
+
+    # issue 19: a nearest head is a button that selects it
+    closest = page.get_attribute("#related-heads li:first-child", "data-name")
+    page.click("#related-heads li:first-child button")
+    page.wait_for_selector(f"#pattern[data-name='{closest}']")
+    assert page.get_attribute(f"td[data-name='{closest}']", "aria-selected") == "true"
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)

@@ -267,6 +267,7 @@
       const value = item.appendChild(el("dd", {}, fmt(D.values[s.key][i])));
       value.appendChild(el("span", { class: "muted" }, interval((D.low[s.key] || [])[i], (D.high[s.key] || [])[i])));
     }
+    renderRelated(l, h);
     const box = $("examples");
     box.textContent = "";
     if (!D.examples.length) {
@@ -290,6 +291,26 @@
       card.appendChild(el("p", { class: "attends" }));
       describe(card, ex, rows);
     });
+  }
+  function renderRelated(l, h) { // the nearest heads by JS divergence (attnprobe related), each a button to it
+    const box = $("related-heads");
+    box.textContent = "";
+    box.hidden = !D.related;
+    if (!D.related) return;
+    const i = idx(l, h);
+    box.appendChild(el("h4", {}, "Nearest heads: JS divergence of their attention (nats)"));
+    const list = box.appendChild(el("ol", { class: "related" }));
+    D.related.nearest[i].forEach((j, k) => {
+      const lj = Math.floor(j / H), hj = j % H, t = typeOf(lj, hj);
+      const item = list.appendChild(el("li", { "data-name": headName(lj, hj), "data-js": String(D.related.js[i][k]) }));
+      const button = item.appendChild(el("button", { type: "button", title: "show " + headName(lj, hj) },
+        headName(lj, hj)));
+      button.addEventListener("click", () => { focusCell(lj, hj); selectHead(lj, hj); });
+      item.appendChild(document.createTextNode((t ? " " + t : "") + " " + D.related.js[i][k].toFixed(4)));
+    });
+    box.appendChild(el("p", { class: "muted" }, "0 = the same attention, ln 2 = 0.693 = on disjoint keys; mean over " +
+      plural(D.related.rows, "query row") + " of " + plural(D.related.sentences, "sentence") +
+      " (attnprobe related)"));
   }
   function heatmap(ex, rows, i) {
     const n = ex.tokens.length, cell = Math.max(8, Math.min(18, Math.floor(420 / n)));
