@@ -29,16 +29,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnprobe import defaults
+from attnprobe import defaults, values
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import (
     DIAGONAL_WINDOW,
+    OUTPUT_NORM,
     RECENT_WINDOW,
     SINK_TOKENS,
     RowMasses,
     SentenceSums,
     block_row_stats,
     row_stats,
+    split_stacked,
+    value_weighted,
 )
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs
 
@@ -96,6 +99,7 @@ class Batch:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # filled as the layers run
     discovering: list[str] | None = None  # discover(): collect what is not implemented instead of refusing
     fused: int | None = None  # through the fused kernel: layers it computes exactly, in batches this long or longer
+    projections: list[nn.Module] | None = None  # per layer, the output projection: also the value-weighted scores
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
@@ -163,7 +167,7 @@ def discover(loaded: LoadedModel) -> Discovery:
     model = loaded.model
     if model in _DISCOVERED:
         return _DISCOVERED[model]
-    reason = _config_reason(loaded)
+    reason = config_reason(loaded)
     found = Discovery(None, reason)
     if reason is None:
         found = _discover(loaded)
@@ -176,7 +180,8 @@ def unsupported(loaded: LoadedModel) -> str | None:
     return discover(loaded).reason
 
 
-def _config_reason(loaded: LoadedModel) -> str | None:
+def config_reason(loaded: LoadedModel) -> str | None:
+    """What the model's class or config does that no attention function sees (None: nothing)."""
     model, config = loaded.model, loaded.model.config
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
@@ -349,14 +354,16 @@ def stats_attention(
     layer = batch_info.layers[id(module)]
     batch_info.features[layer] = features
     need_output = layer != batch_info.last_layer
+    projections = batch_info.projections
+    factors = None if projections is None else values.head_factors(projections[layer], query.shape[1])
     if batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features) \
             and query.device.type in FUSED_DEVICES:
         sums, example, output = fused_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
-                                             need_output=need_output)
+                                             need_output=need_output, factors=factors)
     else:
         sums, example, output = attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
                                        need_output=need_output, span=features.span, softcap=features.softcap,
-                                       sinks=sinks)
+                                       sinks=sinks, factors=factors)
     batch_info.on_layer(layer, sums, example)
     if layer == batch_info.last_layer:
         raise LastLayerDone  # nothing after the last attention can change a statistic
@@ -366,12 +373,15 @@ def stats_attention(
 def attend(
     query: Tensor, key: Tensor, value: Tensor, padding: Tensor | None, scaling: float | None, causal: bool,
     info: Batch, need_output: bool = True, span: int | None = None, softcap: float | None = None,
-    sinks: Tensor | None = None,
+    sinks: Tensor | None = None, factors: Tensor | None = None,
 ) -> tuple[SentenceSums, Tensor | None, Tensor]:
     """The exact eager attention output [batch, query, head, dim] and the statistics of every row.
 
     `span`: the layer's attention window (None: every key); `softcap`: scores -> softcap * tanh(scores /
     softcap); `sinks` [head]: a learned logit per head that joins each row's softmax and takes its share.
+    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from the same scores plus
+    ln |f_h(x_j)| (a second softmax over the block, without the sink: it moves nothing), stacked on the head axis
+    with the map so that one pass computes both, and `output_norm` from the block's output.
     """
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]
@@ -382,8 +392,10 @@ def attend(
     keys_t = key.transpose(-1, -2)  # [batch, kv_head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
     extra = None if span is None else sum(window_reach(causal, span))
-    rows = info.block_rows or block_size(batch, heads, n, info.budget_bytes, extra)
+    stacked = heads if factors is None else 2 * heads  # the value-weighted map doubles a block's statistics
+    rows = info.block_rows or block_size(batch, stacked, n, info.budget_bytes, extra)
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
+    bias = None if factors is None else values.log_weights(values.key_norms(value, factors))  # [batch, head, key]
     sums = SentenceSums()
     example = _example_buffer(info, heads, query.device)  # [head, q, k] or None
     for q0 in range(0, n, rows):
@@ -396,20 +408,46 @@ def attend(
         scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
         mask_block(scores, real, q0, causal, k0, span)
         p, entropy = softmax_with_entropy(scores, sink_logits)  # [batch, head, r, keys], [batch, head, r]
-        del scores
         special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
-        stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0, span=span)
-        sums.add(stats, q0, lengths, info.bins)
+        if bias is None:
+            stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0,
+                                    span=span)
+        else:
+            weighted, weighted_entropy = weighted_softmax(scores, bias[:, :, k0:k1])  # as p, entropy
+            both = torch.cat((p, weighted), dim=1)  # [batch, 2 x head, r, keys]
+            stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
+                                                  torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span),
+                                  heads)
+            del both, weighted
+        del scores
         if example is not None and q0 < example.shape[1] and k0 < example.shape[1]:
             row, kept = info.example
             end, last = min(q1, kept), min(k1, kept)
             example[:, q0:end, k0:last] = p[row, :, : end - q0, : last - k0].float()  # [head, q, k]
-        if need_output:
+        if need_output or factors is not None:
             weights = p.to(value.dtype).view(batch, kv_heads, groups * (q1 - q0), k1 - k0)  # [batch, kv, g*r, keys]
-            out = weights @ value[:, :, k0:k1]  # [batch, kv, g*r, dim]
-            out = out.view(batch, heads, q1 - q0, dim).transpose(1, 2)  # [batch, r, head, dim]
-            output[:, q0:q1] = out
+            out = (weights @ value[:, :, k0:k1]).view(batch, heads, q1 - q0, dim)  # [batch, head, r, dim]
+            if factors is not None:
+                stats[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, r]
+            output[:, q0:q1] = out.transpose(1, 2)  # [batch, r, head, dim]
+        sums.add(stats, q0, lengths, info.bins)
     return sums, example, output
+
+
+def weighted_softmax(shifted: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The value-weighted block: softmax over the keys of shifted scores + ln |f_h(x_j)| (`bias` [batch, head,
+    keys], values.log_weights), and each row's entropy; NaN in a row whose every allowed key has norm 0.
+
+    `shifted` [batch, head, r, keys] holds the block's scores less their row maximum, masked keys at the float32
+    minimum (softmax_with_entropy's leftovers); it is left alone.
+    """
+    logits = shifted + bias[:, :, None, :]  # [batch, head, r, keys]: a key of norm 0 at about -1e30, masked ones lower
+    empty = logits.amax(dim=-1) < values.ZERO_NORM / 2  # [batch, head, r]: every allowed key has norm 0
+    p, entropy = softmax_with_entropy(logits)  # [batch, head, r, keys], [batch, head, r]
+    if bool(empty.any()):
+        p.masked_fill_(empty[..., None], torch.nan)
+        entropy = entropy.masked_fill(empty, torch.nan)
+    return p, entropy
 
 
 def fusable(features: LayerFeatures) -> bool:
@@ -443,7 +481,7 @@ def flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Ten
 
 def fused_attend(
     query: Tensor, key: Tensor, value: Tensor, padding: Tensor | None, scaling: float | None, causal: bool,
-    info: Batch, need_output: bool = True,
+    info: Batch, need_output: bool = True, factors: Tensor | None = None,
 ) -> tuple[SentenceSums, Tensor | None, Tensor | None]:
     """The attention output from the fused kernel and every row statistic without a map.
 
@@ -454,6 +492,9 @@ def fused_attend(
     exp(s_ij - lse_i) for those j; the mean distance is i - E[j] (causal) or, for encoders, E[j] - i plus twice
     the causal part sum_{j<=i} p_ij (i - j) from a third, causal call; the recent window of sink_window is a
     banded sum over the W keys before each row.
+
+    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from the same calls with
+    ln |f_h(x_j)| added to the mask (see _fused_masses), and `output_norm` from the output.
     """
     batch, heads, n, dim = query.shape
     groups = heads // key.shape[1]
@@ -463,8 +504,8 @@ def fused_attend(
     key_h = key.repeat_interleave(groups, dim=1) if groups > 1 else key  # [batch, head, key, dim]
     value_h = value.repeat_interleave(groups, dim=1) if groups > 1 else value  # [batch, head, key, dim]
     hidden = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
-    output = None
-    if need_output:
+    output, out = None, None
+    if need_output or factors is not None:
         additive = None if hidden is None else torch.zeros(
             hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, float("-inf"))
         out, _ = flash(query, key_h, value_h, causal, additive, scale)  # [batch, head, q, dim]
@@ -474,25 +515,60 @@ def fused_attend(
     weight = real[:, None, :, None].float()  # [batch, 1, key, 1]
     centre = (keys * weight).sum(dim=2, keepdim=True) / lengths.clamp(min=1)[:, None, None, None]  # [b, h, 1, dim]
     keys = keys - centre  # [batch, head, key, dim]: softmax unchanged, scores and lse smaller
+    additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
+        hidden, float("-inf"))  # [batch, 1, 1, key]
+    masses, lse = _fused_masses(q, keys, real, additive32, causal, info, scale)
+    per_row = row_stats(masses, 0, lengths, causal)
+    if factors is not None:
+        norms = values.key_norms(value, factors)  # [batch, head, key]
+        bias = values.log_weights(norms)  # [batch, head, key]
+        weighted, _ = _fused_masses(q, keys, real, additive32, causal, info, scale, bias)
+        empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]
+        per_row.update({name: values_.masked_fill(empty, torch.nan) for name, values_ in value_weighted(
+            row_stats(weighted, 0, lengths, causal)).items()})
+        per_row[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, q]
+    sums = SentenceSums()
+    sums.add(per_row, 0, lengths, info.bins)
+    return sums, _fused_example(info, q, keys, lse, real, causal, scale), output if need_output else None
+
+
+def _fused_masses(
+    q: Tensor, keys: Tensor, real: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
+    bias: Tensor | None = None,
+) -> tuple[RowMasses, Tensor]:
+    """Every row's masses from the fused kernel (fused_attend's identities), and the logsumexp [batch, head, q].
+
+    `bias` [batch, head, key]: an additive per-key term, ln |f_h(x_j)| for the value-weighted map (values.ZERO_NORM
+    where the norm is 0). It joins the mask, the single weights exp(s_ij + b_j - lse_i) and the recent
+    window's banded sum, and the entropy loses its mean, -sum_j p_ij b_j, from one more value channel:
+    H_i = lse_i - scale q_i . E[k] - E[b]. Special tokens are counted without a bias only.
+    """
+    batch, heads, n, dim = q.shape
     j = torch.arange(n, device=q.device, dtype=torch.float32)  # [key]
     mid = (n - 1) / 2
     channels = [keys, (j - mid).expand(batch, heads, n)[..., None],
                 (j < info.sink).float().expand(batch, heads, n)[..., None]]  # each [batch, head, key, c]
-    if info.special is not None:
+    special = info.special is not None and bias is None
+    if special:
         channels.append(info.special[:, None, :n, None].float().expand(batch, heads, n, 1))
-    values = torch.cat(channels, dim=-1)  # [batch, head, key, dim + extra]
-    extra = values.shape[-1] - dim
-    additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
-        hidden, float("-inf"))  # [batch, 1, 1, key]
+    if bias is not None:
+        channels.append(torch.where(bias > values.ZERO_NORM, bias, 0.0)[..., None])  # [batch, head, key, 1]: b_j
+        additive = bias[:, :, None, :] if additive is None else bias[:, :, None, :] + additive  # [b, h, 1, key]
+    values_ = torch.cat(channels, dim=-1)  # [batch, head, key, dim + extra]
+    extra = values_.shape[-1] - dim
     qp = nn.functional.pad(q, (0, extra))  # [batch, head, q, dim + extra]
-    mean, lse = flash(qp, nn.functional.pad(keys, (0, extra)), values, causal, additive32, scale)
+    mean, lse = flash(qp, nn.functional.pad(keys, (0, extra)), values_, causal, additive, scale)
     entropy = lse - scale * (q * mean[..., :dim]).sum(dim=-1)  # [batch, head, q]
+    if bias is not None:
+        entropy = entropy - mean[..., -1]  # [batch, head, q]
     i = torch.arange(n, device=q.device)  # [q]
 
     def weight_at(offset: int) -> Tensor:
         """p[i, i + offset] for every row, 0 where that key is not allowed."""
         at = (i + offset).clamp(0, n - 1)  # [q]
         logit = scale * (q * keys[:, :, at]).sum(dim=-1)  # [batch, head, q]
+        if bias is not None:
+            logit = logit + bias[:, :, at]  # [batch, head, q]
         allowed = (i + offset >= 0) & (i + offset < n)  # [q]
         if causal:
             allowed = allowed & (offset <= 0)
@@ -500,20 +576,29 @@ def fused_attend(
         return torch.where(allowed[:, None, :], (logit - lse).exp(), 0.0)  # [batch, head, q]
 
     near = {offset: weight_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
-    first = (scale * (q * keys[:, :, :1]).sum(dim=-1) - lse).exp()  # [batch, head, q]: key 0 is always allowed
+    first = scale * (q * keys[:, :, :1]).sum(dim=-1)  # [batch, head, q]: key 0 is always allowed
+    if bias is not None:
+        first = first + bias[:, :, :1]  # [batch, head, q]
     position = mean[..., dim] + mid  # [batch, head, q]: E[j]
     if causal:
         distance = i - position  # [batch, head, q]
     else:
-        distance = _encoder_distance(qp, keys, values, lse, position, additive32, scale, extra)
+        distance = _encoder_distance(qp, keys, values_, lse, position, additive, scale, extra)
     masses = RowMasses(
-        entropy=entropy, diagonal=sum(near.values()), first=first, previous=near[-1], self=near[0],
-        distance=distance, sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale),
-        special=None if info.special is None else mean[..., dim + 2],
+        entropy=entropy, diagonal=sum(near.values()), first=(first - lse).exp(), previous=near[-1], self=near[0],
+        distance=distance,
+        sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale, bias),
+        special=mean[..., dim + 2] if special else None,
     )
-    sums = SentenceSums()
-    sums.add(row_stats(masses, 0, lengths, causal), 0, lengths, info.bins)
-    return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
+    return masses, lse
+
+
+def _nothing_to_weigh(norms: Tensor, real: Tensor, causal: bool) -> Tensor:
+    """Rows whose every allowed key has norm 0, [batch, head, q]: their value-weighted map is undefined."""
+    some = (norms > 0) & real[:, None, :]  # [batch, head, key]
+    if causal:
+        return some.cumsum(dim=-1) == 0  # [batch, head, q]: nothing among j <= i
+    return ~some.any(dim=-1, keepdim=True).expand_as(some)  # [batch, head, q]
 
 
 def _encoder_distance(
@@ -533,9 +618,11 @@ def _encoder_distance(
 
 def _sink_window(
     q: Tensor, keys: Tensor, lse: Tensor, sink_mass: Tensor, real: Tensor, causal: bool, info: Batch, scale: float,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """row_sink_window from the fused kernel's logsumexp: the first `sink` keys' mass (a value channel) plus a
-    banded sum over the `window` most recent keys, block by block (O(n window) memory)."""
+    banded sum over the `window` most recent keys, block by block (O(n window) memory); `bias` [batch, head, key]
+    is added to the scores (the value-weighted map)."""
     batch, heads, n, _ = q.shape
     out = torch.full((batch, heads, n), torch.nan, device=q.device)  # [batch, head, q]
     start, window = info.sink + info.window, info.window
@@ -546,6 +633,8 @@ def _sink_window(
         q1 = min(n, q0 + rows)
         k0 = q0 - window + 1  # >= sink: the window keys never reach the sink keys
         logits = scale * (q[:, :, q0:q1] @ keys[:, :, k0:q1].transpose(-1, -2))  # [batch, head, r, keys]
+        if bias is not None:
+            logits = logits + bias[:, :, None, k0:q1]  # [batch, head, r, keys]
         i = torch.arange(q0, q1, device=q.device)[:, None]  # [r, 1]
         j = torch.arange(k0, q1, device=q.device)[None, :]  # [1, keys]
         band = (j > i - window) & (j <= i)  # [r, keys]
@@ -665,18 +754,21 @@ def run_batch(
     special: Tensor | None = None, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int = 1,
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
     discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
+    projections: list[nn.Module] | None = None,
 ) -> None:
     """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums.
 
     `features`, when given, receives each layer's LayerFeatures; `discovering` collects what is not implemented
     instead of refusing it (discover()). `fused`: run the layers `fusable` accepts through the fused kernel when
-    the batch is at least this many tokens long (0: always; None: never).
+    the batch is at least this many tokens long (0: always; None: never). `projections`: each layer's output
+    projection (values.find_projections), to measure the value-weighted scores and output_norm too.
     """
     modules = attention_modules(loaded.model)
     info = Batch(
         layers={id(m): layer for layer, (m, _) in enumerate(modules)}, last_layer=len(modules) - 1,
         special=special, sink=sink, window=window, bins=bins, budget_bytes=int(budget_mib * 2**20),
         block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering, fused=fused,
+        projections=projections,
     )
     if features is not None:
         info.features = features
