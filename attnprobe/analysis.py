@@ -24,13 +24,10 @@ from attnprobe.errors import AttnprobeError
 from attnprobe.kernel import DEFAULT_BUDGET_MIB
 from attnprobe.metrics import (
     METRICS,
-    OUTPUT_NORM,
     POSITION_METRICS,
     RECENT_WINDOW,
     SINK_TOKENS,
     SPECIAL,
-    VW_METRICS,
-    VW_POSITION_METRICS,
     SentenceSums,
     bin_count,
     block_row_stats,
@@ -38,6 +35,7 @@ from attnprobe.metrics import (
 )
 from attnprobe.model import LoadedModel, as_loaded, attention_modules, quiet_transformers, stream_attention
 from attnprobe.resume import Checkpointing, State, Stopped, check_fingerprint
+from attnprobe.scores import OUTPUT_NORM, VW_METRICS, VW_POSITION_METRICS
 from attnprobe.sources import weights_fingerprint
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus

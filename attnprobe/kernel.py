@@ -33,7 +33,6 @@ from attnprobe import defaults, values
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import (
     DIAGONAL_WINDOW,
-    OUTPUT_NORM,
     RECENT_WINDOW,
     SINK_TOKENS,
     RowMasses,
@@ -44,6 +43,7 @@ from attnprobe.metrics import (
     value_weighted,
 )
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs
+from attnprobe.scores import OUTPUT_NORM
 
 NAME = "attnprobe_stats"
 DEFAULT_BUDGET_MIB = defaults.BLOCK_MIB
@@ -395,7 +395,8 @@ def attend(
     stacked = heads if factors is None else 2 * heads  # the value-weighted map doubles a block's statistics
     rows = info.block_rows or block_size(batch, stacked, n, info.budget_bytes, extra)
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
-    bias = None if factors is None else values.log_weights(values.key_norms(value, factors))  # [batch, head, key]
+    norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]: |f_h(x_j)|
+    bias = None if norms is None else values.log_weights(norms)  # [batch, head, key]
     sums = SentenceSums()
     example = _example_buffer(info, heads, query.device)  # [head, q, k] or None
     for q0 in range(0, n, rows):
@@ -407,13 +408,13 @@ def attend(
             scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys], as eager rounds it
         scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
         mask_block(scores, real, q0, causal, k0, span)
-        p, entropy = softmax_with_entropy(scores, sink_logits)  # [batch, head, r, keys], [batch, head, r]
+        p, entropy, log_total = softmax_with_entropy(scores, sink_logits)  # [b, h, r, keys], [b, h, r], [b, h, r]
         special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
         if bias is None:
             stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0,
                                     span=span)
         else:
-            weighted, weighted_entropy = weighted_softmax(scores, bias[:, :, k0:k1])  # as p, entropy
+            weighted, weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1])
             both = torch.cat((p, weighted), dim=1)  # [batch, 2 x head, r, keys]
             stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
                                                   torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span),
@@ -434,20 +435,21 @@ def attend(
     return sums, example, output
 
 
-def weighted_softmax(shifted: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    """The value-weighted block: softmax over the keys of shifted scores + ln |f_h(x_j)| (`bias` [batch, head,
-    keys], values.log_weights), and each row's entropy; NaN in a row whose every allowed key has norm 0.
+def weighted_block(p: Tensor, shifted: Tensor, log_total: Tensor, norms: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The value-weighted block a_ij w_j / sum_k a_ik w_k (w_j = |f_h(x_j)|, `norms` [batch, head, keys]; `bias` its
+    log, values.log_weights) and each row's entropy; NaN in a row whose weights w_j a_ij are all 0.
 
-    `shifted` [batch, head, r, keys] holds the block's scores less their row maximum, masked keys at the float32
-    minimum (softmax_with_entropy's leftovers); it is left alone.
+    From softmax_with_entropy's leftovers: p, the shifted scores s' (edited here) and ln Z, so that
+    ln a~_ij = s'_ij + ln w_j - ln Z - ln z_i with z_i = sum_k a_ik w_k, and H~_i = ln Z + ln z_i - sum_j a~_ij (s'_ij
+    + ln w_j): products and sums, no second exponential. A row whose every key of norm above 0 has a weight a_ij
+    below float32's range (1e-38) would be NaN here; the fused path, in log space, still gives it.
     """
-    logits = shifted + bias[:, :, None, :]  # [batch, head, r, keys]: a key of norm 0 at about -1e30, masked ones lower
-    empty = logits.amax(dim=-1) < values.ZERO_NORM / 2  # [batch, head, r]: every allowed key has norm 0
-    p, entropy = softmax_with_entropy(logits)  # [batch, head, r, keys], [batch, head, r]
-    if bool(empty.any()):
-        p.masked_fill_(empty[..., None], torch.nan)
-        entropy = entropy.masked_fill(empty, torch.nan)
-    return p, entropy
+    weighted = p * norms[:, :, None, :]  # [batch, head, r, keys]
+    z = weighted.sum(dim=-1)  # [batch, head, r]
+    weighted.div_(z[..., None])  # 0/0 = NaN in a row with nothing to weigh
+    logits = shifted.add_(bias[:, :, None, :])  # [batch, head, r, keys]: s' + ln w; masked keys stay near -3.4e38
+    entropy = log_total + z.log() - (weighted * logits).sum(dim=-1)  # [batch, head, r]
+    return weighted, entropy
 
 
 def fusable(features: LayerFeatures) -> bool:
@@ -681,8 +683,8 @@ def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool, k0: int = 0,
         scores.masked_fill_(~real[:, None, None, k0 : k0 + keys], lowest)  # [batch, head, r, keys]
 
 
-def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """softmax over the last axis and each row's entropy -sum p ln p, from the shifted scores.
+def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """softmax over the last axis, each row's entropy -sum p ln p, from the shifted scores, and ln Z.
 
     With s' = s - max and Z = sum exp(s'), ln p = s' - ln Z, so H = ln Z sum p - sum p s': one product
     instead of a logarithm per entry. `sinks` [1, head, 1, 1]: a learned logit per head that joins the
@@ -699,8 +701,9 @@ def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[T
         total = total + (sinks - top).exp()  # [batch, head, r, 1]
     p.div_(total)
     mass = 1.0 if sinks is None else p.sum(dim=-1)  # [batch, head, r]
-    entropy = total[..., 0].log() * mass - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
-    return p, entropy
+    log_total = total[..., 0].log()  # [batch, head, r]
+    entropy = log_total * mass - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
+    return p, entropy, log_total
 
 
 def _example_buffer(info: Batch, heads: int, device: torch.device) -> Tensor | None:

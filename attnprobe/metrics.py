@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from attnprobe import defaults
+from attnprobe.scores import POSITION_METRICS, VALUE_WEIGHTED, VW, VW_POSITION_METRICS
 
 DIAGONAL_WINDOW = 2  # keys j with |i - j| <= 2 count as "near the diagonal"
 SINK_TOKENS = defaults.SINK_TOKENS  # sink_window: the first S keys ...
@@ -35,17 +36,6 @@ METRICS = (
 # key has diagonal 1, whatever the head does).
 UNFORCED = ("entropy_unforced", "diagonal_unforced", "first_token_unforced")
 SPECIAL = "special_tokens"  # reported only when the inputs contain special tokens
-POSITION_METRICS = ("entropy", "entropy_norm", "first_token", "diagonal", "distance", "sink_window")
-# Value-weighted scores (attnprobe.values): the same statistics of a~_ij = a_ij |f_h(x_j)| / sum_k a_ik |f_h(x_k)|,
-# each over the rows its raw score uses, as `<score>_vw`; and `output_norm`, the mean of |sum_j a_ij f_h(x_j)|.
-VALUE_WEIGHTED = (
-    "entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance", "sink_window",
-    "entropy_unforced", "diagonal_unforced", "first_token_unforced",
-)
-VW = "_vw"
-OUTPUT_NORM = "output_norm"
-VW_METRICS = (*(name + VW for name in VALUE_WEIGHTED), OUTPUT_NORM)
-VW_POSITION_METRICS = (*(name + VW for name in POSITION_METRICS), OUTPUT_NORM)
 BINNED = (*POSITION_METRICS, *VW_POSITION_METRICS)  # the scores SentenceSums keeps per position bin
 
 
