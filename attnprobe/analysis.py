@@ -506,18 +506,27 @@ def measure_batch(
         lengths = mask.sum(dim=-1)  # [batch]
 
         def on_map(layer: int, p: torch.Tensor) -> None:
-            per_row = block_row_stats(p, 0, lengths, loaded.causal, special, sink, window, span=spans[layer])
-            if projections is not None:
-                per_row.update(eager_value_weighted(p, values.take_values(modules[layer]), projections[layer],
-                                                    lengths, loaded.causal, sink, window, spans[layer]))
-            sums = SentenceSums()
-            sums.add(per_row, 0, lengths, k)
-            store(layer, sums)
+            weighted = None if projections is None else (values.take_values(modules[layer]), projections[layer])
+            store(layer, map_sums(p, lengths, loaded.causal, special, sink, window, k, spans[layer], weighted))
             for row, q, maps in examples:
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
         stream_attention(loaded, input_ids, mask, on_map)
     return _to_numpy(stats), _to_numpy(bins)
+
+
+def map_sums(
+    p: torch.Tensor, lengths: torch.Tensor, causal: bool, special: torch.Tensor | None, sink: int, window: int,
+    bins: int, span: int | None, weighted: tuple[torch.Tensor, Any] | None = None,
+) -> SentenceSums:
+    """The sums of a whole eager map p [batch, head, query, key]; with `weighted` (the layer's values and output
+    projection) the value-weighted scores and output_norm too."""
+    per_row = block_row_stats(p, 0, lengths, causal, special, sink, window, span=span)
+    if weighted is not None:
+        per_row.update(eager_value_weighted(p, *weighted, lengths, causal, sink, window, span))
+    sums = SentenceSums()
+    sums.add(per_row, 0, lengths, bins)
+    return sums
 
 
 def eager_value_weighted(
