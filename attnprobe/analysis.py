@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__, defaults, distributed, kernel, limits
+from attnprobe import __version__, defaults, distributed, kernel, limits, values
 from attnprobe.accumulate import Accumulator, Shape
 from attnprobe.bootstrap import (
     BLOCK,
@@ -39,10 +39,12 @@ from attnprobe.metrics import (
     SPECIAL,
     SentenceSums,
     bin_count,
-    sentence_sums,
+    block_row_stats,
+    value_weighted,
 )
-from attnprobe.model import LoadedModel, as_loaded, quiet_transformers, stream_attention
+from attnprobe.model import LoadedModel, as_loaded, attention_modules, quiet_transformers, stream_attention
 from attnprobe.resume import Checkpointing, State, Stopped, check_fingerprint
+from attnprobe.scores import OUTPUT_NORM, VW_METRICS, VW_POSITION_METRICS
 from attnprobe.sources import weights_fingerprint
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
@@ -140,8 +142,11 @@ def analyze_loaded(
         on_start(scanned.sentences)
     world = distributed.current()
     distributed.join(world, loaded.device)
+    path = attention_path(loaded, options.attention)
+    projections, weighted = value_weighted_plan(loaded, path, options)
     shape = Shape(
-        names=(*METRICS, SPECIAL) if scanned.special else METRICS, bin_names=POSITION_METRICS,
+        names=score_names(scanned.special, projections is not None),
+        bin_names=(*POSITION_METRICS, *VW_POSITION_METRICS) if projections is not None else POSITION_METRICS,
         layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(scanned.longest),
         resamples=resamples, seed=seed,
         categories=tuple(dict.fromkeys(label or UNTAGGED for label in corpus.labels)) if corpus.tagged else (),
@@ -157,7 +162,7 @@ def analyze_loaded(
     if checkpointing is not None and checkpointing.resume_from is not None:
         check_fingerprint(checkpointing.resume_from.fingerprint, fingerprint)
     measured = measure(loaded, corpus, scanned, batch_size, progress, options, world, shape,
-                       keep_per_sentence, checkpointing, fingerprint, on_batch)
+                       keep_per_sentence, checkpointing, fingerprint, on_batch, projections)
     totals = measured.totals
     heads = totals.heads()
     layers = summarize_layers(heads)
@@ -173,11 +178,12 @@ def analyze_loaded(
     if measured.path == "fused":  # the others (windows, soft-capping, sinks) ran blocked
         run["attention"]["fused_layers"] = kernel.discover(loaded).fused_layers(loaded.device)
         run["attention"]["fused_min_tokens"] = fused_from(measured.path, options.attention)
+    run["value_weighted"] = weighted
     run["summary"] = summary
     run["bootstrap"] = bootstrap_record(shape, scanned.lengths)
     run["example_sentence"] = {"index": scanned.example_index, "line": scanned.example.line}
-    run["notes"] = [note for note in (few_sentences_note(scanned.sentences, run["bootstrap"].get("block_lengths")),)
-                    if note]
+    run["notes"] = [note for note in (few_sentences_note(scanned.sentences, run["bootstrap"].get("block_lengths")),
+                                      weighted.get("note")) if note]
     example = {
         "sentence": scanned.example.text,
         "tokens": token_labels(loaded.tokenizer, scanned.example_ids[:EXAMPLE_MAX_TOKENS], scanned.example.text),
@@ -234,7 +240,8 @@ def run_fingerprint(
         "model": loaded.source, "model_sha256": model_weights(loaded) if weights else None, "dtype": loaded.dtype,
         "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
-        "window": options.window, "block_mib": options.budget_mib, "version": __version__, "processes": processes,
+        "window": options.window, "block_mib": options.budget_mib, "value_weighted": options.value_weighted,
+        "version": __version__, "processes": processes,
         "limit": corpus.limit,
     }
 
@@ -265,6 +272,7 @@ class Options:
     window: int = RECENT_WINDOW  # ... and the W most recent
     budget_mib: float = DEFAULT_BUDGET_MIB  # memory for one block of attention rows
     block_rows: int | None = None  # a fixed block size instead (tests)
+    value_weighted: bool = True  # also the value-weighted scores and output_norm, where the architecture allows
 
 
 ATTENTION_CHOICES = ("auto", "fused", "blocked", "eager")
@@ -295,6 +303,49 @@ def attention_path(loaded: LoadedModel, attention: str) -> str:
     return "eager"
 
 
+def score_names(special: bool, weighted: bool) -> tuple[str, ...]:
+    """The per-head scores of a run: METRICS, special_tokens where the tokenizer adds special tokens, and the
+    value-weighted scores and output_norm where they are measured."""
+    return (*METRICS, *((SPECIAL,) if special else ()), *(VW_METRICS if weighted else ()))
+
+
+def value_weighted_plan(loaded: LoadedModel, path: str, options: Options) -> tuple[list[Any] | None, dict[str, Any]]:
+    """Each layer's output projection, when the value-weighted scores are measured (else None), and what run.json
+    records about them: `measured`, the projection found, or why not (`why`, and a `note` for run.json's notes
+    when the architecture, not the user, is the reason)."""
+    if not options.value_weighted:
+        return None, {"measured": False, "why": "turned off (--no-value-weighted)"}
+    modules = [module for module, _ in attention_modules(loaded.model)]
+    projections, found = values.find_projections(loaded.model, modules, loaded.num_heads)
+    why = None if projections is not None else found
+    if why is None and path == "eager":
+        why = eager_values_reason(loaded, modules)
+    if why is not None:
+        return None, {"measured": False, "why": why,
+                      "note": f"value-weighted scores and output_norm not measured: {why}"}
+    return projections, {"measured": True, "output_projection": found.removeprefix("found: ")}
+
+
+def eager_values_reason(loaded: LoadedModel, modules: list[Any]) -> str | None:
+    """Why the eager path cannot read this model's values (None when it can): the values are read by calling the
+    model's own eager attention function under another name (values.capturing_values), which a model that
+    computes attention itself, or changes its eager path by a setting, does not call."""
+    reason = kernel.config_reason(loaded)
+    if reason is not None:
+        return f"the eager path cannot read the values of {reason}"
+    if any(values.eager_function(module) is None for module in modules):
+        return f"the eager path cannot read the values of {type(modules[0]).__name__}: no eager_attention_forward"
+    return None
+
+
+def attention_context(loaded: LoadedModel, path: str, weighted: bool) -> Any:
+    """What the model runs under for `path`: attnprobe's statistics attention, or on the eager path its own eager
+    function (under `attnprobe_eager` when the value-weighted scores need its values)."""
+    if path != "eager":
+        return kernel.statistics_attention(loaded)
+    return values.capturing_values(loaded.model) if weighted else nullcontext()
+
+
 @dataclass
 class Measured:
     totals: Accumulator  # every statistic, summed over the sentences (all ranks merged)
@@ -308,12 +359,13 @@ def measure(
     loaded: LoadedModel, corpus: Corpus, scanned: Scan, batch_size: int, progress: Progress | None,
     options: Options, world: distributed.World, shape: Shape, keep_per_sentence: bool = False,
     checkpointing: Checkpointing | None = None, fingerprint: dict[str, Any] | None = None,
-    on_batch: OnBatch | None = None,
+    on_batch: OnBatch | None = None, projections: list[Any] | None = None,
 ) -> Measured:
     """Run every batch of this rank's sentences and fold its statistics into an Accumulator.
 
     The corpus streams past in windows of WINDOW_SENTENCES: each is tokenized, sorted by length and
     batched, and dropped when done. Under torchrun each rank measures its shard, and the sums are merged.
+    `projections`: each layer's output projection, to measure the value-weighted scores (value_weighted_plan).
     """
     path = attention_path(loaded, options.attention)
     totals = Accumulator(shape)
@@ -358,7 +410,8 @@ def measure(
             if shape.method == BLOCK else None
         stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
                                     on_layer=(lambda: progress(share)) if progress else None, resamplers=resamplers,
-                                    on_resampled=lambda layer, values: totals.add_resampled(layer, values, labels))
+                                    projections=projections,
+                                    on_resampled=lambda layer, means: totals.add_resampled(layer, means, labels))
         check_finite(loaded, stats, sentences, [len(t) for t in ids])
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
         if on_batch is not None:
@@ -368,7 +421,7 @@ def measure(
                 kept[name][batch] = value
 
     number = 0  # batches begun, over the whole run
-    with kernel.statistics_attention(loaded) if path != "eager" else nullcontext():
+    with attention_context(loaded, path, projections is not None):
         for first, window in windows(corpus.stream(), WINDOW_SENTENCES):
             mine = [i - first for i in world.shard(first + len(window), first)]  # positions in the window
             count = -(-len(mine) // batch_size)
@@ -433,13 +486,16 @@ def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: l
 def measure_batch(
     loaded: LoadedModel, path: str, input_ids: torch.Tensor, mask: torch.Tensor, special: torch.Tensor | None,
     shape: Shape, options: Options, examples: list[tuple[int, int, torch.Tensor]] = (),
-    on_layer: Callable[[], None] | None = None, resamplers: list[BlockResampler] | None = None,
+    on_layer: Callable[[], None] | None = None, projections: list[Any] | None = None,
+    resamplers: list[BlockResampler] | None = None,
     on_resampled: Callable[[int, dict[str, np.ndarray]], None] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-sentence statistics [sentence, layer, head] and position bins [sentence, layer, head, bin] of one batch.
 
     `examples`: (row in the batch, tokens kept, maps [layer, head, query, key]) of sentences whose maps to write;
     the blocked path writes the first one only. `on_layer` is called as each layer's statistics arrive.
+    `projections`: each layer's output projection, for the value-weighted scores (the eager path reads the values
+    that values.capturing_values keeps, so it runs inside that context).
     `resamplers`: one per sentence, for the block bootstrap: each layer's rows are resampled as they arrive and
     `on_resampled(layer, per score [resample, sentence, head])` gets the means; the rows are then dropped.
     """
@@ -469,13 +525,16 @@ def measure_batch(
         kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
                          budget_mib=options.budget_mib, block_rows=options.block_rows,
                          example=examples[0][:2] if examples else None, fused=fused_from(path, options.attention),
-                         keep_rows=bool(resamplers))
+                         projections=projections, keep_rows=bool(resamplers))
     else:
         spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
+        modules = [module for module, _ in attention_modules(loaded.model)]
+        lengths = mask.sum(dim=-1)  # [batch]
 
         def on_map(layer: int, p: torch.Tensor) -> None:
-            store(layer, sentence_sums(p, mask, loaded.causal, special, sink, window, k, spans[layer],
-                                       keep_rows=bool(resamplers)))
+            weighted = None if projections is None else (values.take_values(modules[layer]), projections[layer])
+            store(layer, map_sums(p, lengths, loaded.causal, special, sink, window, k, spans[layer], weighted,
+                                  keep_rows=bool(resamplers)))
             for row, q, maps in examples:
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
@@ -499,8 +558,37 @@ def resample_rows(
     return out
 
 
-def _to_numpy(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {name: v.cpu().numpy().astype(np.float64) for name, v in values.items()}
+def map_sums(
+    p: torch.Tensor, lengths: torch.Tensor, causal: bool, special: torch.Tensor | None, sink: int, window: int,
+    bins: int, span: int | None, weighted: tuple[torch.Tensor, Any] | None = None, keep_rows: bool = False,
+) -> SentenceSums:
+    """The sums of a whole eager map p [batch, head, query, key]; with `weighted` (the layer's values and output
+    projection) the value-weighted scores and output_norm too."""
+    per_row = block_row_stats(p, 0, lengths, causal, special, sink, window, span=span)
+    if weighted is not None:
+        per_row.update(eager_value_weighted(p, *weighted, lengths, causal, sink, window, span))
+    sums = SentenceSums(rows={} if keep_rows else None)
+    sums.add(per_row, 0, lengths, bins)
+    return sums
+
+
+def eager_value_weighted(
+    p: torch.Tensor, value: torch.Tensor, projection: Any, lengths: torch.Tensor, causal: bool, sink: int,
+    window: int, span: int | None,
+) -> dict[str, torch.Tensor]:
+    """The value-weighted row statistics and output_norm of a whole eager map p [batch, head, query, key], from the
+    layer's values [batch, kv head, key, head size] and output projection: [batch, head, query] each."""
+    heads = p.shape[1]
+    factors = values.head_factors(projection, heads)  # [head, k, head size]
+    weighted = values.weighted_map(p, values.key_norms(value, factors))  # [batch, head, query, key]
+    per_row = value_weighted(block_row_stats(weighted, 0, lengths, causal, None, sink, window, span=span))
+    per_head = value.float().repeat_interleave(heads // value.shape[1], dim=1)  # [batch, head, key, head size]
+    per_row[OUTPUT_NORM] = values.head_norms(p.float() @ per_head, factors)  # [batch, head, query]
+    return per_row
+
+
+def _to_numpy(values_: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {name: v.cpu().numpy().astype(np.float64) for name, v in values_.items()}
 
 
 def windows(sentences: Iterable[Sentence], size: int) -> Iterator[tuple[int, list[Sentence]]]:
@@ -777,14 +865,14 @@ def tidy(stats: dict[str, np.ndarray], corpus: Corpus) -> pd.DataFrame:
     n_sentences, n_layers, n_heads = stats["entropy"].shape
     grids = np.meshgrid(np.arange(n_sentences), np.arange(n_layers), np.arange(n_heads), indexing="ij")
     frame = pd.DataFrame({key: g.ravel() for key, g in zip(("sentence", "layer", "head"), grids)})
-    for name, values in stats.items():
-        frame[name] = values.ravel()
+    for name, column in stats.items():
+        frame[name] = column.ravel()
     frame["category"] = [corpus.sentences[i].category for i in frame["sentence"]]
     return frame
 
 
 def metric_columns(frame: pd.DataFrame) -> list[str]:
-    return [name for name in (*METRICS, SPECIAL) if name in frame.columns]
+    return [name for name in (*METRICS, SPECIAL, *VW_METRICS) if name in frame.columns]
 
 
 def summarize_layers(heads: pd.DataFrame) -> pd.DataFrame:

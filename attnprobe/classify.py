@@ -10,12 +10,14 @@ import pandas as pd
 
 from attnprobe import defaults, limits
 from attnprobe.errors import AttnprobeError
+from attnprobe.scores import OUTPUT_NORM
 
 
 class HeadType(str, Enum):
     PREVIOUS = "previous"  # extended scheme: a local head dominated by the previous token
     LOCAL = "local"
     SINK = "sink"  # extended scheme: a copy head whose mass sits mostly on the first token
+    DORMANT = "dormant"  # extended scheme: a sink that writes little (output_norm small against its layer)
     COPY = "copy"
     BROAD = "broad"
     MIXED = "mixed"
@@ -25,19 +27,21 @@ class HeadType(str, Enum):
 
 class Scheme(str, Enum):
     DEFAULT = "default"  # local / copy / broad / mixed
-    EXTENDED = "extended"  # adds previous (within local) and sink (within copy)
+    EXTENDED = "extended"  # adds previous (within local), sink (within copy) and dormant (within sink)
     KV = "kv"  # streaming / retrieval, from sink_window
 
 
 ALL_TYPES = tuple(t.value for t in HeadType)  # display order
 HEAD_TYPES = ("local", "copy", "broad", "mixed")  # the default scheme
-EXTENDED_TYPES = ("previous", "local", "sink", "copy", "broad", "mixed")  # the extended scheme
+EXTENDED_TYPES = ("previous", "local", "sink", "dormant", "copy", "broad", "mixed")  # the extended scheme
 # The rules read each score over the rows the mask leaves a choice (a row with one valid key has
 # entropy 0 and first-token mass 1, a row whose +-2 window holds every valid key has diagonal 1,
 # whatever the head does): such rows must never decide a label. entropy_norm and previous_token
 # already leave them out.
 RULE_COLUMNS = ("diagonal_unforced", "entropy_unforced", "entropy_norm")
 EXTENDED_COLUMNS = ("first_token_unforced", "previous_token")
+OUTPUT_COLUMN = OUTPUT_NORM  # the extended scheme's dormant rule, where analyze measured it
+OUTPUT_RATIO = "output_norm_ratio"  # a head's output_norm over its layer's median (head_types.csv)
 KV_TYPES = ("streaming", "retrieval")  # the kv scheme
 KV_COLUMNS = ("sink_window",)
 _TOLERANCE = 1e-6  # a value equal to a threshold up to float32 rounding (1e-7 relative) counts as reaching it
@@ -53,6 +57,7 @@ class Thresholds:
     sink_min_first_token: float = defaults.SINK_MIN_FIRST_TOKEN
     previous_min_previous_token: float = defaults.PREVIOUS_MIN_PREVIOUS_TOKEN
     streaming_min_sink_window: float = defaults.STREAMING_MIN_SINK_WINDOW
+    dormant_max_output_ratio: float = defaults.DORMANT_MAX_OUTPUT_RATIO
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.local_min_diagonal <= 1.0:
@@ -68,6 +73,9 @@ class Thresholds:
         ):
             if not 0.0 <= value <= 1.0:
                 raise AttnprobeError(f"{option} {value} must be between 0 and 1")
+        if not 0.0 <= self.dormant_max_output_ratio <= 1.0:
+            raise AttnprobeError(f"--dormant-max-output-ratio {self.dormant_max_output_ratio} must be between 0 and 1 "
+                                 "(a share of the layer's median output_norm)")
 
 
 def is_local(diagonal: pd.Series, t: Thresholds) -> pd.Series:
@@ -89,6 +97,24 @@ def is_sink(first_token: pd.Series, t: Thresholds) -> pd.Series:
 
 def is_previous(previous_token: pd.Series, t: Thresholds) -> pd.Series:
     return previous_token >= t.previous_min_previous_token - _TOLERANCE
+
+
+def output_ratio(heads: pd.DataFrame) -> pd.Series:
+    """Each head's output_norm over the median output_norm of its layer's heads: 1 is a typical head of the layer,
+    0 a head that writes nothing. The median, not the mean: one loud head (SmolLM2's layer 24 has three at over five
+    times the others) would make every other head look quiet."""
+    norms = heads[OUTPUT_COLUMN]
+    return (norms / norms.groupby(heads["layer"]).transform("median")).rename(OUTPUT_RATIO)
+
+
+def is_dormant(ratio: pd.Series, t: Thresholds) -> pd.Series:
+    """Strictly less than the threshold: a sink writing less than this share of its layer's median head."""
+    return ratio < t.dormant_max_output_ratio - _TOLERANCE
+
+
+def has_output_norm(heads: pd.DataFrame) -> bool:
+    """Whether heads.csv holds output_norm (analyze measures it where it finds the model's output projection)."""
+    return OUTPUT_COLUMN in heads.columns and bool(heads[OUTPUT_COLUMN].notna().any())
 
 
 def is_streaming(sink_window: pd.Series, t: Thresholds) -> pd.Series:
@@ -121,7 +147,8 @@ def head_types(
     """The rule, in order: local first (a previous-token head is also sharp), then copy, broad, mixed.
 
     The extended scheme then splits local heads dominated by the previous token off as
-    `previous`, and copy heads whose mass sits mostly on the first token off as `sink`.
+    `previous`, copy heads whose mass sits mostly on the first token off as `sink`, and, where heads.csv has
+    output_norm, sinks that write little (output_ratio below the threshold) off as `dormant`.
     The kv scheme is separate: `streaming` or `retrieval` from sink_window alone.
     """
     if Scheme(scheme) is Scheme.KV:
@@ -140,6 +167,9 @@ def head_types(
     if Scheme(scheme) is Scheme.EXTENDED:
         types[(types == HeadType.LOCAL.value) & is_previous(heads["previous_token"], t)] = HeadType.PREVIOUS.value
         types[(types == HeadType.COPY.value) & is_sink(heads["first_token_unforced"], t)] = HeadType.SINK.value
+        if has_output_norm(heads):
+            quiet = is_dormant(output_ratio(heads), t).fillna(False).astype(bool)
+            types[(types == HeadType.SINK.value) & quiet] = HeadType.DORMANT.value
     return types
 
 
@@ -159,6 +189,9 @@ def classify(
         raise AttnprobeError(f"kv_heads {kv_heads} applies only to the kv scheme: use --scheme kv or leave it out")
     result = heads[required_columns(scheme)].copy()
     result.insert(2, "head_type", head_types(heads, thresholds, scheme))
+    if Scheme(scheme) is Scheme.EXTENDED and has_output_norm(heads):
+        result[OUTPUT_COLUMN] = heads[OUTPUT_COLUMN]
+        result[OUTPUT_RATIO] = output_ratio(heads)
     if kv_heads is None:
         return result
     result["kv_head"] = result["head"] // (_heads_per_layer(heads) // _check_kv_heads(kv_heads, heads))
@@ -183,12 +216,16 @@ def _check_kv_heads(kv_heads: int, heads: pd.DataFrame) -> int:
 
 
 def counts_per_layer(types: pd.DataFrame) -> pd.DataFrame:
-    """Heads of each type in each layer, every type of the scheme a column (zeros included)."""
+    """Heads of each type in each layer, every type of the scheme a column (zeros included); `dormant` only where
+    the dormant rule could run (types with output_norm_ratio)."""
     table = pd.crosstab(types["layer"], types["head_type"])
     if set(table.columns) & set(KV_TYPES):
         return table.reindex(columns=list(KV_TYPES), fill_value=0)
-    extended = bool(set(table.columns) & {HeadType.SINK.value, HeadType.PREVIOUS.value})
-    return table.reindex(columns=list(EXTENDED_TYPES if extended else HEAD_TYPES), fill_value=0)
+    extended = bool(set(table.columns) & {HeadType.SINK.value, HeadType.PREVIOUS.value, HeadType.DORMANT.value})
+    if not extended:
+        return table.reindex(columns=list(HEAD_TYPES), fill_value=0)
+    dormant = OUTPUT_RATIO in types.columns or HeadType.DORMANT.value in table.columns  # decided, or not decidable
+    return table.reindex(columns=[t for t in EXTENDED_TYPES if dormant or t != HeadType.DORMANT.value], fill_value=0)
 
 
 def kv_cache_estimate(

@@ -188,6 +188,11 @@ def analyze(
         int, typer.Option("--sink-tokens", help="sink_window: the first S keys count as sinks.")
     ] = defaults.SINK_TOKENS,
     window: Annotated[int, typer.Option("--window", help="sink_window: the W most recent keys.")] = defaults.WINDOW,
+    value_weighted: Annotated[
+        bool, typer.Option("--value-weighted/--no-value-weighted",
+                           help="Also the value-weighted scores (<score>_vw) and output_norm, where the model's output "
+                                "projection is found.")
+    ] = True,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run whose checkpoint.npz is in --out (same settings).")
     ] = False,
@@ -227,7 +232,8 @@ def analyze(
     from attnprobe.resume import Checkpointing, Stopped
 
     started = time.time()
-    options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib)
+    options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib,
+                      value_weighted=value_weighted)
     check_options(batch_size, resamples, seed, options)
     world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
     io.check_out_dir(out)
@@ -260,7 +266,9 @@ def analyze(
                TimeRemainingColumn())  # advances layer by layer: a single long document moves too
     try:
         with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar, \
-                stop_requests() as stop, sentence_writer(out, sentences, per_sentence, world) as rows:
+                stop_requests() as stop, \
+                sentence_writer(out, sentences, per_sentence, world,
+                                per_sentence and measures_value_weighted(loaded, options)) as rows:
             if checkpointing is not None:
                 checkpointing.should_stop = stop
             task = bar.add_task("analyze", total=None)
@@ -349,16 +357,24 @@ def truncation_message(run: dict) -> str:
     return message(run)
 
 
+def measures_value_weighted(loaded, options) -> bool:
+    """Whether this run measures the value-weighted scores (the model's output projection is found)."""
+    from attnprobe.analysis import attention_path, value_weighted_plan
+
+    return value_weighted_plan(loaded, attention_path(loaded, options.attention), options)[0] is not None
+
+
 @contextmanager
-def sentence_writer(out: Path, corpus, wanted: bool, world=None):
-    """io.SentenceWriter for --per-sentence (None otherwise); removed again if the run fails."""
+def sentence_writer(out: Path, corpus, wanted: bool, world=None, weighted: bool = False):
+    """io.SentenceWriter for --per-sentence (None otherwise); removed again if the run fails. `weighted`: the run
+    measures the value-weighted scores too."""
     if not wanted:
         yield None
         return
     from attnprobe import io
-    from attnprobe.metrics import METRICS, SPECIAL
+    from attnprobe.analysis import score_names
 
-    names = [*METRICS, SPECIAL]  # special_tokens is NaN where the tokenizer adds none
+    names = score_names(True, weighted)  # special_tokens is NaN where the tokenizer adds none
     part = world.rank if world is not None and world.size > 1 else None  # one part per rank, joined by rank 0
     with io.SentenceWriter(out, names, corpus.tagged, part=part) as writer:
         yield writer
@@ -427,7 +443,7 @@ class SchemeChoice(str, Enum):
 def classify(
     out: ResultsOption = DEFAULT_OUT,
     scheme: Annotated[
-        SchemeChoice, typer.Option(help="default: local/copy/broad/mixed; extended adds previous and sink; "
+        SchemeChoice, typer.Option(help="default: local/copy/broad/mixed; extended adds previous, sink and dormant; "
                                    "kv: streaming/retrieval from sink_window, with a KV-cache estimate.")
     ] = SchemeChoice.default,
     local_min_diagonal: Annotated[
@@ -451,15 +467,19 @@ def classify(
     streaming_min_sink_window: Annotated[
         float, typer.Option(help="kv: a head is streaming if at least this share sits on the sinks + recent window.")
     ] = defaults.STREAMING_MIN_SINK_WINDOW,
+    dormant_max_output_ratio: Annotated[
+        float, typer.Option(help="Extended: a sink is dormant if its output_norm is below this share of its layer's "
+                            "median output_norm (where heads.csv has output_norm).")
+    ] = defaults.DORMANT_MAX_OUTPUT_RATIO,
 ) -> None:
     """Label each head (local, copy, broad, mixed; extended; or kv) from heads.csv; write head_types.csv."""
     from attnprobe import io
-    from attnprobe.classify import Thresholds, counts_per_layer, required_columns
+    from attnprobe.classify import Thresholds, counts_per_layer, has_output_norm, required_columns
     from attnprobe.classify import classify as run_classify
 
     thresholds = Thresholds(
         local_min_diagonal, copy_max_entropy, broad_min_entropy_norm, sink_min_first_token, previous_min_previous_token,
-        streaming_min_sink_window,
+        streaming_min_sink_window, dormant_max_output_ratio,
     )
     heads = io.read_table(out, io.HEADS_FILE, required_columns(scheme.value), "attnprobe analyze")
     if scheme is SchemeChoice.kv:
@@ -482,6 +502,11 @@ def classify(
     if scheme is SchemeChoice.kv:
         out_console.print(kv_table(estimate))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    if scheme is SchemeChoice.extended and not has_output_norm(heads):
+        err_console.print(f"Note: {io.HEADS_FILE} has no output_norm, so no sink is told apart as dormant: run "
+                          "`attnprobe analyze` again (its value-weighted scores need the model's output projection; "
+                          "run.json's value_weighted says why they are missing)", markup=False, highlight=False,
+                          soft_wrap=True)
 
 
 def classify_kv(out: Path, heads, thresholds) -> tuple:

@@ -47,7 +47,7 @@ from attnprobe.naming import head_name
 PAIRED, UNPAIRED = "paired", "unpaired"
 UNPAIRED_SEED = 0  # the random matching of A's and B's resamples when they are independent: fixed, reproducible
 TOP_HEADS = 10
-FOLD_EXTENDED = {"previous": "local", "sink": "copy"}  # extended types inside the default ones
+FOLD_EXTENDED = {"previous": "local", "sink": "copy", "dormant": "copy"}  # extended types inside the default ones
 
 
 @dataclass

@@ -7,6 +7,7 @@ COPY_MAX_ENTROPY = math.log(2)  # no more spread than an even split over two tok
 BROAD_MIN_ENTROPY_NORM = 0.7  # at least 70% of the maximum ln(k) for the row
 SINK_MIN_FIRST_TOKEN = 0.5  # extended: most of a copy head's mass on the first token
 PREVIOUS_MIN_PREVIOUS_TOKEN = 0.5  # extended: most of a local head's mass on token i - 1
+DORMANT_MAX_OUTPUT_RATIO = 0.5  # extended: a sink writing less than half its layer's median output_norm
 STREAMING_MIN_SINK_WINDOW = 0.95  # kv: almost all of a head's mass on the sinks plus the recent window
 
 # analyze

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnprobe import defaults
+from attnprobe import defaults, values
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import (
     DIAGONAL_WINDOW,
@@ -39,8 +39,11 @@ from attnprobe.metrics import (
     SentenceSums,
     block_row_stats,
     row_stats,
+    split_stacked,
+    value_weighted,
 )
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs
+from attnprobe.scores import OUTPUT_NORM
 
 NAME = "attnprobe_stats"
 DEFAULT_BUDGET_MIB = defaults.BLOCK_MIB
@@ -96,6 +99,7 @@ class Batch:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # filled as the layers run
     discovering: list[str] | None = None  # discover(): collect what is not implemented instead of refusing
     fused: int | None = None  # through the fused kernel: layers it computes exactly, in batches this long or longer
+    projections: list[nn.Module] | None = None  # per layer, the output projection: also the value-weighted scores
     keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
 
 
@@ -164,7 +168,7 @@ def discover(loaded: LoadedModel) -> Discovery:
     model = loaded.model
     if model in _DISCOVERED:
         return _DISCOVERED[model]
-    reason = _config_reason(loaded)
+    reason = config_reason(loaded)
     found = Discovery(None, reason)
     if reason is None:
         found = _discover(loaded)
@@ -177,7 +181,8 @@ def unsupported(loaded: LoadedModel) -> str | None:
     return discover(loaded).reason
 
 
-def _config_reason(loaded: LoadedModel) -> str | None:
+def config_reason(loaded: LoadedModel) -> str | None:
+    """What the model's class or config does that no attention function sees (None: nothing)."""
     model, config = loaded.model, loaded.model.config
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
@@ -350,14 +355,16 @@ def stats_attention(
     layer = batch_info.layers[id(module)]
     batch_info.features[layer] = features
     need_output = layer != batch_info.last_layer
+    projections = batch_info.projections
+    factors = None if projections is None else values.head_factors(projections[layer], query.shape[1])
     if batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features) \
             and query.device.type in FUSED_DEVICES:
         sums, example, output = fused_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
-                                             need_output=need_output)
+                                             need_output=need_output, factors=factors)
     else:
         sums, example, output = attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
                                        need_output=need_output, span=features.span, softcap=features.softcap,
-                                       sinks=sinks)
+                                       sinks=sinks, factors=factors)
     batch_info.on_layer(layer, sums, example)
     if layer == batch_info.last_layer:
         raise LastLayerDone  # nothing after the last attention can change a statistic
@@ -367,12 +374,15 @@ def stats_attention(
 def attend(
     query: Tensor, key: Tensor, value: Tensor, padding: Tensor | None, scaling: float | None, causal: bool,
     info: Batch, need_output: bool = True, span: int | None = None, softcap: float | None = None,
-    sinks: Tensor | None = None,
+    sinks: Tensor | None = None, factors: Tensor | None = None,
 ) -> tuple[SentenceSums, Tensor | None, Tensor]:
     """The exact eager attention output [batch, query, head, dim] and the statistics of every row.
 
     `span`: the layer's attention window (None: every key); `softcap`: scores -> softcap * tanh(scores /
     softcap); `sinks` [head]: a learned logit per head that joins each row's softmax and takes its share.
+    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from the same scores plus
+    ln |f_h(x_j)| (a second softmax over the block, without the sink: it moves nothing), stacked on the head axis
+    with the map so that one pass computes both, and `output_norm` from the block's output.
     """
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]
@@ -383,8 +393,11 @@ def attend(
     keys_t = key.transpose(-1, -2)  # [batch, kv_head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
     extra = None if span is None else sum(window_reach(causal, span))
-    rows = info.block_rows or block_size(batch, heads, n, info.budget_bytes, extra)
+    stacked = heads if factors is None else 2 * heads  # the value-weighted map doubles a block's statistics
+    rows = info.block_rows or block_size(batch, stacked, n, info.budget_bytes, extra)
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
+    norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]: |f_h(x_j)|
+    bias = None if norms is None else values.log_weights(norms)  # [batch, head, key]
     sums = SentenceSums(rows={} if info.keep_rows else None)
     example = _example_buffer(info, heads, query.device)  # [head, q, k] or None
     for q0 in range(0, n, rows):
@@ -396,21 +409,48 @@ def attend(
             scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys], as eager rounds it
         scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
         mask_block(scores, real, q0, causal, k0, span)
-        p, entropy = softmax_with_entropy(scores, sink_logits)  # [batch, head, r, keys], [batch, head, r]
-        del scores
+        p, entropy, log_total = softmax_with_entropy(scores, sink_logits)  # [b, h, r, keys], [b, h, r], [b, h, r]
         special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
-        stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0, span=span)
-        sums.add(stats, q0, lengths, info.bins)
+        if bias is None:
+            stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0,
+                                    span=span)
+        else:
+            weighted, weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1])
+            both = torch.cat((p, weighted), dim=1)  # [batch, 2 x head, r, keys]
+            stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
+                                                  torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span),
+                                  heads)
+            del both, weighted
+        del scores
         if example is not None and q0 < example.shape[1] and k0 < example.shape[1]:
             row, kept = info.example
             end, last = min(q1, kept), min(k1, kept)
             example[:, q0:end, k0:last] = p[row, :, : end - q0, : last - k0].float()  # [head, q, k]
-        if need_output:
+        if need_output or factors is not None:
             weights = p.to(value.dtype).view(batch, kv_heads, groups * (q1 - q0), k1 - k0)  # [batch, kv, g*r, keys]
-            out = weights @ value[:, :, k0:k1]  # [batch, kv, g*r, dim]
-            out = out.view(batch, heads, q1 - q0, dim).transpose(1, 2)  # [batch, r, head, dim]
-            output[:, q0:q1] = out
+            out = (weights @ value[:, :, k0:k1]).view(batch, heads, q1 - q0, dim)  # [batch, head, r, dim]
+            if factors is not None:
+                stats[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, r]
+            output[:, q0:q1] = out.transpose(1, 2)  # [batch, r, head, dim]
+        sums.add(stats, q0, lengths, info.bins)
     return sums, example, output
+
+
+def weighted_block(p: Tensor, shifted: Tensor, log_total: Tensor, norms: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The value-weighted block a_ij w_j / sum_k a_ik w_k (w_j = |f_h(x_j)|, `norms` [batch, head, keys]; `bias` its
+    log, values.log_weights) and each row's entropy; NaN in a row whose weights w_j a_ij are all 0.
+
+    From softmax_with_entropy's leftovers: p, the shifted scores s' (edited here) and ln Z, so that
+    ln a~_ij = s'_ij + ln w_j - ln Z - ln z_i with z_i = sum_k a_ik w_k, and H~_i = ln Z + ln z_i - sum_j a~_ij (s'_ij
+    + ln w_j): products and sums, no second exponential. A row whose every key of norm above 0 has a weight a_ij
+    below float32's range (1e-38) would be NaN here; the fused path, in log space, still gives it.
+    """
+    weighted = p * norms[:, :, None, :]  # [batch, head, r, keys]
+    z = weighted.sum(dim=-1)  # [batch, head, r]
+    weighted.div_(z[..., None])  # 0/0 = NaN in a row with nothing to weigh
+    logits = shifted.add_(bias[:, :, None, :])  # [batch, head, r, keys]: s' + ln w; masked keys stay near -3.4e38
+    entropy = log_total + z.log() - (weighted * logits).sum(dim=-1)  # [batch, head, r]
+    return weighted, entropy
 
 
 def fusable(features: LayerFeatures) -> bool:
@@ -444,7 +484,7 @@ def flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Ten
 
 def fused_attend(
     query: Tensor, key: Tensor, value: Tensor, padding: Tensor | None, scaling: float | None, causal: bool,
-    info: Batch, need_output: bool = True,
+    info: Batch, need_output: bool = True, factors: Tensor | None = None,
 ) -> tuple[SentenceSums, Tensor | None, Tensor | None]:
     """The attention output from the fused kernel and every row statistic without a map.
 
@@ -457,6 +497,9 @@ def fused_attend(
     exp(s_ij - lse_i) for those j; the mean distance is i - E[j] (causal) or, for encoders, E[j] - i plus twice
     the causal part sum_{j<=i} p_ij (i - j) from a third, causal call; the recent window of sink_window is a
     banded sum over the W keys before each row.
+
+    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from the same calls with
+    ln |f_h(x_j)| added to the mask (see _fused_masses), and `output_norm` from the output.
     """
     batch, heads, n, dim = query.shape
     groups = heads // key.shape[1]
@@ -466,42 +509,79 @@ def fused_attend(
     key_h = key.repeat_interleave(groups, dim=1) if groups > 1 else key  # [batch, head, key, dim]
     value_h = value.repeat_interleave(groups, dim=1) if groups > 1 else value  # [batch, head, key, dim]
     hidden = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
-    output = None
-    together = need_output and value.dtype == torch.float32 and value.shape[-1] == dim  # one call does both
-    if need_output and not together:
+    wanted = need_output or factors is not None  # the output: for the next layer, or for output_norm
+    together = wanted and value.dtype == torch.float32  # then the values ride in the statistics call
+    out = None
+    if wanted and not together:
         additive = None if hidden is None else torch.zeros(
             hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, float("-inf"))
         out, _ = flash(query, key_h, value_h, causal, additive, scale)  # [batch, head, q, dim]
-        output = out.transpose(1, 2)  # [batch, q, head, dim]
     q = query.float()  # [batch, head, q, dim]
     keys = key_h.float()  # [batch, head, key, dim]
     weight = real[:, None, :, None].float()  # [batch, 1, key, 1]
     centre = (keys * weight).sum(dim=2, keepdim=True) / lengths.clamp(min=1)[:, None, None, None]  # [b, h, 1, dim]
     keys = keys - centre  # [batch, head, key, dim]: softmax unchanged, scores and lse smaller
-    mid = (n - 1) / 2
-    first = dim if together else 0  # where the statistics' channels start: after the model's values, if they ride
-    extra = 2 + (info.special is not None)  # the centred key position, the sink keys' indicator, special tokens
-    width = -(-(first + dim + extra) // 8) * 8  # Q, K and V share one head size, a multiple of 8
-    values = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]: written in place, no concatenation
-    if together:  # float32: the model's values ride along
-        values[..., :dim] = value_h
-    values[..., first : first + dim] = keys
-    values[..., first + dim] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
-    values[..., : info.sink, first + dim + 1] = 1.0
-    if info.special is not None:
-        values[..., first + dim + 2] = info.special[:, None, :n].float()  # [batch, 1, key]
     additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
         hidden, float("-inf"))  # [batch, 1, 1, key]
+    masses, lse, carried = _fused_masses(q, keys, real, additive32, causal, info, scale,
+                                         carry=value_h if together else None)
+    if together:  # centring the keys leaves every row's softmax, so the output, as it was
+        out = carried  # [batch, head, q, dim]
+    per_row = row_stats(masses, 0, lengths, causal)
+    if factors is not None:
+        norms = values.key_norms(value, factors)  # [batch, head, key]
+        bias = values.log_weights(norms)  # [batch, head, key]
+        weighted, _, _ = _fused_masses(q, keys, real, additive32, causal, info, scale, bias)
+        empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]
+        per_row.update({name: values_.masked_fill(empty, torch.nan) for name, values_ in value_weighted(
+            row_stats(weighted, 0, lengths, causal)).items()})
+        per_row[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, q]
+    sums = SentenceSums(rows={} if info.keep_rows else None)
+    sums.add(per_row, 0, lengths, info.bins)
+    output = out.transpose(1, 2) if need_output else None  # [batch, q, head, dim]
+    return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
+
+
+def _fused_masses(
+    q: Tensor, keys: Tensor, real: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
+    bias: Tensor | None = None, carry: Tensor | None = None,
+) -> tuple[RowMasses, Tensor, Tensor | None]:
+    """Every row's masses from the fused kernel (fused_attend's identities), the logsumexp [batch, head, q], and
+    the attention output of `carry` [batch, head, key, c] (values that ride along in the same call) or None.
+
+    `bias` [batch, head, key]: an additive per-key term, ln |f_h(x_j)| for the value-weighted map (values.ZERO_NORM
+    where the norm is 0). It joins the mask, the single weights exp(s_ij + b_j - lse_i) and the recent
+    window's banded sum, and the entropy loses its mean, -sum_j p_ij b_j, from one more value channel:
+    H_i = lse_i - scale q_i . E[k] - E[b]. Special tokens are counted without a bias only.
+    """
+    batch, heads, n, dim = q.shape
+    mid = (n - 1) / 2
+    first = 0 if carry is None else carry.shape[-1]  # where the statistics' channels start
+    special = info.special is not None and bias is None
+    at_bias = dim + 2 + special  # the bias channel, counted from `first`
+    width = -(-(first + at_bias + (bias is not None)) // 8) * 8  # Q, K and V share one head size, a multiple of 8
+    values_ = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]: written in place, no concatenation
+    if carry is not None:
+        values_[..., :first] = carry
+    values_[..., first : first + dim] = keys
+    values_[..., first + dim] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
+    values_[..., : info.sink, first + dim + 1] = 1.0
+    if special:
+        values_[..., first + dim + 2] = info.special[:, None, :n].float()  # [batch, 1, key]
+    if bias is not None:
+        values_[..., first + at_bias] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
+        additive = bias[:, :, None, :] if additive is None else bias[:, :, None, :] + additive  # [b, h, 1, key]
     qp = q.new_zeros(batch, heads, n, width)  # [batch, head, q, width]: zero channels leave the scores as they are
     qp[..., :dim] = q
     kp = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]
     kp[..., :dim] = keys
-    mean, lse = flash(qp, kp, values, causal, additive32, scale)  # [batch, head, q, width], [batch, head, q]
-    del qp, kp, values
-    if together:  # centring the keys leaves every row's softmax, so the output, as it was
-        output = mean[..., :dim].transpose(1, 2)  # [batch, q, head, dim]
-        mean = mean[..., dim:]  # [batch, head, q, dim + extra']: the statistics' channels
+    mean, lse = flash(qp, kp, values_, causal, additive, scale)  # [batch, head, q, width], [batch, head, q]
+    del qp, kp, values_
+    carried = None if carry is None else mean[..., :first].to(carry.dtype)  # [batch, head, q, c]
+    mean = mean[..., first:]  # [batch, head, q, width - first]: the statistics' channels
     entropy = lse - scale * (q * mean[..., :dim]).sum(dim=-1)  # [batch, head, q]
+    if bias is not None:
+        entropy = entropy - mean[..., at_bias]  # [batch, head, q]
     i = torch.arange(n, device=q.device)  # [q]
 
     def weight_at(offset: int) -> Tensor:
@@ -512,25 +592,36 @@ def fused_attend(
         rows = slice(max(0, -offset), n - max(0, offset))  # the rows whose key i + offset exists
         cols = slice(max(0, offset), n - max(0, -offset))
         logit = scale * torch.linalg.vecdot(q[:, :, rows], keys[:, :, cols])  # [batch, head, m]
+        if bias is not None:
+            logit = logit + bias[:, :, cols]  # [batch, head, m]
         weight = (logit - lse[:, :, rows]).exp()  # [batch, head, m]
         out[:, :, rows] = torch.where(real[:, None, cols], weight, 0.0)  # a padded key has no weight
         return out
 
     near = {offset: weight_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
-    first = (scale * (q * keys[:, :, :1]).sum(dim=-1) - lse).exp()  # [batch, head, q]: key 0 is always allowed
+    first_logit = scale * (q * keys[:, :, :1]).sum(dim=-1)  # [batch, head, q]: key 0 is always allowed
+    if bias is not None:
+        first_logit = first_logit + bias[:, :, :1]  # [batch, head, q]
     position = mean[..., dim] + mid  # [batch, head, q]: E[j]
     if causal:
         distance = i - position  # [batch, head, q]
     else:
-        distance = _encoder_distance(q, keys, lse, position, additive32, scale)
+        distance = _encoder_distance(q, keys, lse, position, additive, scale)
     masses = RowMasses(
-        entropy=entropy, diagonal=sum(near.values()), first=first, previous=near[-1], self=near[0],
-        distance=distance, sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale),
-        special=None if info.special is None else mean[..., dim + 2],
+        entropy=entropy, diagonal=sum(near.values()), first=(first_logit - lse).exp(), previous=near[-1],
+        self=near[0], distance=distance,
+        sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale, bias),
+        special=mean[..., dim + 2] if special else None,
     )
-    sums = SentenceSums(rows={} if info.keep_rows else None)
-    sums.add(row_stats(masses, 0, lengths, causal), 0, lengths, info.bins)
-    return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
+    return masses, lse, carried
+
+
+def _nothing_to_weigh(norms: Tensor, real: Tensor, causal: bool) -> Tensor:
+    """Rows whose every allowed key has norm 0, [batch, head, q]: their value-weighted map is undefined."""
+    some = (norms > 0) & real[:, None, :]  # [batch, head, key]
+    if causal:
+        return some.cumsum(dim=-1) == 0  # [batch, head, q]: nothing among j <= i
+    return ~some.any(dim=-1, keepdim=True).expand_as(some)  # [batch, head, q]
 
 
 def _encoder_distance(
@@ -541,11 +632,14 @@ def _encoder_distance(
     batch, heads, n, dim = keys.shape
     mid = (n - 1) / 2
     i = torch.arange(n, device=q.device)  # [q]
-    j = (torch.arange(n, device=q.device, dtype=torch.float32) - mid).expand(batch, heads, n)[..., None]  # [b, h, k, 1]
     width = -(-(dim + 1) // 8) * 8
-    pad = (0, width - dim)
-    values = nn.functional.pad(torch.cat([keys, j], dim=-1), (0, width - dim - 1))  # [batch, head, key, width]
-    before, lse_before = flash(nn.functional.pad(q, pad), nn.functional.pad(keys, pad), values, True, additive, scale)
+    qp = q.new_zeros(batch, heads, n, width)  # [batch, head, q, width]
+    qp[..., :dim] = q
+    kp = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]
+    kp[..., :dim] = keys
+    values_ = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]
+    values_[..., dim] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
+    before, lse_before = flash(qp, kp, values_, True, additive, scale)
     share = (lse_before - lse).exp()  # [batch, head, q]: the mass on keys j <= i
     below = share * ((i - mid) - before[..., dim])  # [batch, head, q]: sum_{j <= i} p_ij (i - j)
     return position - i + 2 * below  # [batch, head, q]
@@ -553,9 +647,11 @@ def _encoder_distance(
 
 def _sink_window(
     q: Tensor, keys: Tensor, lse: Tensor, sink_mass: Tensor, real: Tensor, causal: bool, info: Batch, scale: float,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """row_sink_window from the fused kernel's logsumexp: the first `sink` keys' mass (a value channel) plus a
-    banded sum over the `window` most recent keys, block by block (O(n window) memory)."""
+    banded sum over the `window` most recent keys, block by block (O(n window) memory); `bias` [batch, head, key]
+    is added to the scores (the value-weighted map)."""
     batch, heads, n, _ = q.shape
     out = torch.full((batch, heads, n), torch.nan, device=q.device)  # [batch, head, q]
     start, window = info.sink + info.window, info.window
@@ -568,6 +664,8 @@ def _sink_window(
         q1 = min(n, q0 + rows)
         k0 = q0 - window + 1  # >= sink: the window keys never reach the sink keys
         logits = (q[:, :, q0:q1] @ keys[:, :, k0:q1].transpose(-1, -2)).mul_(scale)  # [batch, head, r, keys]
+        if bias is not None:
+            logits.add_(bias[:, :, None, k0:q1])  # [batch, head, r, keys]
         i = torch.arange(q0, q1, device=q.device)[:, None]  # [r, 1]
         j = torch.arange(k0, q1, device=q.device)[None, :]  # [1, keys]
         band = (j > i - window) & (j <= i)  # [r, keys]
@@ -615,8 +713,8 @@ def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool, k0: int = 0,
         scores.masked_fill_(~real[:, None, None, k0 : k0 + keys], lowest)  # [batch, head, r, keys]
 
 
-def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """softmax over the last axis and each row's entropy -sum p ln p, from the shifted scores.
+def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """softmax over the last axis, each row's entropy -sum p ln p, from the shifted scores, and ln Z.
 
     With s' = s - max and Z = sum exp(s'), ln p = s' - ln Z, so H = ln Z sum p - sum p s': one product
     instead of a logarithm per entry. `sinks` [1, head, 1, 1]: a learned logit per head that joins the
@@ -633,8 +731,9 @@ def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[T
         total = total + (sinks - top).exp()  # [batch, head, r, 1]
     p.div_(total)
     mass = 1.0 if sinks is None else p.sum(dim=-1)  # [batch, head, r]
-    entropy = total[..., 0].log() * mass - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
-    return p, entropy
+    log_total = total[..., 0].log()  # [batch, head, r]
+    entropy = log_total * mass - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
+    return p, entropy, log_total
 
 
 def _example_buffer(info: Batch, heads: int, device: torch.device) -> Tensor | None:
@@ -688,21 +787,22 @@ def run_batch(
     special: Tensor | None = None, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int = 1,
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
     discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
-    keep_rows: bool = False,
+    projections: list[nn.Module] | None = None, keep_rows: bool = False,
 ) -> None:
     """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums.
 
     `features`, when given, receives each layer's LayerFeatures; `discovering` collects what is not implemented
     instead of refusing it (discover()). `fused`: run the layers `fusable` accepts through the fused kernel when
-    the batch is at least this many tokens long (0: always; None: never). `keep_rows`: the sums handed to
-    `on_layer` keep every row's values too (`SentenceSums.rows`).
+    the batch is at least this many tokens long (0: always; None: never). `projections`: each layer's output
+    projection (values.find_projections), to measure the value-weighted scores and output_norm too. `keep_rows`:
+    the sums handed to `on_layer` keep every row's values too (`SentenceSums.rows`).
     """
     modules = attention_modules(loaded.model)
     info = Batch(
         layers={id(m): layer for layer, (m, _) in enumerate(modules)}, last_layer=len(modules) - 1,
         special=special, sink=sink, window=window, bins=bins, budget_bytes=int(budget_mib * 2**20),
         block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering, fused=fused,
-        keep_rows=keep_rows,
+        projections=projections, keep_rows=keep_rows,
     )
     if features is not None:
         info.features = features

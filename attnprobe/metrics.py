@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from attnprobe import defaults
+from attnprobe.scores import POSITION_METRICS, VALUE_WEIGHTED, VW, VW_POSITION_METRICS
 
 DIAGONAL_WINDOW = 2  # keys j with |i - j| <= 2 count as "near the diagonal"
 SINK_TOKENS = defaults.SINK_TOKENS  # sink_window: the first S keys ...
@@ -35,7 +36,7 @@ METRICS = (
 # key has diagonal 1, whatever the head does).
 UNFORCED = ("entropy_unforced", "diagonal_unforced", "first_token_unforced")
 SPECIAL = "special_tokens"  # reported only when the inputs contain special tokens
-POSITION_METRICS = ("entropy", "entropy_norm", "first_token", "diagonal", "distance", "sink_window")
+BINNED = (*POSITION_METRICS, *VW_POSITION_METRICS)  # the scores SentenceSums keeps per position bin
 
 
 def valid_keys(attention_mask: Tensor, causal: bool, span: int | None = None) -> Tensor:
@@ -247,6 +248,18 @@ def row_stats(masses: RowMasses, q0: int, lengths: Tensor, causal: bool, span: i
     return per_row
 
 
+def value_weighted(per_row: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The row statistics of a value-weighted map, renamed `<score>_vw` (those of VALUE_WEIGHTED only)."""
+    return {name + VW: per_row[name] for name in VALUE_WEIGHTED}
+
+
+def split_stacked(per_row: dict[str, Tensor], heads: int) -> dict[str, Tensor]:
+    """The statistics of a block of the map and its value-weighted map stacked on the head axis
+    ([batch, 2 x head, rows] each): the raw scores from the first `heads`, the `_vw` ones from the rest."""
+    raw = {name: values[:, :heads] for name, values in per_row.items()}  # [batch, head, rows] each
+    return {**raw, **value_weighted({name: per_row[name][:, heads:] for name in VALUE_WEIGHTED})}
+
+
 def position_bin(i: Tensor) -> Tensor:
     """Bins of query positions: 0, 1, 2-3, 4-7, 8-15, ... (bin b >= 1 holds 2^(b-1) .. 2^b - 1)."""
     exponent = torch.frexp(i.cpu().to(torch.float64)).exponent  # [rows]: exact for integers; frexp(0) = 0
@@ -292,7 +305,7 @@ class SentenceSums:
             kept = torch.where(keep, values, 0.0)  # [batch, head, rows]
             _add(self.sums, name, kept.sum(dim=-1))
             _add(self.counts, name, keep.sum(dim=-1).to(values.dtype))
-            if name in POSITION_METRICS:
+            if name in BINNED:
                 shape = (*values.shape[:-1], bins)
                 sums = torch.zeros(shape, dtype=values.dtype, device=values.device).index_add_(-1, where, kept)
                 counts = torch.zeros(shape, dtype=values.dtype, device=values.device).index_add_(

@@ -25,12 +25,12 @@ from attnprobe.errors import AttnprobeError
 from attnprobe.naming import head_name, visible
 
 TYPE_COLORS = {  # previous sits inside local and sink inside copy: each pair told apart by hue, not shade
-    "previous": "#e6ab02", "local": "#1b9e77", "sink": "#e7298a", "copy": "#d95f02",
+    "previous": "#e6ab02", "local": "#1b9e77", "sink": "#e7298a", "dormant": "#8e0152", "copy": "#d95f02",
     "broad": "#7570b3", "mixed": "#a6a6a6", "streaming": "#4575b4", "retrieval": "#d73027",
 }
 PICK_BY = {  # the clearest head of each type: (column, largest?)
     "previous": ("previous_token", True), "local": ("diagonal_unforced", True), "sink": ("first_token_unforced", True),
-    "copy": ("entropy_unforced", False), "broad": ("entropy_norm", True),
+    "dormant": ("output_norm_ratio", False), "copy": ("entropy_unforced", False), "broad": ("entropy_norm", True),
     "streaming": ("sink_window", True), "retrieval": ("sink_window", False),
 }
 MISSING_COLOR = "#e0e0e0"  # a head grid's cell without a value (a head ablate did not ablate)

@@ -24,12 +24,13 @@ from attnprobe import io
 from attnprobe.bootstrap import BLOCK, FEW_SEQUENCES, interval_basis, over_sentences
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import visible
+from attnprobe.scores import POSITION_METRICS, VALUE_WEIGHTED, VW, VW_POSITION_METRICS
 
 MAP_LEVELS = 255  # a weight p is stored as round(p * 255) in one byte: at most 1/510 off
 SENTENCE_CHARS = 240  # an example's text is cut to this many characters (as report.js's SENTENCE_CHARS)
 MAP_BUDGET = 20_000_000  # base64 characters of maps at most: a large model keeps fewer examples (with a note)
 # Scores shown in the grid, in this order when present: (label, what it measures).
-HEAD_SCORES: dict[str, tuple[str, str]] = {
+_MAP_SCORES: dict[str, tuple[str, str]] = {
     "entropy": ("entropy (nats)", "mean row entropy: low = sharp, high = diffuse"),
     "entropy_norm": ("normalized entropy", "entropy / ln(number of keys), 0..1"),
     "diagonal": ("diagonal", "attention within ±2 tokens of the query"),
@@ -44,6 +45,12 @@ HEAD_SCORES: dict[str, tuple[str, str]] = {
     "diagonal_unforced": ("diagonal, unforced", "diagonal over rows with keys outside ±2"),
     "first_token_unforced": ("first token, unforced", "first-token mass over rows with 2+ keys"),
 }
+HEAD_SCORES: dict[str, tuple[str, str]] = {  # then what the head writes, and the value-weighted scores
+    **_MAP_SCORES,
+    "output_norm": ("output norm", "mean size of what the head writes, |sum_j a_ij W_O v_j|"),
+    **{key + VW: (f"{label}, value-weighted", f"{meaning}; each key weighted by |W_O v_j| (value-weighted)")
+       for key, (label, meaning) in _MAP_SCORES.items() if key in VALUE_WEIGHTED},
+}
 IMPORTANCE_SCORES: dict[str, tuple[str, str]] = {
     "loss_change": ("importance: loss change", "ablate: loss change when the head is ablated (nats per token)"),
     "kl": ("importance: KL", "ablate: KL divergence of the next-token distribution when the head is ablated"),
@@ -55,13 +62,14 @@ PROBE_SCORES: dict[str, tuple[str, str]] = {
     "duplicate": ("probe: duplicate", "probe: attention to the earlier copy of the token"),
     "previous": ("probe: previous", "probe: attention to the previous token on random sequences"),
 }
-POSITION_SCORES = ("entropy", "entropy_norm", "first_token", "diagonal", "distance", "sink_window")
-TYPE_LETTERS = {"local": "L", "copy": "C", "broad": "B", "mixed": "M", "previous": "P", "sink": "S",
+POSITION_SCORES = (*POSITION_METRICS, *VW_POSITION_METRICS)
+TYPE_LETTERS = {"local": "L", "copy": "C", "broad": "B", "mixed": "M", "previous": "P", "sink": "S", "dormant": "D",
                 "streaming": "S", "retrieval": "R"}
 TYPE_MEANING = {
     "local": "most attention within ±2 tokens", "copy": "locks onto one or two tokens",
     "broad": "spreads widely", "mixed": "none of the above", "previous": "a local head on token i-1",
-    "sink": "a copy head on the first token", "streaming": "fits a sink + recent-window KV cache",
+    "sink": "a copy head on the first token", "dormant": "a sink that writes little (small output_norm)",
+    "streaming": "fits a sink + recent-window KV cache",
     "retrieval": "needs keys outside the sinks and the window",
 }
 _PLACEHOLDER = re.compile(r"/\*@(TITLE|CSS|JS|DATA|HEADER|SECTIONS|PROVENANCE)@\*/")

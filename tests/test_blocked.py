@@ -253,7 +253,7 @@ def test_a_model_that_computes_its_own_attention_is_refused():
         def _can_set_attn_implementation(self):
             return False
 
-    assert "computes its attention itself" in kernel._config_reason(SimpleNamespace(model=Own()))
+    assert "computes its attention itself" in kernel.config_reason(SimpleNamespace(model=Own()))
 
 
 def test_a_block_fits_the_budget():

@@ -153,8 +153,8 @@ def test_default_and_extended_schemes_are_unchanged():
         columns=["layer", "head", "entropy_unforced", "entropy_norm", "diagonal_unforced", "first_token_unforced",
                  "previous_token", "sink_window"],
     )
-    assert ALL_TYPES[:6] == ("previous", "local", "sink", "copy", "broad", "mixed")
-    assert ALL_TYPES[6:] == ("streaming", "retrieval")
+    assert ALL_TYPES[:7] == ("previous", "local", "sink", "dormant", "copy", "broad", "mixed")
+    assert ALL_TYPES[7:] == ("streaming", "retrieval")
     assert required_columns() == ["layer", "head", "diagonal_unforced", "entropy_unforced", "entropy_norm"]
     assert required_columns("extended") == [*required_columns(), "first_token_unforced", "previous_token"]
     default = classify(table)
@@ -164,5 +164,5 @@ def test_default_and_extended_schemes_are_unchanged():
     assert list(counts_per_layer(default).columns) == ["local", "copy", "broad", "mixed"]
     extended = classify(table, scheme="extended")
     assert extended["head_type"].tolist() == ["previous", "copy", "broad", "mixed"]
-    assert list(counts_per_layer(extended).columns) == list(ALL_TYPES[:6])
+    assert list(counts_per_layer(extended).columns) == ["previous", "local", "sink", "copy", "broad", "mixed"]
     assert classify(table, scheme="kv")["head_type"].tolist() == ["streaming", "retrieval", "retrieval", "streaming"]

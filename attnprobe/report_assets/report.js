@@ -212,8 +212,8 @@
     }
   }
   function typeOrder() {
-    const orders = { default: ["local", "copy", "broad", "mixed"], extended: ["previous", "local", "sink", "copy",
-      "broad", "mixed"], kv: ["streaming", "retrieval"] };
+    const orders = { default: ["local", "copy", "broad", "mixed"], extended: ["previous", "local", "sink", "dormant",
+      "copy", "broad", "mixed"], kv: ["streaming", "retrieval"] };
     const order = (orders[D.scheme] || []).slice();
     D.types.forEach((t) => { if (t && !order.includes(t)) order.push(t); });
     return order;
