@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import bundled_sentences
+from conftest import FLOAT32_TOLERANCE, bundled_sentences
 
 from attnprobe.analysis import analyze_loaded, pad_batch
 from attnprobe.corpus import Corpus, Sentence
@@ -55,7 +55,8 @@ def test_batching_is_exact_on_real_models(fixture, request):
     corpus = corpus_of(bundled_sentences(10))
     one = analyze_loaded(loaded, corpus, batch_size=1, keep_per_sentence=True)
     many = analyze_loaded(loaded, corpus, batch_size=7, keep_per_sentence=True)
-    pd.testing.assert_frame_equal(one.per_sentence, many.per_sentence, atol=1e-5, rtol=0)
+    pd.testing.assert_frame_equal(one.per_sentence, many.per_sentence, atol=FLOAT32_TOLERANCE,
+                                  rtol=FLOAT32_TOLERANCE)  # output_norm reaches 12: relative above 1
 
 
 @pytest.mark.parametrize("fixture", ["minilm", "smollm2"])

@@ -8,7 +8,7 @@ stopped run must still resume to identical results.
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import SENTENCES
+from conftest import FLOAT32_TOLERANCE, SENTENCES
 from test_cli import run
 
 from attnprobe import analysis, distributed
@@ -148,7 +148,7 @@ def test_a_window_is_tokenized_once(monkeypatch, gpt2_dir, tagged, window):
     calls = _counting(monkeypatch, "tokenize_sentences")
     again = analyze_loaded(loaded, corpus, batch_size=2, resamples=5)
     assert sum(calls) == len(corpus) + (len(corpus) - window if window else 0)
-    pd.testing.assert_frame_equal(again.heads, whole.heads, atol=1e-5, rtol=0)
+    pd.testing.assert_frame_equal(again.heads, whole.heads, atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
 
 
 @pytest.mark.parametrize("attention", ["blocked", "eager"])
