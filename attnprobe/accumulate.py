@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -32,6 +33,7 @@ class Shape:
     resamples: int
     seed: int
     categories: tuple[str, ...]  # empty for an untagged corpus
+    vocab: int = 0  # top_tokens.csv: the mass each token id received, per head (0: not kept)
 
     @property
     def category_scores(self) -> tuple[str, ...]:
@@ -62,6 +64,10 @@ class Accumulator:
                 self.sums[f"catn/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
                 self.sums[f"catwsum/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
                 self.sums[f"catwn/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
+        if shape.vocab:  # layers x heads x vocab x 8 bytes: independent of the corpus
+            self.sums["tokmass"] = np.zeros((*lh, shape.vocab))  # [layer, head, vocab]
+            self.sums["tokuniform"] = np.zeros((shape.layers, shape.vocab))  # [layer, vocab]
+            self.sums["tokcount"] = np.zeros(shape.vocab)  # [vocab]: key positions holding the token
 
     def add(
         self, indices: Sequence[int], stats: dict[str, np.ndarray], bins: dict[str, np.ndarray],
@@ -102,6 +108,18 @@ class Accumulator:
                     s[f"catn/{name}/{category}"] += present
                     s[f"catwsum/{name}/{category}"] += np.outer(weights[:, k], value)  # [resample, layer]
                     s[f"catwn/{name}/{category}"] += np.outer(weights[:, k], present)  # [resample, layer]
+
+    def add_tokens(self, ids: Any, received: Any, uniform: Any) -> None:
+        """Fold in one batch's mass received per key position, by token id: `ids` [position] (the batch's real
+        tokens, flattened), `received` [layer, head, position], `uniform` [layer, position] (torch tensors)."""
+        import torch
+
+        ids = ids.cpu()  # [position]
+        s = self.sums
+        mass = torch.from_numpy(s["tokmass"]).view(-1, self.shape.vocab)  # [layer x head, vocab]: shares memory
+        mass.index_add_(1, ids, received.cpu().double().reshape(mass.shape[0], -1))
+        torch.from_numpy(s["tokuniform"]).index_add_(1, ids, uniform.cpu().double())  # [layer, vocab]
+        s["tokcount"] += np.bincount(ids.numpy(), minlength=self.shape.vocab)[: self.shape.vocab]
 
     def merge(self, other: Accumulator) -> None:
         for key, value in other.sums.items():
