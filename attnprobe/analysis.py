@@ -633,6 +633,8 @@ def check_options(
     limits.check_real("--block-mib", options.budget_mib, 0.0, limits.MAX_BLOCK_MIB, DEFAULT_BUDGET_MIB, low_open=True)
     limits.check_whole("--sink-tokens", options.sink, 0, limits.MAX_POSITIONS, SINK_TOKENS)
     limits.check_whole("--window", options.window, 1, limits.MAX_POSITIONS, RECENT_WINDOW)
+    limits.check_whole("--top-tokens-min", options.top_tokens_min, 1, limits.MAX_POSITIONS,
+                       token_classes.MIN_OCCURRENCES)
     if options.block_rows is not None and options.block_rows < 1:
         raise AttnprobeError(f"block_rows {options.block_rows} is below 1: use 1 or more, or None for the budget")
 
