@@ -42,6 +42,7 @@ from attnprobe.metrics import (
     received,
     row_stats,
     split_stacked,
+    token_stats,
     value_weighted,
 )
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs
@@ -421,8 +422,10 @@ def attend(
             weighted, weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1])
             both = torch.cat((p, weighted), dim=1)  # [batch, 2 x head, r, keys]
             stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
-                                                  torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span,
-                                                  tokens=info.tokens), heads)
+                                                  torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span),
+                                  heads)
+            if info.tokens is not None:  # of the map only: the stack's second half would be thrown away
+                stats.update(token_stats(p, info.tokens, q0, lengths, causal, k0, span))
             del both, weighted
         del scores
         if taken is not None:

@@ -205,9 +205,16 @@ def block_row_stats(
         special=None if special is None else row_special(p, special, k0),
     )
     if tokens is not None:
-        masses.punctuation = row_special(p, tokens.punctuation, k0)
-        masses.duplicate, masses.has_duplicate = row_duplicate(p, tokens.ids, q0, lengths, causal, k0, span)
+        add_token_masses(masses, p, tokens, q0, lengths, causal, k0, span)
     return row_stats(masses, q0, lengths, causal, span)
+
+
+def add_token_masses(masses: RowMasses, p: Tensor, tokens: TokenClasses, q0: int, lengths: Tensor, causal: bool,
+                     k0: int = 0, span: int | None = None) -> RowMasses:
+    """Set the punctuation and duplicate masses of a block of p (see block_row_stats)."""
+    masses.punctuation = row_special(p, tokens.punctuation, k0)
+    masses.duplicate, masses.has_duplicate = row_duplicate(p, tokens.ids, q0, lengths, causal, k0, span)
+    return masses
 
 
 @dataclass
@@ -278,6 +285,16 @@ class RowMasses:
     punctuation: Tensor | None = None  # mass on punctuation keys
     duplicate: Tensor | None = None  # mass on the other keys holding the query's token
     has_duplicate: Tensor | None = None  # [batch, 1 or head, rows] bool: the row has such a key
+
+
+def token_stats(p: Tensor, tokens: TokenClasses, q0: int, lengths: Tensor, causal: bool, k0: int = 0,
+                span: int | None = None) -> dict[str, Tensor]:
+    """punctuation and duplicate alone, [batch, head, rows] each (for a block whose other statistics come from
+    elsewhere, as the blocked path's value-weighted stack)."""
+    empty = p.new_zeros(p.shape[:-1])  # [batch, head, rows]
+    masses = add_token_masses(RowMasses(*([empty] * 7)), p, tokens, q0, lengths, causal, k0, span)
+    return {name: value for name, value in row_stats(masses, q0, lengths, causal, span).items()
+            if name in TOKEN_METRICS}
 
 
 def row_stats(masses: RowMasses, q0: int, lengths: Tensor, causal: bool, span: int | None = None) -> dict[str, Tensor]:
