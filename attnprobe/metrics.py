@@ -37,7 +37,7 @@ METRICS = (
 UNFORCED = ("entropy_unforced", "diagonal_unforced", "first_token_unforced")
 SPECIAL = "special_tokens"  # reported only when the inputs contain special tokens
 PUNCTUATION = "punctuation"  # mass on punctuation keys (tokens.py decides which tokens are punctuation)
-DUPLICATE = "duplicate"  # mass on the other keys whose token equals the query's, over rows that have one
+DUPLICATE = "duplicate_token"  # mass on the other keys whose token equals the query's, over rows that have one
 TOKEN_METRICS = (PUNCTUATION, DUPLICATE)  # what heads attend to by token; raw maps only (no _vw)
 BINNED = (*POSITION_METRICS, *VW_POSITION_METRICS)  # the scores SentenceSums keeps per position bin
 

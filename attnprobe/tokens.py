@@ -36,9 +36,10 @@ def punctuation_table(tokenizer: Any, vocab: int) -> np.ndarray:
     cached = _TABLES.get(tokenizer) if _weakable(tokenizer) else None
     if cached is not None and len(cached) >= vocab:
         return cached[:vocab]
-    size = max(vocab, len(tokenizer))
-    texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
-    table = np.array([is_punctuation(t) for t in texts], dtype=bool)  # [vocab]
+    size, known = max(vocab, len(tokenizer)), len(tokenizer)  # ids past the tokenizer's (padded embeddings): False
+    texts = tokenizer.batch_decode([[i] for i in range(known)], skip_special_tokens=False)
+    table = np.zeros(size, dtype=bool)  # [vocab]
+    table[:known] = [is_punctuation(t) for t in texts]
     special = [i for i in getattr(tokenizer, "all_special_ids", ()) if 0 <= i < size]
     table[special] = False
     if _weakable(tokenizer):
@@ -90,6 +91,7 @@ def top_tokens(mass: np.ndarray, uniform: np.ndarray, occurrences: np.ndarray, l
 def readable(tokenizer: Any) -> Any:
     """labels(ids) for top_tokens: each id decoded alone, its spaces kept visible as they are ("␣" for a space)."""
     def labels(ids: list[int]) -> list[str]:
-        texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
-        return [t.replace(" ", "␣").replace("\n", "\\n") for t in texts]
+        texts = tokenizer.batch_decode([[i] for i in ids if i < len(tokenizer)], skip_special_tokens=False)[::-1]
+        return [texts.pop().replace(" ", "␣").replace("\n", "\\n") if i < len(tokenizer) else f"<id {i}>"
+                for i in ids]
     return labels

@@ -90,8 +90,8 @@ def test_every_path_equals_the_float64_oracle(model, path):
     heads = result.heads
     assert_close(heads["punctuation"], punct.mean(axis=0).ravel(), f"{path} punctuation")
     with np.errstate(all="ignore"):
-        assert_close(heads["duplicate"], np.nanmean(dup, axis=0).ravel(), f"{path} duplicate")
-    assert (heads["punctuation"] > 0).all() and (heads["duplicate"] > 0).all()  # the test can fail
+        assert_close(heads["duplicate_token"], np.nanmean(dup, axis=0).ravel(), f"{path} duplicate")
+    assert (heads["punctuation"] > 0).all() and (heads["duplicate_token"] > 0).all()  # the test can fail
     top = result.top_tokens
     assert list(top.columns) == ["layer", "head", "rank", "token_id", "token", "occurrences", "mass_share", "lift"]
     assert len(top) == len(heads) * tokens.TOP_TOKENS
@@ -123,7 +123,7 @@ def test_uniform_heads_give_the_share_of_punctuation_keys_and_lift_one(uniform_g
         result = analyze_loaded(loaded, corpus_of(texts), resamples=10,
                                 options=Options(attention=path, top_tokens_min=1))
         assert_close(result.heads["punctuation"], np.full(len(result.heads), np.mean(expected)), path)
-        assert_close(result.heads["duplicate"], np.full(len(result.heads), np.mean(duplicate)), path)
+        assert_close(result.heads["duplicate_token"], np.full(len(result.heads), np.mean(duplicate)), path)
         assert_close(result.top_tokens["lift"], np.ones(len(result.top_tokens)), path)
 
 
