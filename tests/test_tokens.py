@@ -200,3 +200,24 @@ def test_top_tokens_min_and_off(gpt2_dir, tmp_path):
         analyze_loaded(loaded, corpus_of(TEXTS), options=Options(top_tokens_min=0))
     too_rare = tokens.top_tokens(np.ones((1, 1, 3)), np.ones((1, 3)), np.array([1, 1, 1]), str, min_occurrences=2)
     assert too_rare.empty and "lift" in too_rare.columns
+
+
+def test_analyze_writes_top_tokens_csv_and_a_later_run_without_removes_it(gpt2_dir, corpus_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from attnprobe.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "out"
+    base = ["analyze", "--model", str(gpt2_dir), "--corpus", str(corpus_file), "--out", str(out), "--resamples", "10"]
+    done = runner.invoke(app, [*base, "--top-tokens-min", "2"])
+    assert done.exit_code == 0, done.output
+    top = pd.read_csv(out / "top_tokens.csv")
+    assert len(top) and (top["occurrences"] >= 2).all() and (top["lift"] > 0).all()
+    heads = pd.read_csv(out / "heads.csv")
+    assert {"punctuation", "duplicate_token", "punctuation_ci_low", "duplicate_token_ci_high"} <= set(heads.columns)
+    again = runner.invoke(app, [*base, "--no-top-tokens"])
+    assert again.exit_code == 0, again.output
+    assert not (out / "top_tokens.csv").exists()
+    bad = runner.invoke(app, [*base, "--top-tokens-min", "0"])
+    assert bad.exit_code != 0 and "--top-tokens-min 0" in bad.output
