@@ -539,16 +539,8 @@ def measure_batch(
         modules = [module for module, _ in attention_modules(loaded.model)]
 
         def on_map(layer: int, p: torch.Tensor) -> None:
-            per_row = block_row_stats(p, 0, lengths, loaded.causal, special, sink, window, span=spans[layer],
-                                      tokens=tokens)
-            if projections is not None:
-                per_row.update(eager_value_weighted(p, values.take_values(modules[layer]), projections[layer],
-                                                    lengths, loaded.causal, sink, window, spans[layer]))
-            sums = SentenceSums()
-            sums.add(per_row, 0, lengths, k)
-            if tokens is not None:
-                sums.received = received(p.float(), 0, lengths)  # [batch, head, key]
-            store(layer, sums)
+            weighted = None if projections is None else (values.take_values(modules[layer]), projections[layer])
+            store(layer, map_sums(p, lengths, loaded.causal, special, sink, window, k, spans[layer], weighted, tokens))
             for row, q, maps in examples:
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
@@ -566,6 +558,23 @@ def key_classes(loaded: LoadedModel, input_ids: torch.Tensor, special: torch.Ten
     table = torch.from_numpy(token_classes.punctuation_table(loaded.tokenizer, vocabulary(loaded)))  # [vocab]
     punctuation = table.to(input_ids.device)[input_ids] & ~special  # [batch, seq]
     return TokenClasses(input_ids, punctuation)
+
+
+def map_sums(
+    p: torch.Tensor, lengths: torch.Tensor, causal: bool, special: torch.Tensor | None, sink: int, window: int,
+    bins: int, span: int | None, weighted: tuple[torch.Tensor, Any] | None = None, tokens: TokenClasses | None = None,
+) -> SentenceSums:
+    """The sums of a whole eager map p [batch, head, query, key]; with `weighted` (the layer's values and output
+    projection) the value-weighted scores and output_norm too; with `tokens`, punctuation, duplicate_token and the
+    mass each key received (SentenceSums.received)."""
+    per_row = block_row_stats(p, 0, lengths, causal, special, sink, window, span=span, tokens=tokens)
+    if weighted is not None:
+        per_row.update(eager_value_weighted(p, *weighted, lengths, causal, sink, window, span))
+    sums = SentenceSums()
+    sums.add(per_row, 0, lengths, bins)
+    if tokens is not None:
+        sums.received = received(p.float(), 0, lengths)  # [batch, head, key]
+    return sums
 
 
 def eager_value_weighted(

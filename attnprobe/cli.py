@@ -312,7 +312,7 @@ def analyze(
     if result.examples:
         files[io.EXAMPLES_FILE] = io.examples_writer(result.examples)
     if result.resamples:
-        files[io.RESAMPLES_FILE] = io.npz_writer(**result.resamples)
+        files[io.RESAMPLES_FILE] = io.plain_npz_writer(**result.resamples)
     if result.positions is not None:
         files[io.POSITIONS_FILE] = io.csv_writer(result.positions)
     if result.categories is not None:

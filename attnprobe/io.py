@@ -358,6 +358,16 @@ def npz_writer(**arrays: np.ndarray) -> Writer:
     return write
 
 
+def plain_npz_writer(**arrays: np.ndarray) -> Writer:
+    """npz_writer without compression, for arrays that do not compress: resamples.npz's float32 resamples shrink by
+    a fifth under zlib, for about 0.03 s of CPU per MB (0.8 s for SmolLM2's 24 scores)."""
+    def write(path: Path) -> None:
+        with open(path, "wb") as handle:
+            np.savez(handle, **arrays)
+
+    return write
+
+
 FIGURE_FORMATS = ("png", "svg", "pdf")
 
 

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from attnprobe import kernel
-from attnprobe.analysis import pad_batch
+from attnprobe import kernel, values
+from attnprobe.analysis import Options, map_sums, pad_batch, value_weighted_plan
 from attnprobe.corpus import clip_text
 from attnprobe.errors import AttnprobeError
-from attnprobe.metrics import SentenceSums, bin_count, sentence_sums, valid_keys
+from attnprobe.metrics import SentenceSums, bin_count, valid_keys
 from attnprobe.model import LoadedModel, as_loaded, attention_modules, stream_attention
 
 DEFAULT_SENTENCES = (
@@ -200,15 +201,23 @@ def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -
     eager: dict[int, SentenceSums] = {}
     blocked: dict[int, SentenceSums] = {}
     spans = kernel.discover(loaded).spans(loaded.num_layers)  # each layer's attention window
-    stream_attention(loaded, input_ids, mask, lambda layer, p: eager.__setitem__(
-        layer, sentence_sums(p, mask, loaded.causal, None, sink, window, bins, spans[layer])))
+    projections = value_weighted_plan(loaded, "blocked", Options())[0]  # the value-weighted scores, where found
+    modules = [module for module, _ in attention_modules(loaded.model)]
+    lengths = mask.sum(dim=-1)  # [batch]
+
+    def on_map(layer: int, p: Tensor) -> None:
+        weighted = None if projections is None else (values.take_values(modules[layer]), projections[layer])
+        eager[layer] = map_sums(p, lengths, loaded.causal, None, sink, window, bins, spans[layer], weighted)
+
+    with values.capturing_values(loaded.model) if projections is not None else nullcontext():
+        stream_attention(loaded, input_ids, mask, on_map)
     fused: dict[int, SentenceSums] = {}
     with kernel.statistics_attention(loaded):
         kernel.run_batch(loaded, input_ids, mask, lambda layer, sums, _maps: blocked.__setitem__(layer, sums),
-                         sink=sink, window=window, bins=bins, block_rows=rows)
+                         sink=sink, window=window, bins=bins, block_rows=rows, projections=projections)
         kernel.run_batch(loaded, input_ids, mask, lambda layer, sums, _maps: fused.__setitem__(layer, sums),
-                         sink=sink, window=window, bins=bins, block_rows=rows, fused=0)
-    note = f"blocks of {rows} rows over {n} positions"
+                         sink=sink, window=window, bins=bins, block_rows=rows, fused=0, projections=projections)
+    note = f"blocks of {rows} rows over {n} positions" + (", value-weighted scores included" if projections else "")
     means = [(eager[layer].means(), blocked[layer].means()) for layer in eager]
     by_bin = [(eager[layer].bin_means(), blocked[layer].bin_means()) for layer in eager]
     layers = kernel.discover(loaded).fused_layers(loaded.device)

@@ -1,8 +1,9 @@
 """How close is `attnprobe analyze` to the bare forward pass, and how much faster than the naive way?
 
-Run:  .venv/bin/python benchmarks/bench_analyze.py            (speed, then memory; ~5 min here)
+Run:  .venv/bin/python benchmarks/bench_analyze.py            (speed, value-weighted cost, memory; ~6 min here)
       .venv/bin/python benchmarks/bench_analyze.py --no-memory --sentences 100
       .venv/bin/python benchmarks/bench_analyze.py --no-memory --repeat 3 --threads 1
+      .venv/bin/python benchmarks/bench_analyze.py --only-vw --repeat 5 --threads 1   (the value-weighted cost only)
 
 On a GPT-2-small-shaped model (12 x 12, 768 wide, vocab 50257) with random weights and a
 generated corpus (sentences of 8-40 tokens), each way runs as its own process, from start-up to
@@ -15,7 +16,11 @@ Every way runs with the same torch threads (--threads; default: attnprobe's `aut
 less the CPUs the load average says are busy, decided once for the whole benchmark). With --repeat N
 the ways run N times, interleaved, and the medians are compared. It prints wall time, CPU time, tokens/s
 and peak memory for each, the ratios 3/1 (target <= 1.05) and 2/3 (target >= 2.5), of wall and of CPU
-time, and then the peak memory of one long sequence:
+time. Then what the value-weighted scores cost: `attnprobe analyze` on --vw-model (default smollm2-135m) over
+--vw-corpus (default the bundled corpora/sentences.txt), with them (the default) and with --no-value-weighted
+(which skips all their work: the run before them), interleaved; the ratios on / off of the process's wall and
+CPU time and of the analysis alone (run.json's wall_seconds, after the model is loaded), target <= 1.15. Then the
+peak memory of one long sequence:
 attnprobe's blocked statistics attention, the eager hook path (reduce each layer's map, then drop it),
 holding every layer's maps, and the bare SDPA forward pass.
 """
@@ -37,6 +42,8 @@ VOCAB = 50257
 BATCH = 8
 TARGET_FLOOR_RATIO = 1.05  # attnprobe / floor, at most (issue 18: short sentences back at the floor)
 TARGET_NAIVE_RATIO = 2.5  # naive / attnprobe, at least
+TARGET_VW_RATIO = 1.15  # analyze with the value-weighted scores / without, at most (issue 19)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- set-up: model, tokenizer, corpus ---------------------------------------------------------
@@ -123,10 +130,17 @@ def child_attnprobe(work: Path) -> dict:
     os.execv(sys.executable, command)  # become the user's process: its start-up and imports count
 
 
-def run_child(way: str, work: Path) -> dict:
-    """Run one way in a fresh process; wall time, CPU time and peak RSS of that process."""
+def vw_command(model: str, corpus: str, out: Path, weighted: bool) -> list[str]:
+    """`attnprobe analyze` as a user runs it, with or without the value-weighted scores."""
+    return [sys.executable, "-m", "attnprobe", "analyze", "--model", model, "--corpus", corpus, "--out", str(out),
+            "--device", "cpu", "--threads", os.environ["BENCH_THREADS"],
+            *([] if weighted else ["--no-value-weighted"])]
+
+
+def run_child(way: str, work: Path, command: list[str] | None = None) -> dict:
+    """Run one way in a fresh process (or `command`); wall time, CPU time and peak RSS of that process."""
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, __file__, "--child", way, "--work", str(work)],
+    process = subprocess.Popen(command or [sys.executable, __file__, "--child", way, "--work", str(work)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - started
@@ -190,6 +204,11 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the long-sequence memory table")
     parser.add_argument("--threads", default="auto", help="torch threads for every way (default: attnprobe's auto)")
     parser.add_argument("--repeat", type=int, default=1, help="run the ways this many times, interleaved; medians")
+    parser.add_argument("--vw-model", default="smollm2-135m", help="model of the value-weighted cost")
+    parser.add_argument("--vw-corpus", default=str(ROOT / "corpora" / "sentences.txt"),
+                        help="corpus of the value-weighted cost")
+    parser.add_argument("--no-vw", action="store_true", help="skip the value-weighted cost")
+    parser.add_argument("--only-vw", action="store_true", help="only the value-weighted cost")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--how", help=argparse.SUPPRESS)
@@ -212,9 +231,20 @@ def main() -> None:
     print(f"GPT-2-small shape, random weights; {args.sentences} sentences, {tokens} tokens; "
           f"{os.cpu_count()} cores; torch threads {chosen['threads']} (--threads {args.threads}, load average "
           f"{chosen['load_average']}); {args.repeat} run(s) each, interleaved; work folder {work}\n")
+    if not args.only_vw:
+        speed(work, tokens, args.repeat)
+    if not args.no_vw:
+        value_weighted_cost(work, args.vw_model, args.vw_corpus, args.repeat)
+    if args.no_memory or args.only_vw:
+        return
+    memory(work)
+
+
+def speed(work: Path, tokens: int, repeat: int) -> None:
+    """The three ways, interleaved `repeat` times: medians and the ratios against their targets."""
     ways = ("floor", "naive", "attnprobe")
     every: dict[str, list[dict]] = {way: [] for way in ways}
-    for _ in range(args.repeat):
+    for _ in range(repeat):
         for way in ways:
             every[way].append(run_child(way, work))
     runs = {way: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for way, rs in every.items()}
@@ -230,8 +260,35 @@ def main() -> None:
               f"{'met' if over_floor <= TARGET_FLOOR_RATIO else 'MISSED'})")
         print(f"{what}: naive / attnprobe = {naive_over:.2f}  (target >= {TARGET_NAIVE_RATIO}: "
               f"{'met' if naive_over >= TARGET_NAIVE_RATIO else 'MISSED'})")
-    if args.no_memory:
-        return
+
+
+def value_weighted_cost(work: Path, model: str, corpus: str, repeat: int) -> None:
+    """`attnprobe analyze` with and without the value-weighted scores, interleaved `repeat` times: the ratios."""
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for _ in range(repeat):
+        for weighted in (False, True):
+            out = work / f"vw-{'on' if weighted else 'off'}"
+            result = run_child("", work, vw_command(model, corpus, out, weighted))
+            run = json.loads((out / "run.json").read_text(encoding="utf-8"))
+            if run["value_weighted"]["measured"] != weighted:
+                raise SystemExit(f"value_weighted {run['value_weighted']} in {out}: not the run asked for")
+            runs[weighted].append({**result, "analysis": run["wall_seconds"]})
+    medians = {w: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for w, rs in runs.items()}
+    print(f"\nValue-weighted scores: attnprobe analyze --model {model} --corpus {Path(corpus).name}, with them and "
+          f"with --no-value-weighted; {repeat} run(s) each, interleaved (medians)")
+    print(f"{'':<22} {'wall s':>8} {'cpu s':>8} {'analysis s':>11}")
+    for weighted in (False, True):
+        m = medians[weighted]
+        print(f"{'with' if weighted else '--no-value-weighted':<22} {m['seconds']:>8.2f} {m['cpu']:>8.2f} "
+              f"{m['analysis']:>11.2f}")
+    for what, key in (("process wall", "seconds"), ("process cpu", "cpu"), ("analysis (run.json)", "analysis")):
+        ratio = medians[True][key] / medians[False][key]
+        print(f"{what}: with / without = {ratio:.3f}  (target <= {TARGET_VW_RATIO}: "
+              f"{'met' if ratio <= TARGET_VW_RATIO else 'MISSED'})")
+
+
+def memory(work: Path) -> None:
+    """The peak memory of one long sequence, four ways."""
     print("\nPeak memory above the loaded model, one sequence (MiB)")
     print(f"{'tokens':>7} {'SDPA, no maps':>14} {'attnprobe':>10} {'eager hooks':>12} {'all maps':>9}")
     for n in (128, 256, 512, 1024):

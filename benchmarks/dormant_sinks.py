@@ -10,8 +10,9 @@ Runs, as a user would, `attnprobe analyze`, `attnprobe classify --scheme extende
   2. for a few thresholds, how many sinks are dormant, how many other heads fall below it too, and the median
      ablation loss_change of dormant sinks against the other sinks;
   3. the dormant sinks at the default threshold, each with its first-token mass, raw and value-weighted, its
-     output_norm_ratio and its loss_change.
-docs/classification.md quotes this script's output.
+     output_norm_ratio, its loss_change and its kl;
+  4. the value-weighted scores against the raw ones: means over heads and over sinks, and the loudest heads.
+docs/classification.md and docs/metrics.md quote this script's output.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def report(out: Path, default: float) -> None:
 
     heads = pd.read_csv(out / "heads.csv")
     types = pd.read_csv(out / "head_types.csv")
-    importance = pd.read_csv(out / "importance.csv")[["layer", "head", "loss_change"]]
+    importance = pd.read_csv(out / "importance.csv")[["layer", "head", "loss_change", "kl"]]
     table = types.merge(heads[["layer", "head", "first_token_unforced_vw"]], on=["layer", "head"])
     table = table.merge(importance, on=["layer", "head"])
     if "output_norm_ratio" not in table:
@@ -66,19 +67,39 @@ def report(out: Path, default: float) -> None:
     print("output_norm_ratio quantiles " + " ".join(f"{q:>6}" for q in quantiles))
     for name, group in (("sinks", sinks), ("other heads", others)):
         print(f"{name:<27} " + " ".join(f"{v:>6.3f}" for v in np.quantile(group["ratio"], quantiles)))
-    print(f"\n{'threshold':>9} {'dormant':>8} {'others below':>13} {'median loss_change':>19} {'other sinks':>12}")
+    print(f"\n{'':>32} {'median loss_change':>24} {'median kl':>22}")
+    print(f"{'threshold':>9} {'dormant':>8} {'others below':>13} {'dormant':>11} {'other sinks':>12} {'dormant':>10} "
+          f"{'other sinks':>11}")
     for threshold in THRESHOLDS:
         quiet = sinks["ratio"] < threshold
         print(f"{threshold:>9} {int(quiet.sum()):>8} {int((others['ratio'] < threshold).sum()):>13} "
-              f"{sinks.loc[quiet, 'loss_change'].median():>19.4f} {sinks.loc[~quiet, 'loss_change'].median():>12.4f}")
+              f"{sinks.loc[quiet, 'loss_change'].median():>11.4f} {sinks.loc[~quiet, 'loss_change'].median():>12.4f} "
+              f"{sinks.loc[quiet, 'kl'].median():>10.4f} {sinks.loc[~quiet, 'kl'].median():>11.4f}")
     dormant = sinks[sinks["ratio"] < default].sort_values("ratio")
     print(f"\ndormant sinks at --dormant-max-output-ratio {default} (loss_change: nats per token, zero ablation)")
-    print(dormant[["layer", "head", "first_token_unforced", "first_token_unforced_vw", "ratio",
-                   "loss_change"]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(dormant[["layer", "head", "first_token_unforced", "first_token_unforced_vw", "ratio", "loss_change",
+                   "kl"]].to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     rest = sinks[sinks["ratio"] >= default]
-    print(f"\nmedian loss_change: dormant sinks {dormant['loss_change'].median():.4f} ({len(dormant)}), other sinks "
-          f"{rest['loss_change'].median():.4f} ({len(rest)}), other heads {others['loss_change'].median():.4f} "
-          f"({len(others)})")
+    for measure in ("loss_change", "kl"):
+        print(f"median {measure}: dormant sinks {dormant[measure].median():.4f} ({len(dormant)}), other sinks "
+              f"{rest[measure].median():.4f} ({len(rest)}), other heads {others[measure].median():.4f} "
+              f"({len(others)})")
+    weighted(heads, table)
+
+
+def weighted(heads, table) -> None:
+    """The value-weighted scores against the raw ones."""
+    every = heads.set_index(["layer", "head"])
+    sinks = every.loc[table[table["head_type"].isin(["sink", "dormant"])].set_index(["layer", "head"]).index]
+    print("\nmean over heads                raw   value-weighted")
+    for name in ("entropy", "first_token_unforced", "previous_token", "distance"):
+        print(f"{name + ' (all)':<30} {every[name].mean():.4f} {every[name + '_vw'].mean():.4f}")
+    print(f"{'first_token_unforced (sinks)':<30} {sinks['first_token_unforced'].mean():.4f} "
+          f"{sinks['first_token_unforced_vw'].mean():.4f}")
+    loud = table.sort_values("ratio", ascending=False).head(4)
+    print("\nloudest heads (output_norm_ratio)")
+    print(loud[["layer", "head", "head_type", "output_norm", "ratio"]].to_string(
+        index=False, float_format=lambda v: f"{v:.3f}"))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,10 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     assert analyzed.exit_code == 0, analyzed.output
     heads = pd.read_csv(out / "heads.csv")
     scores = ["entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance",
-              "diagonal_excess", "sink_window", "entropy_unforced", "diagonal_unforced", "first_token_unforced"]
+              "diagonal_excess", "sink_window", "entropy_unforced", "diagonal_unforced", "first_token_unforced",
+              *(f"{name}_vw" for name in ("entropy", "entropy_norm", "diagonal", "first_token", "previous_token",
+                                          "self", "distance", "sink_window", "entropy_unforced", "diagonal_unforced",
+                                          "first_token_unforced")), "output_norm"]
     intervals = [f"{name}_ci_{side}" for name in scores for side in ("low", "high")]
     assert list(heads.columns) == ["layer", "head", *scores, "entropy_std", "sentences", *intervals]
     assert (heads["entropy_ci_low"] <= heads["entropy"] + 1e-9).all()
@@ -75,9 +78,9 @@ def test_resamples_file_gives_the_intervals(results):
     out = results[0]
     heads = pd.read_csv(out / "heads.csv")
     resampled = io.read_resamples(out)
-    assert set(resampled) == {"entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self",
-                              "distance", "diagonal_excess", "sink_window", "entropy_unforced",
-                              "diagonal_unforced", "first_token_unforced"}
+    raw = {"entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance",
+           "diagonal_excess", "sink_window", "entropy_unforced", "diagonal_unforced", "first_token_unforced"}
+    assert set(resampled) == raw | {f"{name}_vw" for name in raw - {"diagonal_excess"}} | {"output_norm"}
     assert resampled["entropy"].shape == (1000, 3, 4) and resampled["entropy"].dtype == np.float32
     examples = io.read_examples(out)  # examples.npz: the plot's example first, then others (report.html)
     assert 1 <= len(examples) <= 3 and examples[0]["sentence"] == "The cat sat on the mat."

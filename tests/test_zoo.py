@@ -23,6 +23,7 @@ from attnprobe.analysis import Options, analyze_loaded, pad_batch
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import sentence_stats
 from attnprobe.model import forward_kwargs, load_model
+from attnprobe.scores import VW_METRICS
 
 OWN_ATTENTION = {"gptj", "falcon", "falcon (alibi)", "bloom", "mpt"}  # compute attention themselves in 5.23
 TABLE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "long-documents.md"  # "Architectures"
@@ -72,6 +73,9 @@ def test_blocked_statistics_equal_the_eager_maps(eager_of, name):
     assert blocked.run["attention"]["path"] == "fused", blocked.run["attention"]
     assert blocked.run["attention"]["fused_min_tokens"] > max(len(t) for t in loaded.tokenizer(SENTENCES)["input_ids"])
     assert blocked.run["attention"]["features"] == found.record()
+    # the value-weighted scores too: the eager run reads the values through the model's own eager function
+    assert eager.run["value_weighted"]["measured"] and blocked.run["value_weighted"]["measured"], name
+    assert set(VW_METRICS) <= set(eager.per_sentence.columns)
     assert_same_statistics(blocked, eager, f"{name} blocked")
 
 
@@ -94,6 +98,10 @@ def test_models_that_compute_attention_themselves_run_on_the_hooks(zoo_dir, name
         analyzed(loaded, "blocked")
     result = analyzed(loaded, "auto")
     assert result.run["attention"]["path"] == "eager" and "itself" in result.run["attention"]["why_eager"]
+    # their values never pass through a function attnprobe can call: the value-weighted scores are left out, saying so
+    assert result.run["value_weighted"]["measured"] is False
+    assert "cannot read the values" in result.run["value_weighted"]["why"]
+    assert not set(VW_METRICS) & set(result.heads.columns)
     # the oracle: the maps the model itself returns for the whole batch at once, with output_attentions=True
     ids = [loaded.tokenizer(t)["input_ids"] for t in SENTENCES[:3]]
     input_ids, mask = pad_batch(ids, loaded.device)
