@@ -40,8 +40,6 @@ _MAP_SCORES: dict[str, tuple[str, str]] = {
     "distance": ("distance (tokens)", "mean attention distance |i - j|"),
     "diagonal_excess": ("diagonal excess", "diagonal minus what a uniform row scores; 0 = chance"),
     "special_tokens": ("special tokens", "attention on the special tokens the tokenizer adds"),
-    "punctuation": ("punctuation", "attention on punctuation tokens"),
-    "duplicate_token": ("duplicate token", "attention on other copies of the query's token (rows that have one)"),
     "entropy_unforced": ("entropy, unforced", "entropy over rows with 2+ keys (the rule reads it)"),
     "diagonal_unforced": ("diagonal, unforced", "diagonal over rows with keys outside ±2"),
     "first_token_unforced": ("first token, unforced", "first-token mass over rows with 2+ keys"),
