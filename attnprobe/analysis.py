@@ -344,6 +344,14 @@ def eager_values_reason(loaded: LoadedModel, modules: list[Any]) -> str | None:
     return None
 
 
+def attention_context(loaded: LoadedModel, path: str, weighted: bool) -> Any:
+    """What the model runs under for `path`: attnprobe's statistics attention, or on the eager path its own eager
+    function (under `attnprobe_eager` when the value-weighted scores need its values)."""
+    if path != "eager":
+        return kernel.statistics_attention(loaded)
+    return values.capturing_values(loaded.model) if weighted else nullcontext()
+
+
 @dataclass
 class Measured:
     totals: Accumulator  # every statistic, summed over the sentences (all ranks merged)
@@ -422,8 +430,7 @@ def measure(
                 kept[name][batch] = value
 
     number = 0  # batches begun, over the whole run
-    with kernel.statistics_attention(loaded) if path != "eager" else values.capturing_values(loaded.model) \
-            if projections is not None else nullcontext():
+    with attention_context(loaded, path, projections is not None):
         for first, window in windows(corpus.stream(), WINDOW_SENTENCES):
             mine = [i - first for i in world.shard(first + len(window), first)]  # positions in the window
             count = -(-len(mine) // batch_size)

@@ -101,7 +101,7 @@ def is_previous(previous_token: pd.Series, t: Thresholds) -> pd.Series:
 
 def output_ratio(heads: pd.DataFrame) -> pd.Series:
     """Each head's output_norm over the median output_norm of its layer's heads: 1 is a typical head of the layer,
-    0 a head that writes nothing. The median, not the mean: one loud head (SmolLM2's layer 24 has three at five
+    0 a head that writes nothing. The median, not the mean: one loud head (SmolLM2's layer 24 has three at over five
     times the others) would make every other head look quiet."""
     norms = heads[OUTPUT_COLUMN]
     return (norms / norms.groupby(heads["layer"]).transform("median")).rename(OUTPUT_RATIO)

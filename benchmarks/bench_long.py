@@ -9,7 +9,9 @@ in its own process, which loads the model, warms it up on 8 tokens, then runs th
   sdpa     - the base model under SDPA, no attention output (the floor);
   blocked  - attnprobe's statistics attention: every statistic of every row, by position bin too;
   fused    - the same statistics from the fused kernel's logsumexp (--attention fused);
-  eager    - (--eager) attnprobe's hook path on eager maps, as before blocked attention existed.
+  eager    - (--eager) attnprobe's hook path on eager maps, as before blocked attention existed;
+  blocked+vw, fused+vw - (--value-weighted) blocked and fused with the value-weighted scores and output_norm
+             (what `analyze` computes by default), printed as ratios to blocked and fused without them.
 It prints the forward time and the peak resident memory of each process, and the ratios blocked/sdpa
 (targets: time <= 2x, peak memory <= 1.3x) and fused/sdpa (targets: time <= 1.3x, peak memory <= 1.1x).
 
@@ -73,10 +75,17 @@ def run_way(loaded, x, mask, way: str, sink: int = 4, window: int = 256) -> None
         if way == "sdpa":
             loaded.model.set_attn_implementation("sdpa")
             loaded.model(input_ids=x, attention_mask=mask, use_cache=False)
-        elif way in ("blocked", "fused"):
+        elif way.split("+")[0] in ("blocked", "fused"):
+            projections = None
+            if way.endswith("+vw"):
+                from attnprobe.model import attention_modules
+                from attnprobe.values import find_projections
+
+                modules = [module for module, _ in attention_modules(loaded.model)]
+                projections = find_projections(loaded.model, modules, loaded.num_heads)[0]
             with kernel.statistics_attention(loaded):
                 kernel.run_batch(loaded, x, mask, lambda *_: None, sink=sink, window=window, bins=bins,
-                                 fused=0 if way == "fused" else None)
+                                 fused=0 if way.startswith("fused") else None, projections=projections)
         else:
             stream_attention(loaded, x, mask, lambda _l, p: sentence_sums(p, mask, True, None, sink, window, bins))
 
@@ -214,6 +223,8 @@ def main() -> None:
                         help="both: smollm2 and tiny; zoo: the other architectures")
     parser.add_argument("--tokens", type=int, default=3600, help="SmolLM2 document length")
     parser.add_argument("--eager", action="store_true", help="also time the eager hook path on SmolLM2 (slow)")
+    parser.add_argument("--value-weighted", action="store_true",
+                        help="also time blocked and fused with the value-weighted scores on SmolLM2")
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768", help="tiny-model lengths")
     parser.add_argument("--work", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -227,12 +238,17 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} cores; work folder {work}")
     if args.part in ("smollm2", "both"):
-        ways = ("sdpa", "blocked", "fused", "eager") if args.eager else ("sdpa", "blocked", "fused")
+        ways = ("sdpa", "blocked", "fused", *(("eager",) if args.eager else ()),
+                *(("blocked+vw", "fused+vw") if args.value_weighted else ()))
         runs = {how: spawn("smollm2", how, args.tokens, work) for how in ways}
         print(f"\nSmolLM2-135M, one document of {args.tokens} tokens (forward time; peak RSS of the process)")
-        print(f"{'way':<8} {'seconds':>8} {'peak MiB':>9}")
+        print(f"{'way':<10} {'seconds':>8} {'peak MiB':>9}")
         for how, r in runs.items():
-            print(f"{how:<8} {r['seconds']:>8.1f} {r['peak_mib']:>9.0f}")
+            print(f"{how:<10} {r['seconds']:>8.1f} {r['peak_mib']:>9.0f}")
+        for how in ("blocked", "fused"):
+            if f"{how}+vw" in runs:
+                print(f"{how}+vw / {how}: time {runs[how + '+vw']['seconds'] / runs[how]['seconds']:.2f}, peak memory "
+                      f"{runs[how + '+vw']['peak_mib'] / runs[how]['peak_mib']:.2f}")
         t = runs["blocked"]["seconds"] / runs["sdpa"]["seconds"]
         m = runs["blocked"]["peak_mib"] / runs["sdpa"]["peak_mib"]
         print(f"blocked / sdpa: time {t:.2f} (target <= {TARGET_TIME}: {'met' if t <= TARGET_TIME else 'MISSED'}), "

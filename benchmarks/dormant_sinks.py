@@ -96,6 +96,9 @@ def weighted(heads, table) -> None:
         print(f"{name + ' (all)':<30} {every[name].mean():.4f} {every[name + '_vw'].mean():.4f}")
     print(f"{'first_token_unforced (sinks)':<30} {sinks['first_token_unforced'].mean():.4f} "
           f"{sinks['first_token_unforced_vw'].mean():.4f}")
+    lowest = sinks["first_token_unforced_vw"].idxmin()
+    print(f"lowest first_token_unforced_vw of a sink: L{lowest[0]}H{lowest[1]} "
+          f"{sinks.loc[lowest, 'first_token_unforced_vw']:.4f} (raw {sinks.loc[lowest, 'first_token_unforced']:.4f})")
     loud = table.sort_values("ratio", ascending=False).head(4)
     print("\nloudest heads (output_norm_ratio)")
     print(loud[["layer", "head", "head_type", "output_norm", "ratio"]].to_string(
