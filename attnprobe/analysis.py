@@ -557,7 +557,7 @@ def measure_batch(
 
 def vocabulary(loaded: LoadedModel) -> int:
     """How many token ids the model's inputs may hold: the larger of its embedding's and its tokenizer's size."""
-    return max(int(getattr(loaded.model.config, "vocab_size", 0) or 0), len(loaded.tokenizer))
+    return max(int(getattr(loaded.model.config, "vocab_size", 0) or 0), token_classes.size(loaded.tokenizer))
 
 
 def key_classes(loaded: LoadedModel, input_ids: torch.Tensor, special: torch.Tensor) -> TokenClasses:

@@ -36,15 +36,21 @@ def punctuation_table(tokenizer: Any, vocab: int) -> np.ndarray:
     cached = _TABLES.get(tokenizer) if _weakable(tokenizer) else None
     if cached is not None and len(cached) >= vocab:
         return cached[:vocab]
-    size, known = max(vocab, len(tokenizer)), len(tokenizer)  # ids past the tokenizer's (padded embeddings): False
+    known = size(tokenizer)  # ids past the tokenizer's (padded embeddings) are not punctuation
     texts = tokenizer.batch_decode([[i] for i in range(known)], skip_special_tokens=False)
-    table = np.zeros(size, dtype=bool)  # [vocab]
+    table = np.zeros(max(vocab, known), dtype=bool)  # [vocab]
     table[:known] = [is_punctuation(t) for t in texts]
-    special = [i for i in getattr(tokenizer, "all_special_ids", ()) if 0 <= i < size]
+    special = [i for i in getattr(tokenizer, "all_special_ids", ()) if 0 <= i < len(table)]
     table[special] = False
     if _weakable(tokenizer):
         _TABLES[tokenizer] = table
     return table[:vocab]
+
+
+def size(tokenizer: Any) -> int:
+    """len(tokenizer), also for a wrapper that hands its attributes through (__getattr__) but defines no __len__."""
+    length = getattr(tokenizer, "__len__", None)
+    return int(length()) if length is not None else int(getattr(tokenizer, "vocab_size", 0) or 0)
 
 
 def _weakable(value: Any) -> bool:
@@ -90,8 +96,9 @@ def top_tokens(mass: np.ndarray, uniform: np.ndarray, occurrences: np.ndarray, l
 
 def readable(tokenizer: Any) -> Any:
     """labels(ids) for top_tokens: each id decoded alone, its spaces kept visible as they are ("␣" for a space)."""
+    known = size(tokenizer)
+
     def labels(ids: list[int]) -> list[str]:
-        texts = tokenizer.batch_decode([[i] for i in ids if i < len(tokenizer)], skip_special_tokens=False)[::-1]
-        return [texts.pop().replace(" ", "␣").replace("\n", "\\n") if i < len(tokenizer) else f"<id {i}>"
-                for i in ids]
+        texts = tokenizer.batch_decode([[i] for i in ids if i < known], skip_special_tokens=False)[::-1]
+        return [texts.pop().replace(" ", "␣").replace("\n", "\\n") if i < known else f"<id {i}>" for i in ids]
     return labels
