@@ -82,8 +82,13 @@ def _linear(module: Any) -> bool:
 
 
 def _weight(projection: nn.Module) -> Tensor:
-    """The weight as [out, in], whatever the layer stores (GPT-2's Conv1D keeps [in, out])."""
+    """The weight as [out, in], whatever the layer stores (GPT-2's Conv1D keeps [in, out]). A weight that
+    accelerate offloaded (--device-map to the disk or the CPU) is a placeholder until the layer runs: it is read
+    from the offload's own map."""
     weight = projection.weight
+    if weight.device.type == "meta":
+        stored = getattr(getattr(projection, "_hf_hook", None), "weights_map", None)
+        weight = stored["weight"] if stored is not None and "weight" in stored else weight
     return weight if isinstance(projection, nn.Linear) else weight.t()  # [hidden, heads x head size]
 
 
@@ -95,10 +100,11 @@ def head_factors(projection: nn.Module, heads: int) -> Tensor:
     |W_O^h x| = |R_h x|. Computed in float64 once per weight (cached while the weight is unchanged)."""
     weight = _weight(projection)  # [hidden, heads x head size]
     if weight.device.type == "meta":
-        raise AttnprobeError("the output projection's weights are offloaded (device_map), so the value-weighted "
-                             "scores cannot be computed: run without --device-map's disk offload, or pass "
-                             "--no-value-weighted")
-    identity = (weight.data_ptr(), weight._version, weight.device, weight.dtype, heads)
+        raise AttnprobeError("the output projection's weights are not loaded (a placeholder on the meta device), so "
+                             "the value-weighted scores cannot be computed: pass --no-value-weighted")
+    offloaded = projection.weight.device.type == "meta"  # read from accelerate's map: a new tensor on every read
+    identity = ("offloaded", heads) if offloaded else (weight.data_ptr(), weight._version, weight.device,
+                                                       weight.dtype, heads)
     cached = _FACTORS.get(projection)
     if cached is not None and cached[0] == identity:
         return cached[1]
@@ -114,6 +120,7 @@ def head_norms(x: Tensor, factors: Tensor) -> Tensor:
 
     One batched product per head ([batch x n, head size] times R_h^T), not a broadcast over the batch."""
     batch, heads, n, dim = x.shape
+    factors = factors.to(x.device)  # [head, k, head size]: an offloaded projection's live on the CPU
     rows = x.float().transpose(0, 1).reshape(heads, batch * n, dim)  # [head, batch x n, head size]
     moved = torch.bmm(rows, factors.transpose(-1, -2))  # [head, batch x n, k]
     return torch.linalg.vector_norm(moved, dim=-1).view(heads, batch, n).transpose(0, 1)  # [batch, head, n]
@@ -126,6 +133,7 @@ def key_norms(value: Tensor, factors: Tensor) -> Tensor:
     head's values meet its group's factors side by side in one product.
     """
     batch, kv_heads, n, dim = value.shape
+    factors = factors.to(value.device)  # [head, k, head size]: an offloaded projection's live on the CPU
     heads, k = factors.shape[0], factors.shape[1]
     groups = heads // kv_heads
     rows = value.float().transpose(0, 1).reshape(kv_heads, batch * n, dim)  # [kv head, batch x key, head size]

@@ -23,7 +23,7 @@ def test_offloaded_layers_give_the_same_statistics(gpt2_dir, tmp_path, device_ma
     whole = load_model(str(gpt2_dir), "cpu")
     a = analyze_loaded(spread, corpus_of(SENTENCES), batch_size=3, resamples=20)
     b = analyze_loaded(whole, corpus_of(SENTENCES), batch_size=3, resamples=20)
-    for column in ("entropy", "diagonal", "distance", "entropy_ci_low"):
+    for column in ("entropy", "diagonal", "distance", "entropy_ci_low", "entropy_vw", "output_norm"):
         np.testing.assert_allclose(a.heads[column], b.heads[column], rtol=FLOAT32_TOLERANCE, atol=FLOAT32_TOLERANCE,
                                    err_msg=column)
 

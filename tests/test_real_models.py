@@ -55,7 +55,8 @@ def test_batching_is_exact_on_real_models(fixture, request):
     corpus = corpus_of(bundled_sentences(10))
     one = analyze_loaded(loaded, corpus, batch_size=1, keep_per_sentence=True)
     many = analyze_loaded(loaded, corpus, batch_size=7, keep_per_sentence=True)
-    pd.testing.assert_frame_equal(one.per_sentence, many.per_sentence, atol=1e-5, rtol=0)
+    # float32's bound, relative above 1: output_norm (about 12 in SmolLM2's late layers) moves by 1e-5 absolute
+    pd.testing.assert_frame_equal(one.per_sentence, many.per_sentence, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fixture", ["minilm", "smollm2"])

@@ -252,9 +252,9 @@ def test_factors_give_the_norms_of_the_full_projection():
     assert torch.allclose(values.head_factors(projection, 6).abs(), 2 * factors.abs(), rtol=FLOAT32_TOLERANCE)
 
 
-def test_offloaded_projection_weights_are_refused_by_name():
-    projection = torch.nn.Linear(8, 4, device="meta")
-    with pytest.raises(AttnprobeError, match="offloaded.*--no-value-weighted"):
+def test_unloaded_projection_weights_are_refused_by_name():
+    projection = torch.nn.Linear(8, 4, device="meta")  # no accelerate map to read them from
+    with pytest.raises(AttnprobeError, match="not loaded.*--no-value-weighted"):
         values.head_factors(projection, 2)
 
 
