@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -35,6 +36,7 @@ class Shape:
     seed: int
     categories: tuple[str, ...]  # empty for an untagged corpus
     method: str = POISSON  # the bootstrap: poisson (weights per sentence, folded by `flush`) or block (`add_resampled`)
+    vocab: int = 0  # top_tokens.csv: the mass each token id received, per head (0: not kept)
 
     @property
     def category_scores(self) -> tuple[str, ...]:
@@ -78,6 +80,10 @@ class Accumulator:
                 self._sums[f"catn/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
                 self._sums[f"catwsum/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
                 self._sums[f"catwn/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
+        if shape.vocab:  # layers x heads x vocab x 8 bytes: independent of the corpus
+            self._sums["tokmass"] = np.zeros((*lh, shape.vocab))  # [layer, head, vocab]
+            self._sums["tokuniform"] = np.zeros((shape.layers, shape.vocab))  # [layer, vocab]
+            self._sums["tokcount"] = np.zeros(shape.vocab)  # [vocab]: key positions holding the token
         self._empty_buffer()
 
     def _empty_buffer(self) -> None:
@@ -230,6 +236,18 @@ class Accumulator:
                 s[f"catn/{name}/{label}"] += present.sum(axis=0)
                 s[f"catwsum/{name}/{label}"] += w @ value  # [resample, layer]
                 s[f"catwn/{name}/{label}"] += w @ present  # [resample, layer]
+
+    def add_tokens(self, ids: Any, received: Any, uniform: Any) -> None:
+        """Fold in one batch's mass received per key position, by token id: `ids` [position] (the batch's real
+        tokens, flattened), `received` [layer, head, position], `uniform` [layer, position] (torch tensors)."""
+        import torch
+
+        ids = ids.cpu()  # [position]
+        s = self._sums  # these sums wait for nothing: no fold of the buffer needed
+        mass = torch.from_numpy(s["tokmass"]).view(-1, self.shape.vocab)  # [layer x head, vocab]: shares memory
+        mass.index_add_(1, ids, received.cpu().double().reshape(mass.shape[0], -1))
+        torch.from_numpy(s["tokuniform"]).index_add_(1, ids, uniform.cpu().double())  # [layer, vocab]
+        s["tokcount"] += np.bincount(ids.numpy(), minlength=self.shape.vocab)[: self.shape.vocab]
 
     def merge(self, other: Accumulator) -> None:
         mine = self.sums

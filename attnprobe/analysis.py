@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 
 from attnprobe import __version__, defaults, distributed, kernel, limits, values
+from attnprobe import tokens as token_classes
 from attnprobe.accumulate import Accumulator, Shape
 from attnprobe.bootstrap import (
     BLOCK,
@@ -37,9 +38,13 @@ from attnprobe.metrics import (
     RECENT_WINDOW,
     SINK_TOKENS,
     SPECIAL,
+    TOKEN_METRICS,
     SentenceSums,
+    TokenClasses,
     bin_count,
     block_row_stats,
+    received,
+    uniform_received,
     value_weighted,
 )
 from attnprobe.model import LoadedModel, as_loaded, attention_modules, quiet_transformers, stream_attention
@@ -70,6 +75,7 @@ class Analysis:
     positions: pd.DataFrame | None = None  # layer x head x bin of query positions
     resamples: dict[str, np.ndarray] = field(default_factory=dict)  # per score [resample, layer, head], float32
     examples: list[dict[str, Any]] = field(default_factory=list)  # up to EXAMPLES sentences' maps (report.html)
+    top_tokens: pd.DataFrame | None = None  # per head, the key tokens with the highest lift (top_tokens.csv)
 
 
 def analyze(
@@ -151,6 +157,7 @@ def analyze_loaded(
         resamples=resamples, seed=seed,
         categories=tuple(dict.fromkeys(label or UNTAGGED for label in corpus.labels)) if corpus.tagged else (),
         method=bootstrap_method(scanned.sentences),
+        vocab=vocabulary(loaded) if options.top_tokens else 0,
     )
     if checkpointing is not None and keep_per_sentence:
         raise AttnprobeError("keep_per_sentence cannot be resumed from a checkpoint: use one or the other")
@@ -197,7 +204,13 @@ def analyze_loaded(
                  "category": scanned.example.category}]
     if world.is_main:
         examples += more_examples(loaded, measured.path, scanned, shape, options, measured.other_maps)
-    return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions, resampled, examples)
+    top = None
+    if shape.vocab:
+        top = token_classes.top_tokens(totals.sums["tokmass"], totals.sums["tokuniform"], totals.sums["tokcount"],
+                                       token_classes.readable(loaded.tokenizer), min_occurrences=options.top_tokens_min)
+        run["top_tokens"] = {"per_head": token_classes.TOP_TOKENS, "min_occurrences": options.top_tokens_min}
+    return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions, resampled, examples,
+                    top)
 
 
 def more_examples(
@@ -241,6 +254,7 @@ def run_fingerprint(
         "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
         "window": options.window, "block_mib": options.budget_mib, "value_weighted": options.value_weighted,
+        "top_tokens": options.top_tokens,
         "version": __version__, "processes": processes,
         "limit": corpus.limit,
     }
@@ -273,6 +287,8 @@ class Options:
     budget_mib: float = DEFAULT_BUDGET_MIB  # memory for one block of attention rows
     block_rows: int | None = None  # a fixed block size instead (tests)
     value_weighted: bool = True  # also the value-weighted scores and output_norm, where the architecture allows
+    top_tokens: bool = True  # keep the mass each token id receives, per head (top_tokens.csv)
+    top_tokens_min: int = token_classes.MIN_OCCURRENCES  # top_tokens.csv: tokens occurring at least this often
 
 
 ATTENTION_CHOICES = ("auto", "fused", "blocked", "eager")
@@ -306,7 +322,7 @@ def attention_path(loaded: LoadedModel, attention: str) -> str:
 def score_names(special: bool, weighted: bool) -> tuple[str, ...]:
     """The per-head scores of a run: METRICS, special_tokens where the tokenizer adds special tokens, and the
     value-weighted scores and output_norm where they are measured."""
-    return (*METRICS, *((SPECIAL,) if special else ()), *(VW_METRICS if weighted else ()))
+    return (*METRICS, *((SPECIAL,) if special else ()), *TOKEN_METRICS, *(VW_METRICS if weighted else ()))
 
 
 def value_weighted_plan(loaded: LoadedModel, path: str, options: Options) -> tuple[list[Any] | None, dict[str, Any]]:
@@ -397,7 +413,9 @@ def measure(
         advances layer by layer (a fraction of the batch's sentences each), so one long document moves too."""
         ids, special_ids = tokens.ids, tokens.special
         input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
-        special = pad_batch(special_ids, loaded.device)[0].bool() if SPECIAL in shape.names else None  # [b, seq]
+        special_mask = pad_batch(special_ids, loaded.device)[0].bool()  # [batch, seq]
+        special = special_mask if SPECIAL in shape.names else None  # [batch, seq]
+        classes = key_classes(loaded, input_ids, special_mask)
         wanted = [(batch.index(scanned.example_index), n, example_maps)] if scanned.example_index in batch else []
         for row, index in enumerate(batch):
             if index in others and index not in other_maps and len(wanted) < slots:
@@ -408,10 +426,15 @@ def measure(
         labels = sentence_categories(corpus, sentences)
         resamplers = [BlockResampler.draw(index, len(t), shape.resamples, shape.seed) for index, t in zip(batch, ids)] \
             if shape.method == BLOCK else None
+        taken: dict[str, torch.Tensor] = {}
         stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
                                     on_layer=(lambda: progress(share)) if progress else None, resamplers=resamplers,
-                                    projections=projections,
+                                    projections=projections, tokens=classes,
+                                    received_by=taken if shape.vocab else None,
                                     on_resampled=lambda layer, means: totals.add_resampled(layer, means, labels))
+        if shape.vocab:
+            real = mask.bool()  # [batch, seq]
+            totals.add_tokens(input_ids[real], taken["mass"][:, :, real], taken["uniform"][:, real])
         check_finite(loaded, stats, sentences, [len(t) for t in ids])
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
         if on_batch is not None:
@@ -489,6 +512,7 @@ def measure_batch(
     on_layer: Callable[[], None] | None = None, projections: list[Any] | None = None,
     resamplers: list[BlockResampler] | None = None,
     on_resampled: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+    tokens: TokenClasses | None = None, received_by: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-sentence statistics [sentence, layer, head] and position bins [sentence, layer, head, bin] of one batch.
 
@@ -498,6 +522,9 @@ def measure_batch(
     that values.capturing_values keeps, so it runs inside that context).
     `resamplers`: one per sentence, for the block bootstrap: each layer's rows are resampled as they arrive and
     `on_resampled(layer, per score [resample, sentence, head])` gets the means; the rows are then dropped.
+    `tokens`: the batch's ids and punctuation flags (punctuation, duplicate); `received_by`, when given, gets
+    "mass" [layer, head, batch, seq], the mass each key position received, and "uniform" [layer, batch, seq], what
+    uniform rows would have given it.
     """
     b, sink, window = input_ids.shape[0], options.sink, options.window
     k = min(shape.bins, bin_count(input_ids.shape[1]))
@@ -506,7 +533,17 @@ def measure_batch(
     bins = {name: torch.full((b, shape.layers, shape.heads, k), torch.nan, device=loaded.device)
             for name in shape.bin_names}  # [batch, layer, head, bin]
 
+    spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
+    lengths = mask.sum(dim=-1)  # [batch]
+    if received_by is not None:
+        n = input_ids.shape[1]
+        received_by["mass"] = torch.zeros(shape.layers, shape.heads, b, n, device=loaded.device)  # [l, h, b, seq]
+        received_by["uniform"] = torch.stack([uniform_received(lengths, n, loaded.causal, span)
+                                              for span in spans])  # [layer, batch, seq]
+
     def store(layer: int, sums: SentenceSums) -> None:
+        if received_by is not None and sums.received is not None:
+            received_by["mass"][layer] = sums.received.transpose(0, 1)  # [head, batch, seq]
         for name, value in sums.means().items():  # [batch, head]
             stats[name][:, layer] = value
         for name, value in sums.bin_means().items():  # [batch, head, bin]
@@ -525,15 +562,13 @@ def measure_batch(
         kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
                          budget_mib=options.budget_mib, block_rows=options.block_rows,
                          example=examples[0][:2] if examples else None, fused=fused_from(path, options.attention),
-                         projections=projections, keep_rows=bool(resamplers))
+                         projections=projections, keep_rows=bool(resamplers), tokens=tokens)
     else:
-        spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
         modules = [module for module, _ in attention_modules(loaded.model)]
-        lengths = mask.sum(dim=-1)  # [batch]
 
         def on_map(layer: int, p: torch.Tensor) -> None:
             weighted = None if projections is None else (values.take_values(modules[layer]), projections[layer])
-            store(layer, map_sums(p, lengths, loaded.causal, special, sink, window, k, spans[layer], weighted,
+            store(layer, map_sums(p, lengths, loaded.causal, special, sink, window, k, spans[layer], weighted, tokens,
                                   keep_rows=bool(resamplers)))
             for row, q, maps in examples:
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
@@ -558,17 +593,33 @@ def resample_rows(
     return out
 
 
+def vocabulary(loaded: LoadedModel) -> int:
+    """How many token ids the model's inputs may hold: the larger of its embedding's and its tokenizer's size."""
+    return max(int(getattr(loaded.model.config, "vocab_size", 0) or 0), token_classes.size(loaded.tokenizer))
+
+
+def key_classes(loaded: LoadedModel, input_ids: torch.Tensor, special: torch.Tensor) -> TokenClasses:
+    """The batch's token ids and which positions hold punctuation (never a special token), [batch, seq] each."""
+    table = torch.from_numpy(token_classes.punctuation_table(loaded.tokenizer, vocabulary(loaded)))  # [vocab]
+    punctuation = table.to(input_ids.device)[input_ids] & ~special  # [batch, seq]
+    return TokenClasses(input_ids, punctuation)
+
+
 def map_sums(
     p: torch.Tensor, lengths: torch.Tensor, causal: bool, special: torch.Tensor | None, sink: int, window: int,
-    bins: int, span: int | None, weighted: tuple[torch.Tensor, Any] | None = None, keep_rows: bool = False,
+    bins: int, span: int | None, weighted: tuple[torch.Tensor, Any] | None = None, tokens: TokenClasses | None = None,
+    keep_rows: bool = False,
 ) -> SentenceSums:
     """The sums of a whole eager map p [batch, head, query, key]; with `weighted` (the layer's values and output
-    projection) the value-weighted scores and output_norm too."""
-    per_row = block_row_stats(p, 0, lengths, causal, special, sink, window, span=span)
+    projection) the value-weighted scores and output_norm too; with `tokens`, punctuation, duplicate_token and the
+    mass each key received (SentenceSums.received)."""
+    per_row = block_row_stats(p, 0, lengths, causal, special, sink, window, span=span, tokens=tokens)
     if weighted is not None:
         per_row.update(eager_value_weighted(p, *weighted, lengths, causal, sink, window, span))
     sums = SentenceSums(rows={} if keep_rows else None)
     sums.add(per_row, 0, lengths, bins)
+    if tokens is not None:
+        sums.received = received(p.float(), 0, lengths)  # [batch, head, key]
     return sums
 
 
@@ -637,6 +688,8 @@ def check_options(
     limits.check_real("--block-mib", options.budget_mib, 0.0, limits.MAX_BLOCK_MIB, DEFAULT_BUDGET_MIB, low_open=True)
     limits.check_whole("--sink-tokens", options.sink, 0, limits.MAX_POSITIONS, SINK_TOKENS)
     limits.check_whole("--window", options.window, 1, limits.MAX_POSITIONS, RECENT_WINDOW)
+    limits.check_whole("--top-tokens-min", options.top_tokens_min, 1, limits.MAX_POSITIONS,
+                       token_classes.MIN_OCCURRENCES)
     if options.block_rows is not None and options.block_rows < 1:
         raise AttnprobeError(f"block_rows {options.block_rows} is below 1: use 1 or more, or None for the budget")
 

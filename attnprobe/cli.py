@@ -193,6 +193,14 @@ def analyze(
                            help="Also the value-weighted scores (<score>_vw) and output_norm, where the model's output "
                                 "projection is found.")
     ] = True,
+    top_tokens: Annotated[
+        bool, typer.Option("--top-tokens/--no-top-tokens",
+                           help="Also write top_tokens.csv: per head, the key tokens that receive the most attention "
+                                "for their frequency (keeps layers x heads x vocabulary sums in memory).")
+    ] = True,
+    top_tokens_min: Annotated[
+        int, typer.Option("--top-tokens-min", help="top_tokens.csv: only tokens that occur at least this often.")
+    ] = 5,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run whose checkpoint.npz is in --out (same settings).")
     ] = False,
@@ -233,7 +241,7 @@ def analyze(
 
     started = time.time()
     options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib,
-                      value_weighted=value_weighted)
+                      value_weighted=value_weighted, top_tokens=top_tokens, top_tokens_min=top_tokens_min)
     check_options(batch_size, resamples, seed, options)
     world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
     io.check_out_dir(out)
@@ -310,7 +318,11 @@ def analyze(
         files[io.POSITIONS_FILE] = io.csv_writer(result.positions)
     if result.categories is not None:
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
+    if result.top_tokens is not None:
+        files[io.TOP_TOKENS_FILE] = io.csv_writer(result.top_tokens)
     stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
+    if result.top_tokens is None:
+        stale.append(io.TOP_TOKENS_FILE)  # from an earlier run with --top-tokens
     if not per_sentence:
         stale.append(io.SENTENCES_FILE)  # from an earlier run
     # and what classify, plot, report and compare made from the earlier run: only in a folder that held one

@@ -30,6 +30,7 @@ PROBE_RUN_FILE = "probe.json"
 PROBE_FIGURE = "probe_heatmap.png"
 PROBE_FOLDER = "probe"  # probe's default --out is outputs/probe, beside analyze's outputs/
 POSITIONS_FILE = "positions.csv"
+TOP_TOKENS_FILE = "top_tokens.csv"  # analyze: per head, the key tokens with the highest lift
 CHECKPOINT_FILE = "checkpoint.npz"  # a long run's progress; removed once it completes
 SENTENCES_FILE = "sentences.parquet"  # analyze --per-sentence
 KV_CACHE_FILE = "kv_cache.json"
@@ -108,7 +109,7 @@ def is_result_name(name: str) -> bool:
     fixed = {HEADS_FILE, LAYERS_FILE, RUN_FILE, EXAMPLE_FILE, EXAMPLES_FILE, REPORT_FILE, TYPES_FILE, CATEGORIES_FILE,
              PROBE_FILE, PROBE_RUN_FILE, PROBE_FIGURE, POSITIONS_FILE, SENTENCES_FILE, KV_CACHE_FILE, RESAMPLES_FILE,
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
-             IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE}
+             IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE}
     fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,

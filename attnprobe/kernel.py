@@ -37,9 +37,12 @@ from attnprobe.metrics import (
     SINK_TOKENS,
     RowMasses,
     SentenceSums,
+    TokenClasses,
     block_row_stats,
+    received,
     row_stats,
     split_stacked,
+    token_stats,
     value_weighted,
 )
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs
@@ -101,6 +104,7 @@ class Batch:
     fused: int | None = None  # through the fused kernel: layers it computes exactly, in batches this long or longer
     projections: list[nn.Module] | None = None  # per layer, the output projection: also the value-weighted scores
     keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
+    tokens: TokenClasses | None = None  # token ids and punctuation: punctuation, duplicate and the mass received
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
@@ -399,6 +403,7 @@ def attend(
     norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]: |f_h(x_j)|
     bias = None if norms is None else values.log_weights(norms)  # [batch, head, key]
     sums = SentenceSums(rows={} if info.keep_rows else None)
+    taken = None if info.tokens is None else torch.zeros(batch, heads, n, device=query.device)  # [b, h, key]
     example = _example_buffer(info, heads, query.device)  # [head, q, k] or None
     for q0 in range(0, n, rows):
         q1 = min(n, q0 + rows)
@@ -413,15 +418,19 @@ def attend(
         special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
         if bias is None:
             stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0,
-                                    span=span)
+                                    span=span, tokens=info.tokens)
         else:
             weighted, weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1])
             both = torch.cat((p, weighted), dim=1)  # [batch, 2 x head, r, keys]
             stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
                                                   torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span),
                                   heads)
+            if info.tokens is not None:  # of the map only: the stack's second half would be thrown away
+                stats.update(token_stats(p, info.tokens, q0, lengths, causal, k0, span))
             del both, weighted
         del scores
+        if taken is not None:
+            taken[:, :, k0:k1] += received(p, q0, lengths)  # [batch, head, keys]
         if example is not None and q0 < example.shape[1] and k0 < example.shape[1]:
             row, kept = info.example
             end, last = min(q1, kept), min(k1, kept)
@@ -433,6 +442,7 @@ def attend(
                 stats[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, r]
             output[:, q0:q1] = out.transpose(1, 2)  # [batch, r, head, dim]
         sums.add(stats, q0, lengths, info.bins)
+    sums.received = taken
     return sums, example, output
 
 
@@ -527,6 +537,9 @@ def fused_attend(
                                          carry=value_h if together else None)
     if together:  # centring the keys leaves every row's softmax, so the output, as it was
         out = carried  # [batch, head, q, dim]
+    if info.tokens is not None:
+        masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, info.tokens.ids, lengths, causal,
+                                                                   scale)
     per_row = row_stats(masses, 0, lengths, causal)
     if factors is not None:
         norms = values.key_norms(value, factors)  # [batch, head, key]
@@ -538,6 +551,8 @@ def fused_attend(
         per_row[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, q]
     sums = SentenceSums(rows={} if info.keep_rows else None)
     sums.add(per_row, 0, lengths, info.bins)
+    if info.tokens is not None:
+        sums.received = _fused_received(q, keys, lse, real, causal, scale)  # [batch, head, key]
     output = out.transpose(1, 2) if need_output else None  # [batch, q, head, dim]
     return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
 
@@ -558,7 +573,8 @@ def _fused_masses(
     mid = (n - 1) / 2
     first = 0 if carry is None else carry.shape[-1]  # where the statistics' channels start
     special = info.special is not None and bias is None
-    at_bias = dim + 2 + special  # the bias channel, counted from `first`
+    punctuation = info.tokens is not None and bias is None
+    at_bias = dim + 2 + special + punctuation  # the bias channel, counted from `first`
     width = -(-(first + at_bias + (bias is not None)) // 8) * 8  # Q, K and V share one head size, a multiple of 8
     values_ = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]: written in place, no concatenation
     if carry is not None:
@@ -568,6 +584,8 @@ def _fused_masses(
     values_[..., : info.sink, first + dim + 1] = 1.0
     if special:
         values_[..., first + dim + 2] = info.special[:, None, :n].float()  # [batch, 1, key]
+    if punctuation:
+        values_[..., first + dim + 2 + special] = info.tokens.punctuation[:, None, :n].float()  # [batch, 1, key]
     if bias is not None:
         values_[..., first + at_bias] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
         additive = bias[:, :, None, :] if additive is None else bias[:, :, None, :] + additive  # [b, h, 1, key]
@@ -612,8 +630,64 @@ def _fused_masses(
         self=near[0], distance=distance,
         sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale, bias),
         special=mean[..., dim + 2] if special else None,
+        punctuation=mean[..., dim + 2 + special] if punctuation else None,
     )
     return masses, lse, carried
+
+
+PAIR_CHUNK = 1 << 16  # duplicate pairs scored at once on the fused path
+
+
+def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, ids: Tensor, lengths: Tensor, causal: bool,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """row_duplicate from the fused kernel's logsumexp: exp(s_ij - lse_i) summed over the pairs of positions that
+    hold the same token (found by sorting each sentence's ids, never as an [n, n] mask), scored PAIR_CHUNK at a
+    time; and whether each row has such a key, [batch, 1, q]."""
+    batch, heads, n, _ = q.shape
+    mass = torch.zeros(batch, heads, n, device=q.device)  # [batch, head, q]
+    has = torch.zeros(batch, 1, n, dtype=torch.bool, device=q.device)  # [batch, 1, q]
+    for b in range(batch):
+        for rows, cols in _same_token_pairs(ids[b, : int(lengths[b])], causal):  # [pairs] each
+            logits = scale * (q[b][:, rows] * keys[b][:, cols]).sum(dim=-1)  # [head, pairs]
+            mass[b].index_add_(1, rows, (logits - lse[b][:, rows]).exp())  # [head, q]
+            has[b, 0, rows] = True
+    return mass, has
+
+
+def _same_token_pairs(ids: Tensor, causal: bool) -> Iterator[tuple[Tensor, Tensor]]:
+    """(query, key) positions i != j holding the same id (j < i when causal), in chunks of about PAIR_CHUNK."""
+    length = ids.shape[0]
+    order = ids.argsort(stable=True)  # [length]: positions grouped by id
+    _, counts = torch.unique_consecutive(ids[order], return_counts=True)  # [groups]
+    size = counts.repeat_interleave(counts)  # [length]: the group size of each sorted position
+    start = (counts.cumsum(0) - counts).repeat_interleave(counts)  # [length]: where its group starts
+    ends = size.cumsum(0)  # [length]: pairs up to and including each sorted position
+    a0 = 0
+    while a0 < length:
+        done = int(ends[a0 - 1]) if a0 else 0
+        a1 = min(length, max(a0 + 1, int(torch.searchsorted(ends, done + PAIR_CHUNK, right=True))))
+        sizes = size[a0:a1]  # [m]
+        a = torch.arange(a0, a1, device=ids.device).repeat_interleave(sizes)  # [pairs]: sorted row
+        within = torch.arange(len(a), device=ids.device) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
+        i, j = order[a], order[start[a] + within]  # [pairs] each
+        keep = (j < i) if causal else (j != i)  # [pairs]
+        if bool(keep.any()):
+            yield i[keep], j[keep]
+        a0 = a1
+
+
+def _fused_received(q: Tensor, keys: Tensor, lse: Tensor, real: Tensor, causal: bool, scale: float) -> Tensor:
+    """The mass each key receives, sum_i p_ij over the real rows, from one more fused call with queries and keys
+    swapped and -lse_i as an additive per-key term: its logsumexp is ln sum_i exp(s_ij - lse_i). A causal map is
+    run in reversed order (j <= i is then a causal mask again). [batch, head, key]."""
+    bias = torch.where(real[:, None, :], -lse, float("-inf"))[:, :, None, :]  # [batch, head, 1, q]
+    swapped_q, swapped_k = keys, q  # [batch, head, n, dim] each
+    if causal:
+        swapped_q, swapped_k, bias = swapped_q.flip(2), swapped_k.flip(2), bias.flip(3)
+    _, lse_t = flash(swapped_q.contiguous(), swapped_k.contiguous(), swapped_k.contiguous(), causal, bias, scale)
+    if causal:
+        lse_t = lse_t.flip(2)  # [batch, head, key]
+    return torch.where(real[:, None, :], lse_t.exp(), 0.0)  # [batch, head, key]
 
 
 def _nothing_to_weigh(norms: Tensor, real: Tensor, causal: bool) -> Tensor:
@@ -787,7 +861,7 @@ def run_batch(
     special: Tensor | None = None, sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int = 1,
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
     discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
-    projections: list[nn.Module] | None = None, keep_rows: bool = False,
+    projections: list[nn.Module] | None = None, keep_rows: bool = False, tokens: TokenClasses | None = None,
 ) -> None:
     """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums.
 
@@ -796,13 +870,15 @@ def run_batch(
     the batch is at least this many tokens long (0: always; None: never). `projections`: each layer's output
     projection (values.find_projections), to measure the value-weighted scores and output_norm too. `keep_rows`:
     the sums handed to `on_layer` keep every row's values too (`SentenceSums.rows`).
+    `tokens`: the batch's token ids and punctuation flags, for `punctuation`, `duplicate` and the mass each key
+    receives (SentenceSums.received, for top_tokens.csv).
     """
     modules = attention_modules(loaded.model)
     info = Batch(
         layers={id(m): layer for layer, (m, _) in enumerate(modules)}, last_layer=len(modules) - 1,
         special=special, sink=sink, window=window, bins=bins, budget_bytes=int(budget_mib * 2**20),
         block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering, fused=fused,
-        projections=projections, keep_rows=keep_rows,
+        projections=projections, keep_rows=keep_rows, tokens=tokens,
     )
     if features is not None:
         info.features = features

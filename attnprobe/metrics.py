@@ -36,6 +36,9 @@ METRICS = (
 # key has diagonal 1, whatever the head does).
 UNFORCED = ("entropy_unforced", "diagonal_unforced", "first_token_unforced")
 SPECIAL = "special_tokens"  # reported only when the inputs contain special tokens
+PUNCTUATION = "punctuation"  # mass on punctuation keys (tokens.py decides which tokens are punctuation)
+DUPLICATE = "duplicate_token"  # mass on the other keys whose token equals the query's, over rows that have one
+TOKEN_METRICS = (PUNCTUATION, DUPLICATE)  # what heads attend to by token; raw maps only (no _vw)
 BINNED = (*POSITION_METRICS, *VW_POSITION_METRICS)  # the scores SentenceSums keeps per position bin
 
 
@@ -181,13 +184,14 @@ def row_sink_window(
 def block_row_stats(
     p: Tensor, q0: int, lengths: Tensor, causal: bool, special: Tensor | None = None,
     sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, entropy: Tensor | None = None, k0: int = 0,
-    span: int | None = None,
+    span: int | None = None, tokens: TokenClasses | None = None,
 ) -> dict[str, Tensor]:
     """Every row statistic of a block of query rows, [batch, head, rows] each (padded rows included).
 
     The block's keys start at position `k0`; the layer attends within the window `span` (None: every key).
     `entropy`, when the caller already has it (the blocked attention gets it from the softmax), is used
-    instead of computing it from p.
+    instead of computing it from p. `tokens`: the batch's token ids and punctuation flags, for `punctuation`
+    and `duplicate`.
     """
     p = p.float()  # [batch, head, rows, keys]; no copy when the model runs in float32
     masses = RowMasses(
@@ -200,7 +204,69 @@ def block_row_stats(
         sink_window=row_sink_window(p, q0, causal, sink, window, k0),
         special=None if special is None else row_special(p, special, k0),
     )
+    if tokens is not None:
+        add_token_masses(masses, p, tokens, q0, lengths, causal, k0, span)
     return row_stats(masses, q0, lengths, causal, span)
+
+
+def add_token_masses(masses: RowMasses, p: Tensor, tokens: TokenClasses, q0: int, lengths: Tensor, causal: bool,
+                     k0: int = 0, span: int | None = None) -> RowMasses:
+    """Set the punctuation and duplicate masses of a block of p (see block_row_stats)."""
+    masses.punctuation = row_special(p, tokens.punctuation, k0)
+    masses.duplicate, masses.has_duplicate = row_duplicate(p, tokens.ids, q0, lengths, causal, k0, span)
+    return masses
+
+
+@dataclass
+class TokenClasses:
+    """Per key of a batch, what `punctuation` and `duplicate` read: [batch, seq] each."""
+
+    ids: Tensor  # token ids (long)
+    punctuation: Tensor  # bool: the token is punctuation (tokens.punctuation_table), never a special token
+
+
+def same_token(ids: Tensor, q0: int, rows: int, k0: int, keys: int, lengths: Tensor, causal: bool,
+               span: int | None = None) -> tuple[Tensor, Tensor]:
+    """Which keys of a block hold the query's token, j != i, among the keys the row may see: [batch, rows, keys]
+    bool; and whether the row has one, [batch, rows]."""
+    i = positions(q0, rows, ids.device)  # [rows]
+    j = torch.arange(k0, k0 + keys, device=ids.device)  # [keys]
+    first, last = key_range(i, lengths, causal, span)  # [batch, rows] each
+    seen = (j[None, None, :] >= first[..., None]) & (j[None, None, :] <= last[..., None])  # [batch, rows, keys]
+    same = (ids[:, q0 : q0 + rows, None] == ids[:, None, k0 : k0 + keys]) & seen  # [batch, rows, keys]
+    same &= i[:, None] != j[None, :]  # [batch, rows, keys]: not the query itself
+    return same, same.any(dim=-1)
+
+
+def row_duplicate(p: Tensor, ids: Tensor, q0: int, lengths: Tensor, causal: bool, k0: int = 0,
+                  span: int | None = None) -> tuple[Tensor, Tensor]:
+    """Attention mass on the other keys whose token id equals the query's (natural-text duplicates), [batch, head,
+    rows]; and whether the row has such a key, [batch, 1, rows] (the score is defined only there)."""
+    rows, keys = p.shape[-2:]
+    same, has = same_token(ids, q0, rows, k0, keys, lengths, causal, span)  # [b, r, k], [b, r]
+    if not bool(has.any()):
+        return torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device), has[:, None, :]
+    mass = torch.where(same[:, None], p, 0.0).sum(dim=-1)  # [batch, head, rows]
+    return mass, has[:, None, :]
+
+
+def received(p: Tensor, q0: int, lengths: Tensor) -> Tensor:
+    """The mass each key of a block receives from the block's real query rows, [batch, head, keys]."""
+    rows = p.shape[-2]
+    real = (positions(q0, rows, p.device)[None, :] < lengths[:, None]).to(p.dtype)  # [batch, rows]
+    return (real[:, None, None, :] @ p)[..., 0, :]  # [batch, head, keys]
+
+
+def uniform_received(lengths: Tensor, n: int, causal: bool, span: int | None = None) -> Tensor:
+    """The mass each key would receive if every real row spread its attention evenly over the keys it may see,
+    [batch, key] float64: sum over the rows i that see j of 1 / (keys i sees), by a difference array (O(n))."""
+    i = torch.arange(n, device=lengths.device)  # [n]
+    first, last = key_range(i, lengths, causal, span)  # [batch, n] each
+    real = i[None, :] < lengths[:, None]  # [batch, n]
+    share = torch.where(real, 1.0 / (last - first + 1).clamp(min=1).double(), 0.0)  # [batch, n]
+    steps = torch.zeros(lengths.shape[0], n + 1, dtype=torch.float64, device=lengths.device)  # [batch, n + 1]
+    steps.scatter_add_(1, first.clamp(0, n), share).scatter_add_(1, (last + 1).clamp(0, n), -share)
+    return steps.cumsum(dim=1)[:, :n] * (i[None, :] < lengths[:, None])  # [batch, key]
 
 
 @dataclass
@@ -216,6 +282,19 @@ class RowMasses:
     distance: Tensor  # sum_j p_ij |i - j|
     sink_window: Tensor  # row_sink_window's value (NaN where undefined)
     special: Tensor | None = None  # mass on special-token keys
+    punctuation: Tensor | None = None  # mass on punctuation keys
+    duplicate: Tensor | None = None  # mass on the other keys holding the query's token
+    has_duplicate: Tensor | None = None  # [batch, 1 or head, rows] bool: the row has such a key
+
+
+def token_stats(p: Tensor, tokens: TokenClasses, q0: int, lengths: Tensor, causal: bool, k0: int = 0,
+                span: int | None = None) -> dict[str, Tensor]:
+    """punctuation and duplicate alone, [batch, head, rows] each (for a block whose other statistics come from
+    elsewhere, as the blocked path's value-weighted stack)."""
+    empty = p.new_zeros(p.shape[:-1])  # [batch, head, rows]
+    masses = add_token_masses(RowMasses(*([empty] * 7)), p, tokens, q0, lengths, causal, k0, span)
+    return {name: value for name, value in row_stats(masses, q0, lengths, causal, span).items()
+            if name in TOKEN_METRICS}
 
 
 def row_stats(masses: RowMasses, q0: int, lengths: Tensor, causal: bool, span: int | None = None) -> dict[str, Tensor]:
@@ -245,6 +324,10 @@ def row_stats(masses: RowMasses, q0: int, lengths: Tensor, causal: bool, span: i
     }
     if masses.special is not None:
         per_row[SPECIAL] = masses.special
+    if masses.punctuation is not None:
+        per_row[PUNCTUATION] = masses.punctuation
+    if masses.duplicate is not None:
+        per_row[DUPLICATE] = torch.where(masses.has_duplicate, masses.duplicate, torch.nan)
     return per_row
 
 
@@ -291,6 +374,7 @@ class SentenceSums:
     # every row's value [batch, head, query] (NaN where none), only when asked for (`rows={}`): the block
     # bootstrap of a run of few sequences resamples them; O(sequence length) per layer, dropped with it
     rows: dict[str, Tensor] | None = None
+    received: Tensor | None = None  # [batch, head, key]: mass each key received from the real rows (top_tokens)
 
     def add(self, per_row: dict[str, Tensor], q0: int, lengths: Tensor, bins: int) -> None:
         """Fold a block's row statistics in; `bins` is the number of position bins to keep."""
@@ -343,23 +427,29 @@ def _ratio(total: Tensor, count: Tensor) -> Tensor:
 def sentence_sums(
     p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None,
     sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, bins: int | None = None, span: int | None = None,
-    keep_rows: bool = False,
+    keep_rows: bool = False, tokens: TokenClasses | None = None,
 ) -> SentenceSums:
     """The sums of a whole map [batch, head, query, key]: one block at q0 = 0; `span` is the layer's window;
     `keep_rows`: keep every row's values too (`SentenceSums.rows`)."""
     lengths = attention_mask.sum(dim=-1)  # [batch]
     bins = bins or bin_count(p.shape[-2])
     sums = SentenceSums(rows={} if keep_rows else None)
-    sums.add(block_row_stats(p, 0, lengths, causal, special, sink, window, span=span), 0, lengths, bins)
+    sums.add(block_row_stats(p, 0, lengths, causal, special, sink, window, span=span, tokens=tokens), 0, lengths,
+             bins)
+    if tokens is not None:
+        sums.received = received(p.float(), 0, lengths)  # [batch, head, key]
     return sums
 
 
 def sentence_stats(
     p: Tensor, attention_mask: Tensor, causal: bool, special: Tensor | None = None,
     sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, span: int | None = None,
+    tokens: TokenClasses | None = None,
 ) -> dict[str, Tensor]:
     """Per-sentence, per-head means of every row statistic, over the real query rows.
 
-    `special`, a bool mask [batch, key] of special-token positions, adds `special_tokens`.
+    `special`, a bool mask [batch, key] of special-token positions, adds `special_tokens`; `tokens` adds
+    `punctuation` and `duplicate`.
     """
-    return sentence_sums(p, attention_mask, causal, special, sink, window, span=span).means()  # each [batch, head]
+    return sentence_sums(p, attention_mask, causal, special, sink, window, span=span,
+                         tokens=tokens).means()  # each [batch, head]

@@ -45,6 +45,7 @@ def test_analyze_writes_every_file(results, gpt2_dir):
     heads = pd.read_csv(out / "heads.csv")
     scores = ["entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance",
               "diagonal_excess", "sink_window", "entropy_unforced", "diagonal_unforced", "first_token_unforced",
+              "punctuation", "duplicate_token",
               *(f"{name}_vw" for name in ("entropy", "entropy_norm", "diagonal", "first_token", "previous_token",
                                           "self", "distance", "sink_window", "entropy_unforced", "diagonal_unforced",
                                           "first_token_unforced")), "output_norm"]
@@ -81,7 +82,8 @@ def test_resamples_file_gives_the_intervals(results):
     resampled = io.read_resamples(out)
     raw = {"entropy", "entropy_norm", "diagonal", "first_token", "previous_token", "self", "distance",
            "diagonal_excess", "sink_window", "entropy_unforced", "diagonal_unforced", "first_token_unforced"}
-    assert set(resampled) == raw | {f"{name}_vw" for name in raw - {"diagonal_excess"}} | {"output_norm"}
+    assert set(resampled) == raw | {f"{name}_vw" for name in raw - {"diagonal_excess"}} | {"output_norm"} | {
+        "punctuation", "duplicate_token"}
     assert resampled["entropy"].shape == (1000, 3, 4) and resampled["entropy"].dtype == np.float32
     examples = io.read_examples(out)  # examples.npz: the plot's example first, then others (report.html)
     assert 1 <= len(examples) <= 3 and examples[0]["sentence"] == "The cat sat on the mat."

@@ -97,6 +97,8 @@ def test_a_planted_change_is_found_paired(runs):
     first_row = next(line for line in result.stdout.splitlines() if "L" in line and "H" in line and "│" in line)
     assert "L0H1" in first_row
     assert layers.loc[0, "entropy_diff_ci_low"] > 0  # and layer 0's mean rises with it
+    assert {"entropy_vw", "first_token_vw", "output_norm"} <= set(info["scores"])  # the value-weighted ones too
+    assert abs(row["output_norm_diff"]) > 1e-3 and np.allclose(layer0["output_norm_diff"], 0.0, atol=1e-4)
     assert "models differ" in info["matching"]  # another folder: matched by position, said so
     assert isinstance(info["type_changes"], list)
     assert (out / "compare.png").stat().st_size > 0

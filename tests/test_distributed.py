@@ -51,7 +51,7 @@ def test_two_processes_equal_one(gpt2_dir, tmp_path):
     two = analyze(torchrun, gpt2_dir, corpus, tmp_path / "two")
     analyze([sys.executable, "-m", "attnprobe"], gpt2_dir, corpus, tmp_path / "one")
     assert two.stdout.count("Wrote") == 1  # rank 0 alone writes and prints
-    for name in ("heads.csv", "layers.csv", "positions.csv", "categories.csv"):
+    for name in ("heads.csv", "layers.csv", "positions.csv", "categories.csv", "top_tokens.csv"):
         one, other = pd.read_csv(tmp_path / "one" / name), pd.read_csv(tmp_path / "two" / name)
         assert list(one.columns) == list(other.columns)
         numbers = one.select_dtypes("number").columns

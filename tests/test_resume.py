@@ -43,6 +43,8 @@ def test_a_stopped_run_resumes_to_identical_results(gpt2_dir, tagged_corpus):
     pd.testing.assert_frame_equal(resumed.layers, whole.layers, check_exact=True)
     pd.testing.assert_frame_equal(resumed.positions, whole.positions, check_exact=True)
     pd.testing.assert_frame_equal(resumed.categories, whole.categories, check_exact=True)
+    pd.testing.assert_frame_equal(resumed.top_tokens, whole.top_tokens, check_exact=True)
+    assert len(whole.top_tokens)  # the corpus has tokens seen 5 times or more
     np.testing.assert_array_equal(resumed.example["maps"], whole.example["maps"])
     assert resumed.run["summary"] == whole.run["summary"]
 
@@ -98,7 +100,7 @@ def test_a_killed_or_interrupted_process_resumes_to_identical_results(gpt2_dir, 
     resumed = start(gpt2_dir, corpus, out, "--resume")
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     assert not (out / "checkpoint.npz").exists()  # the run is complete
-    for name in ("heads.csv", "layers.csv", "positions.csv"):
+    for name in ("heads.csv", "layers.csv", "positions.csv", "top_tokens.csv"):
         assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
 
 

@@ -1,0 +1,104 @@
+"""What heads attend to by token: which tokens are punctuation, and the top_tokens.csv table.
+
+`punctuation` and `duplicate` are row scores (metrics.row_special, metrics.row_duplicate); this module decides
+which token ids are punctuation, and turns the corpus sums of the mass each token's key positions received
+(accumulate.Accumulator's `tokmass/`, `tokuniform`, `tokcount`) into each head's top tokens by lift.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+import weakref
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+MARKERS = ("Ġ", "▁", "Ċ", "##")  # word and line markers of byte-level BPE, SentencePiece and WordPiece
+TOP_TOKENS = 10  # top_tokens.csv: tokens per head
+MIN_OCCURRENCES = 5  # ... among the tokens that occur at least this often as keys (--top-tokens-min)
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> punctuation table
+
+
+def is_punctuation(text: str) -> bool:
+    """A token text, once the tokenizer's word markers and spaces are stripped, that is non-empty and all Unicode
+    punctuation (categories P*): "," "." "?!" "--" "»"; not "$", "+" (symbols) nor "a," (mixed)."""
+    for marker in MARKERS:
+        text = text.replace(marker, "")
+    text = text.strip()
+    return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
+
+
+def punctuation_table(tokenizer: Any, vocab: int) -> np.ndarray:
+    """[vocab] bool: which ids are punctuation (is_punctuation of the id decoded alone); special tokens never are.
+    Computed once per tokenizer."""
+    cached = _TABLES.get(tokenizer) if _weakable(tokenizer) else None
+    if cached is not None and len(cached) >= vocab:
+        return cached[:vocab]
+    known = size(tokenizer)  # ids past the tokenizer's (padded embeddings) are not punctuation
+    texts = tokenizer.batch_decode([[i] for i in range(known)], skip_special_tokens=False)
+    table = np.zeros(max(vocab, known), dtype=bool)  # [vocab]
+    table[:known] = [is_punctuation(t) for t in texts]
+    special = [i for i in getattr(tokenizer, "all_special_ids", ()) if 0 <= i < len(table)]
+    table[special] = False
+    if _weakable(tokenizer):
+        _TABLES[tokenizer] = table
+    return table[:vocab]
+
+
+def size(tokenizer: Any) -> int:
+    """len(tokenizer), also for a wrapper that hands its attributes through (__getattr__) but defines no __len__."""
+    length = getattr(tokenizer, "__len__", None)
+    return int(length()) if length is not None else int(getattr(tokenizer, "vocab_size", 0) or 0)
+
+
+def _weakable(value: Any) -> bool:
+    try:
+        weakref.ref(value)
+    except TypeError:
+        return False
+    return True
+
+
+def top_tokens(mass: np.ndarray, uniform: np.ndarray, occurrences: np.ndarray, labels: Any,
+               top: int = TOP_TOKENS, min_occurrences: int = MIN_OCCURRENCES) -> pd.DataFrame:
+    """top_tokens.csv: per layer and head, the `top` tokens with the highest lift among those that occur at least
+    `min_occurrences` times as keys.
+
+    `mass` [layer, head, vocab]: the attention mass the token's key positions received, summed over every real
+    query row of the corpus; `uniform` [layer, vocab]: the mass a uniform row over the same visible keys would
+    have given them; `occurrences` [vocab]: key positions holding the token. lift = mass / uniform;
+    mass_share = mass / the head's total mass. `labels(ids)` gives each token's readable text.
+    """
+    layers, heads, _ = mass.shape
+    eligible = np.flatnonzero(occurrences >= max(min_occurrences, 1))  # [tokens]
+    columns = ["layer", "head", "rank", "token_id", "token", "occurrences", "mass_share", "lift"]
+    if not len(eligible):
+        return pd.DataFrame(columns=columns)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lift = mass[:, :, eligible] / uniform[:, None, eligible]  # [layer, head, tokens]
+        share = mass[:, :, eligible] / mass.sum(axis=-1, keepdims=True)  # [layer, head, tokens]
+    lift = np.where(uniform[:, None, eligible] > 0, lift, np.nan)
+    k = min(top, len(eligible))
+    order = np.argsort(-np.nan_to_num(lift, nan=-np.inf), axis=-1, kind="stable")[..., :k]  # [layer, head, k]
+    chosen = eligible[order]  # [layer, head, k]: token ids
+    layer, head, rank = np.meshgrid(np.arange(layers), np.arange(heads), np.arange(k), indexing="ij")
+    ids = chosen.ravel()
+    names = dict(zip(np.unique(ids).tolist(), labels(np.unique(ids).tolist())))
+    return pd.DataFrame({
+        "layer": layer.ravel(), "head": head.ravel(), "rank": rank.ravel() + 1, "token_id": ids,
+        "token": [names[i] for i in ids.tolist()], "occurrences": occurrences[ids].astype(np.int64),
+        "mass_share": np.take_along_axis(share, order, axis=-1).ravel(),
+        "lift": np.take_along_axis(lift, order, axis=-1).ravel(),
+    })
+
+
+def readable(tokenizer: Any) -> Any:
+    """labels(ids) for top_tokens: each id decoded alone, its spaces kept visible as they are ("␣" for a space)."""
+    known = size(tokenizer)
+
+    def labels(ids: list[int]) -> list[str]:
+        texts = tokenizer.batch_decode([[i] for i in ids if i < known], skip_special_tokens=False)[::-1]
+        return [texts.pop().replace(" ", "␣").replace("\n", "\\n") if i < known else f"<id {i}>" for i in ids]
+    return labels
