@@ -182,7 +182,9 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
             scores.append({"key": key, "label": label, "meaning": meaning, "source": source})
             values[key] = _numbers(column)
             if f"{key}_ci_low" in frame.columns and f"{key}_ci_high" in frame.columns:
-                low[key], high[key] = _numbers(frame[f"{key}_ci_low"]), _numbers(frame[f"{key}_ci_high"])
+                # 4 significant digits: the page prints intervals to 3 decimals, and a 30 x 9 model's page must stay
+                # under 5 MB with every score's interval in it
+                low[key], high[key] = _numbers(frame[f"{key}_ci_low"], 4), _numbers(frame[f"{key}_ci_high"], 4)
 
     add(heads, HEAD_SCORES, io.HEADS_FILE)
     for name, catalogue, made in ((io.IMPORTANCE_FILE, IMPORTANCE_SCORES, "ablate"),
