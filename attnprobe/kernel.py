@@ -45,7 +45,7 @@ from attnprobe.metrics import (
     token_stats,
     value_weighted,
 )
-from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs
+from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs, using_attention
 from attnprobe.scores import OUTPUT_NORM
 
 NAME = "attnprobe_stats"
@@ -817,22 +817,6 @@ def _example_buffer(info: Batch, heads: int, device: torch.device) -> Tensor | N
     return torch.zeros(heads, kept, kept, device=device)  # [head, query, key]
 
 
-_registered = False
-
-
-def register() -> None:
-    """Make `attnprobe_stats` known to transformers (once per process)."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, stats_attention)
-    AttentionMaskInterface.register(NAME, stats_mask)
-    _registered = True
-
-
 @contextmanager
 def statistics_attention(loaded: LoadedModel) -> Iterator[None]:
     """Switch the model to the statistics function for the duration; refuse what it cannot do exactly."""
@@ -843,16 +827,9 @@ def statistics_attention(loaded: LoadedModel) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def _switched(loaded: LoadedModel) -> Iterator[None]:
-    register()
-    model = loaded.model
-    before = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
+def _switched(loaded: LoadedModel) -> Any:
+    """The model on the statistics function (`attnprobe_stats`) for the duration."""
+    return using_attention(loaded.model, NAME, stats_attention, stats_mask)
 
 
 @torch.inference_mode()

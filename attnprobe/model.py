@@ -529,6 +529,28 @@ def _max_length(config: Any, tokenizer: Any) -> int:
     return min(usable) if usable else 1024
 
 
+_REGISTERED_ATTENTION: set[str] = set()
+
+
+@contextmanager
+def using_attention(model: nn.Module, name: str, function: Callable[..., Any], mask: Callable[..., Any]) -> Any:
+    """Run `model` with the attention function `function` (and the attention-mask function `mask`) for the
+    duration, registered with transformers as `name` once per process; the implementation it had is put back."""
+    if name not in _REGISTERED_ATTENTION:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, mask)
+        _REGISTERED_ATTENTION.add(name)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 @contextmanager
 def quiet_transformers():
     """transformers logs load reports and warnings of its own, and the hub client logs every retry of a

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from attnprobe.errors import AttnprobeError
+from attnprobe.model import using_attention
 
 PROJECTIONS = ("o_proj", "c_proj", "out_proj", "dense", "out_lin", "Wo")  # children of the attention module
 SIBLING_PROJECTIONS = ("output.dense",)  # BERT family: `attention.self` hands its heads to `attention.output.dense`
@@ -189,33 +190,16 @@ def take_values(module: nn.Module) -> Tensor:
     return value
 
 
-_registered = False
-
-
-def register() -> None:
-    """Make `attnprobe_eager` known to transformers, with the eager mask (once per process)."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(EAGER_NAME, eager_with_values)
-    AttentionMaskInterface.register(EAGER_NAME, eager_mask)
-    _registered = True
-
-
 @contextmanager
 def capturing_values(model: nn.Module) -> Iterator[dict[int, Tensor]]:
     """Run the model's own eager attention under `attnprobe_eager` for the duration; the dict it yields maps
     id(attention module) -> that module's values of the last forward pass."""
-    register()
+    from transformers.masking_utils import eager_mask
+
     captured: dict[int, Tensor] = {}
-    before = model.config._attn_implementation
-    model.set_attn_implementation(EAGER_NAME)
-    token = _CAPTURED.set(captured)
-    try:
-        yield captured
-    finally:
-        _CAPTURED.reset(token)
-        model.set_attn_implementation(before)
+    with using_attention(model, EAGER_NAME, eager_with_values, eager_mask):
+        token = _CAPTURED.set(captured)
+        try:
+            yield captured
+        finally:
+            _CAPTURED.reset(token)
