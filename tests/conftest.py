@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,11 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def bert_dir(tmp_path_factory) -> Path:
     return make_bert(tmp_path_factory.mktemp("bert"))
+
+
+@pytest.fixture()
+def copy_of(run_dir, tmp_path):
+    """A copy of the module's `run_dir` (a finished run), for a test that changes its files."""
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target

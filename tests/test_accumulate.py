@@ -68,13 +68,19 @@ def random_batch(rng, indices, layers=2, heads=3, bins=4):
     return stats, bin_values
 
 
-def test_accumulators_of_shards_merge_to_the_whole():
+def four_batches():
+    """A two-score shape and four batches of 5 random sentences (corpus indices 0-19), labelled a, b, a, b, ..."""
     shape = Shape(names=("entropy", "diagonal"), bin_names=("entropy",), layers=2, heads=3, bins=4, resamples=50,
                   seed=1, categories=("a", "b"))
     rng = np.random.default_rng(0)
     batches = [list(range(k, k + 5)) for k in range(0, 20, 5)]
     data = [random_batch(rng, b) for b in batches]
     labels = ["a", "b"] * 10
+    return shape, batches, data, labels
+
+
+def test_accumulators_of_shards_merge_to_the_whole():
+    shape, batches, data, labels = four_batches()
     whole, left, right = Accumulator(shape), Accumulator(shape), Accumulator(shape)
     for k, (batch, (stats, bins)) in enumerate(zip(batches, data)):
         args = (batch, stats, bins, [9] * len(batch), [labels[i] for i in batch])
@@ -109,12 +115,7 @@ def test_the_buffer_of_waiting_sentences_changes_nothing(monkeypatch, pending):
     from attnprobe import accumulate
 
     monkeypatch.setattr(accumulate, "PENDING_SENTENCES", pending)
-    shape = Shape(names=("entropy", "diagonal"), bin_names=("entropy",), layers=2, heads=3, bins=4, resamples=50,
-                  seed=1, categories=("a", "b"))
-    rng = np.random.default_rng(0)
-    batches = [list(range(k, k + 5)) for k in range(0, 20, 5)]
-    data = [random_batch(rng, b) for b in batches]
-    labels = ["a", "b"] * 10
+    shape, batches, data, labels = four_batches()
     totals = Accumulator(shape)
     for batch, (stats, bins) in zip(batches, data):
         totals.add(batch, stats, bins, [9] * len(batch), [labels[i] for i in batch])

@@ -51,13 +51,6 @@ def run_dir(tmp_path_factory, gpt2_dir) -> Path:
     return out
 
 
-@pytest.fixture()
-def copy_of(run_dir, tmp_path):
-    target = tmp_path / "run"
-    shutil.copytree(run_dir, target)
-    return target
-
-
 def with_examples(folder: Path, count: int = 3) -> list[dict]:
     """Add examples.npz: the run's own example, then synthetic ones of other lengths (the third one full, as an
     encoder's: every key for every query)."""

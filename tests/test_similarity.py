@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import shutil
 
 import numpy as np
 import pandas as pd
@@ -240,13 +239,6 @@ def run_dir(tmp_path_factory, gpt2_dir):
     assert analyzed.exit_code == 0, analyzed.output
     assert run("classify", "--out", out).exit_code == 0
     return out
-
-
-@pytest.fixture()
-def copy_of(run_dir, tmp_path):
-    target = tmp_path / "run"
-    shutil.copytree(run_dir, target)
-    return target
 
 
 def test_related_writes_head_similarity(copy_of, gpt2_dir):
