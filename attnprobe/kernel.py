@@ -575,7 +575,7 @@ def _fused_masses(
     special = info.special is not None and bias is None
     punctuation = info.tokens is not None and bias is None
     at_bias = dim + 2 + special + punctuation  # the bias channel, counted from `first`
-    width = -(-(first + at_bias + (bias is not None)) // 8) * 8  # Q, K and V share one head size, a multiple of 8
+    width = _head_size(first + at_bias + (bias is not None))
     values_ = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]: written in place, no concatenation
     if carry is not None:
         values_[..., :first] = carry
@@ -589,10 +589,7 @@ def _fused_masses(
     if bias is not None:
         values_[..., first + at_bias] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
         additive = bias[:, :, None, :] if additive is None else bias[:, :, None, :] + additive  # [b, h, 1, key]
-    qp = q.new_zeros(batch, heads, n, width)  # [batch, head, q, width]: zero channels leave the scores as they are
-    qp[..., :dim] = q
-    kp = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]
-    kp[..., :dim] = keys
+    qp, kp = _widened(q, width), _widened(keys, width)  # [batch, head, q or key, width]
     mean, lse = flash(qp, kp, values_, causal, additive, scale)  # [batch, head, q, width], [batch, head, q]
     del qp, kp, values_
     carried = None if carry is None else mean[..., :first].to(carry.dtype)  # [batch, head, q, c]
@@ -698,6 +695,18 @@ def _nothing_to_weigh(norms: Tensor, real: Tensor, causal: bool) -> Tensor:
     return ~some.any(dim=-1, keepdim=True).expand_as(some)  # [batch, head, q]
 
 
+def _head_size(channels: int) -> int:
+    """The head size of a fused call that carries `channels`: Q, K and V share one, rounded up to a multiple of 8."""
+    return -(-channels // 8) * 8
+
+
+def _widened(x: Tensor, width: int) -> Tensor:
+    """x [batch, head, n, dim] with zero channels up to `width`: a query or key padded so leaves its scores alone."""
+    out = x.new_zeros(*x.shape[:-1], width)  # [batch, head, n, width]
+    out[..., : x.shape[-1]] = x
+    return out
+
+
 def _encoder_distance(
     q: Tensor, keys: Tensor, lse: Tensor, position: Tensor, additive: Tensor | None, scale: float,
 ) -> Tensor:
@@ -706,11 +715,8 @@ def _encoder_distance(
     batch, heads, n, dim = keys.shape
     mid = (n - 1) / 2
     i = torch.arange(n, device=q.device)  # [q]
-    width = -(-(dim + 1) // 8) * 8
-    qp = q.new_zeros(batch, heads, n, width)  # [batch, head, q, width]
-    qp[..., :dim] = q
-    kp = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]
-    kp[..., :dim] = keys
+    width = _head_size(dim + 1)
+    qp, kp = _widened(q, width), _widened(keys, width)  # [batch, head, q or key, width]
     values_ = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]
     values_[..., dim] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
     before, lse_before = flash(qp, kp, values_, True, additive, scale)
