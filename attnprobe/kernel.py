@@ -500,8 +500,8 @@ def fused_attend(
 
     A fused call in float32 takes the keys as values (centred on their mean, so that the scores and the
     logsumexp stay small) with extra value channels: the key's position (centred), 1 on the first `sink` keys and
-    1 on special tokens. A float32 model's own values ride in the same call (one call of head size ~2 dim + 3
-    costs ~1.8 calls of dim on CPU, two calls 2.0-2.1); other dtypes get their output from a call of their own.
+    1 on special tokens. A float32 model's own values ride in the same call (one call of head size 2 dim + 3,
+    rounded up, costs less on CPU than two calls); other dtypes get their output from a call of their own.
     For a 0/-inf mask ln p_ij = s_ij - lse_i, so the entropy is
     H_i = lse_i - scale q_i . (sum_j p_ij k_j); single weights (first key, previous, self, the +-2 diagonal) are
     exp(s_ij - lse_i) for those j; the mean distance is i - E[j] (causal) or, for encoders, E[j] - i plus twice
