@@ -190,6 +190,8 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the long-sequence memory table")
     parser.add_argument("--threads", default="auto", help="torch threads for every way (default: attnprobe's auto)")
     parser.add_argument("--repeat", type=int, default=1, help="run the ways this many times, interleaved; medians")
+    parser.add_argument("--memory-only", action="store_true", help="only the long-sequence memory table")
+    parser.add_argument("--json", type=Path, help="also write what was measured to this file (for `make figures`)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--how", help=argparse.SUPPRESS)
@@ -212,9 +214,23 @@ def main() -> None:
     print(f"GPT-2-small shape, random weights; {args.sentences} sentences, {tokens} tokens; "
           f"{os.cpu_count()} cores; torch threads {chosen['threads']} (--threads {args.threads}, load average "
           f"{chosen['load_average']}); {args.repeat} run(s) each, interleaved; work folder {work}\n")
+    measured: dict = {"sentences": args.sentences, "tokens": tokens, "cores": os.cpu_count(),
+                      "threads": chosen["threads"], "threads_option": args.threads,
+                      "load_average": chosen["load_average"], "repeat": args.repeat}
+    if not args.memory_only:
+        measured["speed"] = speed(work, tokens, args.repeat)
+    if not args.no_memory:
+        measured["memory"] = memory(work)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(measured, indent=1), encoding="utf-8")
+
+
+def speed(work: Path, tokens: int, repeat: int) -> dict:
+    """The three ways, `repeat` times interleaved: medians and each run, printed and returned."""
     ways = ("floor", "naive", "attnprobe")
     every: dict[str, list[dict]] = {way: [] for way in ways}
-    for _ in range(args.repeat):
+    for _ in range(repeat):
         for way in ways:
             every[way].append(run_child(way, work))
     runs = {way: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for way, rs in every.items()}
@@ -230,8 +246,12 @@ def main() -> None:
               f"{'met' if over_floor <= TARGET_FLOOR_RATIO else 'MISSED'})")
         print(f"{what}: naive / attnprobe = {naive_over:.2f}  (target >= {TARGET_NAIVE_RATIO}: "
               f"{'met' if naive_over >= TARGET_NAIVE_RATIO else 'MISSED'})")
-    if args.no_memory:
-        return
+    return {"runs": every, "medians": runs, "targets": {"floor": TARGET_FLOOR_RATIO, "naive": TARGET_NAIVE_RATIO}}
+
+
+def memory(work: Path) -> dict:
+    """Peak memory above the loaded model of one sequence of 128 ... 1024 tokens, four ways (MiB)."""
+    table = {}
     print("\nPeak memory above the loaded model, one sequence (MiB)")
     print(f"{'tokens':>7} {'SDPA, no maps':>14} {'attnprobe':>10} {'eager hooks':>12} {'all maps':>9}")
     for n in (128, 256, 512, 1024):
@@ -241,6 +261,8 @@ def main() -> None:
                                    "--n", str(n), "--how", how], capture_output=True, text=True, check=True)
             row.append(json.loads(done.stdout.strip().splitlines()[-1])["above_model_mib"])
         print(f"{n:>7} {row[0]:>14.0f} {row[1]:>10.0f} {row[2]:>12.0f} {row[3]:>9.0f}")
+        table[n] = dict(zip(("sdpa", "attnprobe", "hooks", "all-maps"), row))
+    return table
 
 
 if __name__ == "__main__":
