@@ -43,15 +43,15 @@ def ablate_smollm2(out: Outputs) -> dict:
         "bottom": [head_row(r) for _, r in ranked.tail(5).iloc[::-1].iterrows()],
         "layers_top": [[int(r.layer), float(r.loss_change)] for r in lay.head(4).itertuples()],
         "layers_include_zero": int(((layers["loss_change_ci_low"] <= 0) & (layers["loss_change_ci_high"] >= 0)).sum()),
-        "layers_negative": [[int(r.layer), float(r.loss_change)]
-                            for r in layers[layers["loss_change"] < 0].itertuples()],
+        "layers_negative": [[int(r.layer), float(r.loss_change)]  # removing the layer lowers the loss (interval)
+                            for r in layers[layers["loss_change_ci_high"] < 0].itertuples()],
         "rank_entropy_loss": float(table["entropy"].corr(table["loss_change"], method="spearman")),
         "rank_entropy_kl": float(table["entropy"].corr(table["kl"], method="spearman")),
         "above": int((table["loss_change_ci_low"] > 0).sum()), "below": int((table["loss_change_ci_high"] < 0).sum()),
         "sinks": int(len(sinks)), "sink_median_loss": float(sinks["loss_change"].median()),
         "median_kl": {t: float(table[table["head_type"] == t]["kl"].median()) for t in ("sink", "mixed", "broad")},
         "sinks_small": int((sinks["loss_change"].abs() < 0.01).sum()), "sink_max": float(sinks["loss_change"].max()),
-        "lowest_kl_30": {k: int(v) for k, v in by_kl.head(30)["head_type"].value_counts().items()},
+        "lowest_kl": list(by_kl["head_type"]),
         "curve": curve, "spearman": info["spearman"], "seconds": info["seconds"], "wall": info["wall_seconds"],
         "threads": info["threads"]["threads"], "load": step["load_average"], "machine": out.when("ablate-smollm2"),
     }
@@ -71,13 +71,29 @@ def bottom_sentence(d: dict) -> str:
     return f"{where}{bottom_two} of the 10 most important are in layers 0-1, and they are {kinds}"
 
 
+def lowest_kl_sentence(types: list[str]) -> str:
+    """The heads of smallest KL up to the second that is not a sink: '26 sinks and one mixed head'."""
+    others = [k for k, t in enumerate(types) if t != "sink"]
+    if not others:
+        return "The heads with the smallest KL are all sinks."
+    end = others[1] if len(others) > 1 else len(types)
+    first = types[others[0]]
+    return f"The {end} heads with the smallest KL are {end - 1} sinks and one {first} head."
+
+
+def curve_of(d: dict) -> dict[str, dict[int, list[float]]]:
+    """The pruning curve, order -> percent -> [loss, kl], with whole-number percents (JSON keeps them as text)."""
+    return {order: {int(p): v for p, v in points.items()} for order, points in d["curve"].items()}
+
+
 def curve_sentence(d: dict) -> str:
-    c = d["curve"]
+    c = curve_of(d)
     base = d["base_loss"]
     kl = c["kl"]
-    flat = max(p for p, (value, _) in kl.items() if all(abs(kl[q][0] - base) < 0.05 for q in kl if q <= p))
+    flat = max(p for p in kl if all(kl[q][0] - base < 0.05 for q in kl if q <= p))
     after = min((p for p in kl if p > flat), default=None)
-    text = f"Removed by increasing KL, {flat}% of the heads leave the loss within 0.05 nats of where it was"
+    text = (f"Removed by increasing KL, {flat}% of the heads leave the loss at most 0.05 nats above where it was "
+            f"({fmt.num(base, 2)})")
     if after is not None:
         text += f" and {after}% cost {fmt.signed(kl[after][0] - base, 2)} nats"
     text += f"; in random order 10% already costs {fmt.signed(c['random'][10][0] - base, 2)}."
@@ -89,7 +105,7 @@ def curve_sentence(d: dict) -> str:
 
 @ablate_smollm2.renderer
 def _(d: dict) -> str:
-    top, bottom, c = d["top"], d["bottom"], d["curve"]
+    top, bottom, c = d["top"], d["bottom"], curve_of(d)
     lay = d["layers_top"]
     negative = d["layers_negative"]
     lowers = ""
@@ -98,8 +114,7 @@ def _(d: dict) -> str:
         lowers = (f", and removing layer {names} lowers the loss slightly "
                   f"({fmt.signed(min(v for _, v in negative), 2)})")
     small, sinks = d["sinks_small"], d["sinks"]
-    lowest = d["lowest_kl_30"]
-    lowest_text = ", ".join(f"{n} {t}" for t, n in sorted(lowest.items(), key=lambda x: -x[1]))
+    lowest_text = lowest_kl_sentence(d["lowest_kl"])
     sharper = d["rank_entropy_loss"] > 0
     orders = ["ablation", "kl", "gradient", "random"]
     rows = [[f"{p}%", *[f"{fmt.num(c[o][p][0], 2)} / {fmt.num(c[o][p][1], 2)}" for o in orders]]
@@ -130,7 +145,7 @@ def _(d: dict) -> str:
         f"{fmt.num(d['sink_median_loss'])} and their median KL {fmt.num(d['median_kl']['sink'])} (mixed heads "
         f"{fmt.num(d['median_kl']['mixed'])}, broad {fmt.num(d['median_kl']['broad'])}); {small} of them "
         f"({fmt.percent(small, sinks)}) move the loss by less than 0.01 nats, and none by more than "
-        f"{fmt.signed(d['sink_max'])}. The 30 heads with the smallest KL are {lowest_text} heads.",
+        f"{fmt.signed(d['sink_max'])}. {lowest_text}",
         "- Pruning curve, loss / KL at each percentage of the "
         f"{d['heads']} heads removed (zero ablation):",
         "",

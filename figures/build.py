@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     undefined = [n for n in FIGURES if n not in measured]
     if undefined:
         print(f"figures never collected (their regions are left as they are): {', '.join(undefined)}")
+    if not args.render:
+        kept = [f"{n} ({', '.join(measured[n]['dates'])})" for n in FIGURES if n in measured and n not in figures]
+        if kept:
+            print(f"not refreshed this time, rendered from figures/measured.json as measured then: {', '.join(kept)}")
     if not args.render and failed:
         print(f"failed: {', '.join(failed)}")
         return 1

@@ -151,6 +151,12 @@ def test_every_image_a_figure_copies_is_in_docs_images_and_used():
             assert f"images/{target}" in texts, f"{target} is copied by {figure.name} but no page shows it"
 
 
+def test_every_image_in_docs_images_is_made_by_a_figure():
+    made = {target for figure in FIGURES.values() for target in figure.images.values()}
+    present = {p.name for p in (ROOT / "docs" / "images").iterdir()}
+    assert present <= made, f"images no figure regenerates: {sorted(present - made)}"
+
+
 @pytest.mark.parametrize("page", [p for p in build.pages() if relative(p) not in GENERATED], ids=relative)
 def test_no_measured_number_is_typed_by_hand(page):
     found = hand_written_numbers(page)
