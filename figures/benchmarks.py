@@ -309,11 +309,20 @@ def _(d: dict) -> str:
             for way, m in med.items()]
     over_floor = [med["attnprobe"][k] / med["floor"][k] for k in ("seconds", "cpu")]
     naive_over = [med["naive"][k] / med["attnprobe"][k] for k in ("seconds", "cpu")]
-    ratios = [["attnprobe / floor", f"**{fmt.ratio(over_floor[0])}**", fmt.ratio(over_floor[1]),
-               f"<= {targets['floor']}: {'met' if over_floor[0] <= targets['floor'] else 'missed'}"],
-              ["naive / attnprobe", f"**{fmt.ratio(naive_over[0])}**", fmt.ratio(naive_over[1]),
-               f">= {targets['naive']}: {'met' if naive_over[0] >= targets['naive'] else 'missed'}"]]
+    busy = d["load"] is not None and d["load"] >= d["machine"]["cores"]
+    judged = 1 if busy else 0  # the ratio the target is judged on: CPU time when the machine was busy
+
+    def cells(pair: list[float]) -> list[str]:
+        return [f"**{fmt.ratio(x)}**" if k == judged else fmt.ratio(x) for k, x in enumerate(pair)]
+
+    ratios = [["attnprobe / floor", *cells(over_floor),
+               f"<= {targets['floor']}: {'met' if over_floor[judged] <= targets['floor'] else 'missed'}"],
+              ["naive / attnprobe", *cells(naive_over),
+               f">= {targets['naive']}: {'met' if naive_over[judged] >= targets['naive'] else 'missed'}"]]
     return "\n".join([
+        *([f"The machine was busy during this run (load average up to {d['load']:.1f} on {d['machine']['cores']} "
+           "cores): wall times are inflated and vary from run to run, so the targets are judged on CPU time (in "
+           "bold).", ""] if busy else []),
         fmt.table(["way", "wall s (median)", "CPU s (median)", "tokens/s", "peak RSS MiB",
                    f"wall s of the {d['repeat']} runs"], rows),
         "",
@@ -431,8 +440,7 @@ def suite(out: Outputs) -> dict:
 
 @suite.renderer
 def _(d: dict) -> str:
-    c = d["counts"]
-    return (f"The whole suite took {fmt.num(d['seconds'] / 60, 1)} minutes of `python -m pytest` here "
-            f"({c.get('passed', 0)} tests passed, {c.get('skipped', 0)} skipped, the conversion included; "
-            f"{measured_on(d)}), more while other jobs share the machine. It has grown with every command, so time "
-            "it again (`make test` prints pytest's total).")
+    tests = sum(d["counts"].values())
+    return (f"The whole suite took {fmt.num(d['seconds'] / 60, 1)} minutes of `python -m pytest` here ({tests} "
+            f"tests, the conversion included; {measured_on(d)}), more while other jobs share the machine. It has "
+            "grown with every command, so time it again (`make test` prints pytest's total).")

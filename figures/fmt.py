@@ -105,7 +105,9 @@ def listing(items: Sequence[str]) -> str:
 def machine(m: dict, load: float | None = None) -> str:
     """'2 cores (Intel(R) Xeon(R) Processor), torch 2.13.0+cpu, load average 1.2': where a timing was taken."""
     text = f"{m['cores']} cores ({m['cpu']}), torch {m['torch']}"
-    return text + (f", load average {load:.1f}" if load is not None else "")
+    if load is None:
+        return text
+    return text + f", load average {load:.1f}" + (" (busy: other jobs shared the cores)" if load >= m["cores"] else "")
 
 
 def source(text: str) -> str:

@@ -98,5 +98,5 @@ class Outputs:
     def when(self, run: str) -> dict:
         """Date, machine and load average of a run, for the line that says where a timing comes from."""
         rec = self.record(run)
-        loads = [s["load_average"] for s in rec["steps"] if s.get("load_average") is not None]
+        loads = [s[k] for s in rec["steps"] for k in ("load_average", "load_average_after") if s.get(k) is not None]
         return {"date": rec["date"], "machine": rec["machine"], "load": max(loads) if loads else None}

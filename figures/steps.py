@@ -153,8 +153,10 @@ def suite(target: str) -> None:
                           text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     seconds = time.perf_counter() - started
     last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|errors?)", last)}
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|errors?|xfailed|xpassed)", last)}
+    failures = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     write_json(target, {"seconds": seconds, "counts": counts, "summary": last, "exit": done.returncode,
+                        "failures": failures,
                         "load_average": os.getloadavg()[0]})
 
 
