@@ -3,6 +3,8 @@
 Run:  .venv/bin/python benchmarks/bench_long.py                 (both parts; ~10 min here)
       .venv/bin/python benchmarks/bench_long.py --part smollm2 --tokens 3600
       .venv/bin/python benchmarks/bench_long.py --part tiny --lengths 1024,2048,4096
+      .venv/bin/python benchmarks/bench_long.py --part smollm2 --threads 1     (CPU times stay comparable on a busy
+                                                                              machine; every way reports both)
 
 Part 1, SmolLM2-135M on one document (licence text, repeated if short, cut to --tokens): each way runs
 in its own process, which loads the model, warms it up on 8 tokens, then runs the document once.
@@ -86,6 +88,9 @@ def child(args) -> dict:
 
     from attnprobe.model import load_model
 
+    if os.environ.get("BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+
     if args.part == "smollm2":
         loaded = load_model("smollm2-135m", "cpu")
         ids = document_ids(loaded.tokenizer, args.n)
@@ -99,9 +104,9 @@ def child(args) -> dict:
         x = torch.randint(3, loaded.model.config.vocab_size, (1, args.n), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(x)  # [batch, seq]
     run_way(loaded, x[:, :8], mask[:, :8], args.how)  # warm-up: weights are memory-mapped until first used
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     run_way(loaded, x, mask, args.how)
-    return {"seconds": time.perf_counter() - started, "peak_mib": peak_mib()}
+    return {"seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu, "peak_mib": peak_mib()}
 
 
 def spawn(part: str, how: str, n: int, work: Path) -> dict:
@@ -171,32 +176,36 @@ def whole_process(work: Path, n: int) -> dict:
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "attnprobe", "analyze", "--model", str(work / "tiny"),
                                 "--corpus", str(document), "--split", "file", "--out", str(work / "tiny-out"),
-                                "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                "--device", "cpu", "--threads", os.environ.get("BENCH_THREADS", "auto")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(process.stderr.read().decode()[-2000:])
     return {"tokens": n, "seconds": time.perf_counter() - started, "peak_mib": usage.ru_maxrss / 1024}
 
 
-def head_size_timing(n: int = 4096, heads: int = 9, repeat: int = 5) -> dict[int, float]:
+def head_size_timing(n: int = 4096, heads: int = 9, repeat: int = 5) -> tuple[dict[int, float], dict[int, float]]:
     """Median seconds of aten's CPU flash attention (causal) on [1, heads, n, d], for d = 64 and 67: the fused
-    path's statistics call carries 3 channels beyond a 64-wide key."""
+    path's statistics call carries 3 channels beyond a 64-wide key. Wall and CPU seconds."""
     import statistics
 
     import torch
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out = {}
+    if os.environ.get("BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+    out, cpu = {}, {}
     for d in (64, 67):
         q, k, v = (torch.randn(1, heads, n, d, generator=torch.Generator().manual_seed(s)) for s in range(3))
         flash(q, k, v, 0.0, True, scale=d**-0.5)  # warm-up
-        times = []
+        times, cpus = [], []
         for _ in range(repeat):
-            started = time.perf_counter()
+            started, used = time.perf_counter(), time.process_time()
             flash(q, k, v, 0.0, True, scale=d**-0.5)
             times.append(time.perf_counter() - started)
-        out[d] = statistics.median(times)
-    return out
+            cpus.append(time.process_time() - used)
+        out[d], cpu[d] = statistics.median(times), statistics.median(cpus)
+    return out, cpu
 
 
 def build_tiny(work: Path) -> None:
@@ -259,6 +268,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768", help="tiny-model lengths")
     parser.add_argument("--work", type=Path)
     parser.add_argument("--json", type=Path, help="also write what was measured to this file (for `make figures`)")
+    parser.add_argument("--threads", type=int, help="torch threads in every child (default: torch's own); on a shared "
+                        "machine 1 thread keeps the CPU times comparable")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--how", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -269,15 +280,18 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="attnprobe-long-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} cores; work folder {work}")
-    measured: dict = {"cores": os.cpu_count(), "load_average": os.getloadavg()[0]}
+    measured: dict = {"cores": os.cpu_count(), "load_average": os.getloadavg()[0], "threads": args.threads}
+    if args.threads:
+        os.environ["BENCH_THREADS"] = str(args.threads)  # the children read it
     if args.part in ("smollm2", "both"):
         ways = ("sdpa", "blocked", "fused", "eager") if args.eager else ("sdpa", "blocked", "fused")
         runs = {how: spawn("smollm2", how, args.tokens, work) for how in ways}
-        widths = head_size_timing()
+        widths, width_cpu = head_size_timing()
         print(f"aten's CPU flash attention on [1, 9, 4096, d]: d = 64 {widths[64]:.2f} s, d = 67 {widths[67]:.2f} s")
         measured["smollm2"] = {"tokens": args.tokens, "runs": runs, "targets": {
             "blocked_time": TARGET_TIME, "blocked_memory": TARGET_MEMORY, "fused_time": TARGET_FUSED_TIME,
-            "fused_memory": TARGET_FUSED_MEMORY}, "flash_seconds_by_head_size": widths}
+            "fused_memory": TARGET_FUSED_MEMORY}, "flash_seconds_by_head_size": widths,
+            "flash_cpu_seconds_by_head_size": width_cpu}
         print(f"\nSmolLM2-135M, one document of {args.tokens} tokens (forward time; peak RSS of the process)")
         print(f"{'way':<8} {'seconds':>8} {'peak MiB':>9}")
         for how, r in runs.items():

@@ -145,10 +145,12 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         about="`attnprobe analyze` on bench_analyze.py's model and corpus with batches of 4, 8, 16 and 32",
         minutes=2),
     Run("bench-long", "bench", (
-        bench("bench_long.py", "--part", "smollm2", "--tokens", "3600", "--eager", "--work", "{work}/bench-work",
-              "--json", "{out}/smollm2.json"),
-        bench("bench_long.py", "--part", "tiny", "--work", "{work}/bench-work", "--json", "{out}/tiny.json"),
-        bench("bench_long.py", "--part", "zoo", "--work", "{work}/bench-work", "--json", "{out}/zoo.json")),
+        bench("bench_long.py", "--part", "smollm2", "--tokens", "3600", "--eager", "--threads", "1", "--work",
+              "{work}/bench-work", "--json", "{out}/smollm2.json"),
+        bench("bench_long.py", "--part", "tiny", "--threads", "1", "--work", "{work}/bench-work", "--json",
+              "{out}/tiny.json"),
+        bench("bench_long.py", "--part", "zoo", "--threads", "1", "--work", "{work}/bench-work", "--json",
+              "{out}/zoo.json")),
         about="benchmarks/bench_long.py: SmolLM2 at 3,600 tokens, a tiny Llama to 32k, the zoo", minutes=10),
     Run("ablate-smollm2", "slow", (
         helper("copy-analysis", "{work}/demo-extended", "{out}", "head_types.csv"),

@@ -299,6 +299,28 @@ def test_a_figure_renders_small_fixed_inputs():
     assert "542 MB (517 MiB)" in body and "took 21 s here" in body and "\n```\nConverted x in 21 s" in body
 
 
+def test_the_figures_own_rules_on_small_inputs():
+    from figures import ablation, benchmarks, results
+
+    assert ablation.lowest_kl_sentence(["sink", "sink", "mixed", "sink", "broad", "sink"]) == \
+        "The 4 heads with the smallest KL are 3 sinks and one mixed head."
+    assert ablation.lowest_kl_sentence(["sink", "sink"]) == "The heads with the smallest KL are all sinks."
+    top = {"induction": [{"head": "L5H1", "layer": 5, "above": True}, {"head": "L6H0", "layer": 6, "above": True}],
+           "duplicate": [{"head": "L2H0", "layer": 2}], "previous": [{"head": "L3H3", "layer": 3}]}
+    assert results.circuit({"top": top}) == ("The top induction heads sit in layers 5-6, after the duplicate-token "
+                                             "head L2H0 and the previous-token head L3H3, which is the circuit "
+                                             "Olsson et al. describe.")
+    top["previous"] = [{"head": "L9H3", "layer": 9}]
+    assert "circuit" not in results.circuit({"top": top})
+    assert benchmarks.first_token_split({"last_first_token": [0.0, 0.3, 0.01, 0.2, 0.5]}) == 3
+    machine = {"cores": 2, "cpu": "C", "torch": "2.13.0+cpu"}
+    assert fmt.machine(machine, 1.04) == "2 cores (C), torch 2.13.0+cpu, load average 1.0"
+    assert fmt.machine(machine, 4.8).endswith("load average 4.8 (busy: other jobs shared the cores)")
+    busy = {"machine": machine, "load": 3.0}
+    assert benchmarks.seconds_of({"seconds": 9.0, "cpu_seconds": 5.0}, benchmarks.is_busy(busy)) == 5.0
+    assert benchmarks.seconds_of({"seconds": 9.0, "cpu_seconds": 5.0}, False) == 9.0
+
+
 # ---- the runner's choices ----------------------------------------------------------------------------------------
 
 
