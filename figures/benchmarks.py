@@ -413,7 +413,8 @@ def _(d: dict) -> str:
            f"`attnprobe ablate --model smollm2-135m --corpus corpora/sentences.txt --limit {d['sentences']} "
            "--no-pruning --resamples 200 --threads N`, interleaved"]
     return (fmt.table(["work", "1 thread", "2 threads", "command"], [row]) + "\n\n"
-            f"Here 2 threads were {fmt.ratio(speedup, 1)}x {'faster' if speedup > 1 else 'slower'} than 1.\n\n"
+            + (f"Here 2 threads were {fmt.ratio(speedup, 1)} times as fast as 1.\n\n" if speedup > 1 else
+               f"Here 2 threads took {fmt.ratio(1 / speedup, 1)} times as long as 1.\n\n")
             + fmt.source(f"`python -m figures.steps threads` ({measured_on(d)})"))
 
 
@@ -429,7 +430,13 @@ def bench_corpus(out: Outputs) -> dict:
 def _(d: dict) -> str:
     rows = [[fmt.whole(int(n)), fmt.num(r["seconds"], 1), fmt.whole(int(n) / r["seconds"]), fmt.whole(r["peak_mib"])]
             for n, r in sorted(d["sizes"].items(), key=lambda x: int(x[0]))]
+    sizes = sorted(d["sizes"], key=int)
+    low, high = d["sizes"][sizes[-2]]["peak_mib"], d["sizes"][sizes[-1]]["peak_mib"]
+    flat = abs(high - low) < 0.1 * low
     return (fmt.table(["sentences", "seconds", "sentences/s", "peak RSS MiB"], rows) + "\n\n"
+            f"From {fmt.whole(int(sizes[-2]))} to {fmt.whole(int(sizes[-1]))} sentences the peak "
+            + (f"stays within {fmt.whole(abs(high - low))} MiB: it does not grow with the corpus." if flat else
+               f"grows by {fmt.whole(high - low)} MiB.") + "\n\n"
             + fmt.source(f"`.venv/bin/python benchmarks/bench_corpus.py` ({measured_on(d)})"))
 
 
