@@ -478,5 +478,6 @@ def suite(out: Outputs) -> dict:
 def _(d: dict) -> str:
     tests = sum(d["counts"].values())
     return (f"The whole suite took {fmt.num(d['seconds'] / 60, 1)} minutes of `python -m pytest` here ({tests} "
-            f"tests, the conversion included; {measured_on(d)}), more while other jobs share the machine. It has "
-            "grown with every command, so time it again (`make test` prints pytest's total).")
+            f"tests, the conversion included; {measured_on(d)}), "
+            + ("less on a quiet machine" if is_busy(d) else "more while other jobs share the machine")
+            + ". It has grown with every command, so time it again (`make test` prints pytest's total).")
