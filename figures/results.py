@@ -526,8 +526,8 @@ def _(d: dict) -> str:
     types = "; ".join(f"{c['name']} from {c['a']} to {c['b']} ({fmt.num(c['entropy_norm'][0], 4)} -> "
                       f"{fmt.num(c['entropy_norm'][1], 4)})" for c in d["type_changes"])
     n = len(d["type_changes"])
-    type_text = ("No head changes type." if n == 0 else
-                 f"{'One head changes' if n == 1 else str(n) + ' heads change'} type across a threshold: {types}.")
+    counted = {1: "One head changes", 2: "Two heads change", 3: "Three heads change"}.get(n, f"{n} heads change")
+    type_text = "No head changes type." if n == 0 else f"{counted} type across a threshold: {types}."
     ratio = d["width_unpaired"] / d["width"]
     unpaired = ("finds no head at all" if d["changed_unpaired"] == 0 else
                 f"finds only {d['changed_unpaired']} head{'s' if d['changed_unpaired'] > 1 else ''}")
