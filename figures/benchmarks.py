@@ -148,9 +148,10 @@ def readme_long(out: Outputs) -> dict:
 @readme_long.renderer
 def _(d: dict) -> str:
     c = d["kv"]["counts"]
-    return (f"- Long documents: the GPL-3 licence as one {fmt.whole(d['tokens'])}-token sequence took "
-            f"{fmt.seconds(d['seconds'])} and {d['peak_rss_mib'] / 1024:.2f} GiB peak RSS here; "
-            f"`classify --scheme kv` finds {c['query_heads_streaming']} of the {d['heads']} query heads `streaming`, "
+    return (f"- Long documents: `attnprobe analyze --split file` on the GPL-3 licence, one "
+            f"{fmt.whole(d['tokens'])}-token sequence, took {fmt.seconds(d['seconds'])} and "
+            f"{d['peak_rss_mib'] / 1024:.2f} GiB peak RSS here; `attnprobe classify --scheme kv` finds "
+            f"{c['query_heads_streaming']} of the {d['heads']} query heads `streaming`, "
             f"but only {c['kv_heads_streaming']} of the {c['kv_heads_total']} KV heads have all their query heads "
             "streaming ([Long documents](docs/long-documents.md)).")
 
@@ -275,6 +276,10 @@ def bench_long_zoo(out: Outputs) -> dict:
     return {**found["zoo"], "threads": found.get("threads"), **timed(out, "bench-long")}
 
 
+def flat_text(ratio_: float) -> str:
+    return "stays flat" if ratio_ < 1.2 else "grows far less than qwen2's"
+
+
 @bench_long_zoo.renderer
 def _(d: dict) -> str:
     window = d["window"]
@@ -303,16 +308,19 @@ def _(d: dict) -> str:
         fmt.table(["model", *[fmt.whole(n) for n in lengths[:-1]], f"{fmt.whole(lengths[-1])} tokens",
                    f"peak {lengths[-1] // 1024}k / {lengths[0] // 1024}k"], rows),
         "",
-        f"- Peak memory grows by {fmt.span([g - 1 for g in growth.values()], 2)} (a fraction) from "
-        f"{lengths[0] // 1024}k to {lengths[-1] // 1024}k tokens (target: +25%): "
+        f"- Peak memory grows by {round(100 * (min(growth.values()) - 1))}-"
+        f"{fmt.percent(max(growth.values()) - 1, 1)} from {lengths[0] // 1024}k to {lengths[-1] // 1024}k tokens "
+        "(target: at most 25%): "
         + (f"met for {fmt.listing(met)}" if met else "met for none")
         + (f", missed for {fmt.listing(missed)}" if missed else "")
         + ". The blocks are sized from a fixed budget, so the growth is what grows with n outside them (the model's "
         "own activations are O(n)).",
-        f"- The windowed model's time per token stays flat past its window: "
+        f"- Past its window, the windowed model's time per token "
+        f"{flat_text(per_token[windowed][-1] / per_token[windowed][0])}: "
         f"{', '.join(fmt.whole(x) for x in per_token[windowed])} us{' of CPU' if busy else ''} per token at "
         f"{fmt.listing([f'{n // 1024}k' for n in past])} tokens ({past[-1] // 1024}k / {past[0] // 1024}k: "
-        f"{fmt.ratio(per_token[windowed][-1] / per_token[windowed][0])}), where qwen2's grows with n.",
+        f"{fmt.ratio(per_token[windowed][-1] / per_token[windowed][0])}, qwen2's "
+        f"{fmt.ratio(per_token['qwen2'][-1] / per_token['qwen2'][0])}).",
         f"- One 16,384-token sequence through tiny {fmt.listing(list(sixteen))} peaks at "
         f"{fmt.listing([fmt.whole(p) for p in peaks])} MiB (target: under 1.5 GiB).",
         "",
@@ -460,7 +468,8 @@ def distributed_minilm(out: Outputs) -> dict:
 
 @distributed_minilm.renderer
 def _(d: dict) -> str:
-    return (f"MiniLM on the bundled corpus took {fmt.num(d['one'], 1)} s in one process, {fmt.num(d['two'], 1)} s in "
+    return ("MiniLM on the bundled corpus (`attnprobe analyze --model minilm-l6 --corpus corpora/sentences.txt`) "
+            f"took {fmt.num(d['one'], 1)} s in one process, {fmt.num(d['two'], 1)} s in "
             f"two under `torchrun --standalone --nproc-per-node 2` (each with torch's default threads) and "
             f"{fmt.num(d['two-1-thread'], 1)} s in two with `OMP_NUM_THREADS=1`, whole processes included "
             f"({measured_on(d)}).")
