@@ -33,8 +33,11 @@ def load_measured(path: Path = MEASURED) -> dict:
 
 
 def save_measured(measured: dict, path: Path = MEASURED) -> None:
-    ordered = dict(sorted(measured.items()))  # figures by name; inside a figure, the order collect gave
-    path.write_text(json.dumps(ordered, indent=1) + "\n", encoding="utf-8")
+    # One line per figure, by name (inside a figure, the order collect gave): a diff shows which figures changed,
+    # and figures added on two branches merge line by line.
+    lines = [f"{json.dumps(name)}: {json.dumps(entry, separators=(',', ':'))}"
+             for name, entry in sorted(measured.items())]
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
 
 
 def render(name: str, data: dict) -> str:
