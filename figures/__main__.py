@@ -1,0 +1,5 @@
+import sys
+
+from figures.build import main
+
+sys.exit(main())

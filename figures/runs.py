@@ -1,0 +1,257 @@
+"""The commands whose outputs the docs quote, grouped into named runs, and the runner that executes them.
+
+A run is a list of steps (an `attnprobe` command, a benchmark script, or a helper of `figures.steps`), each
+run as its own process from the repository's root, with its wall time and peak RSS recorded. Every run writes
+into its own folder under the work folder (default `outputs/figures/`, gitignored) and a record of what ran,
+where and how long into `<work>/_runs/<run>.json`; the figures read those folders (see figures/figures.py).
+
+Runs belong to a part: `results` (the real models' results, the default), `bench` (benchmarks that take a few
+minutes) and `slow` (those that take tens of minutes: the full SmolLM2 ablation, bench_ablate, bench_corpus,
+the thread comparison, the test suite). `python -m figures --part ...` chooses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = "corpora/sentences.txt"
+GPL3 = "/usr/share/common-licenses/GPL-3"
+PARTS = ("results", "bench", "slow")
+ANALYZE_FILES = ("heads.csv", "layers.csv", "run.json", "positions.csv", "categories.csv", "examples.npz",
+                 "example_attention.npz", "resamples.npz")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One process. `argv` may hold {work} (the work folder), {out} (this run's folder) and {py} (python)."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    key: str = ""  # a name to find this step's record by (its wall time, peak RSS, stdout)
+    fresh_cache: bool = False  # run with an empty ATTNPROBE_CACHE of its own (the GGUF conversion)
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    part: str
+    steps: tuple[Step, ...]
+    needs: tuple[str, ...] = ()  # runs whose folders this one reads
+    about: str = ""  # one line: what it is, for --list
+    minutes: float = 1.0  # about how long here (2 shared cores), for --list and the skip message
+
+
+def ap(*args: str, key: str = "", env: tuple[tuple[str, str], ...] = ()) -> Step:
+    """An `attnprobe` command, run as `python -m attnprobe` (the checkout's own code)."""
+    return Step(("{py}", "-m", "attnprobe", *args), env=env, key=key)
+
+
+def helper(*args: str, key: str = "") -> Step:
+    return Step(("{py}", "-m", "figures.steps", *args), key=key)
+
+
+def bench(script: str, *args: str, key: str = "") -> Step:
+    return Step(("{py}", f"benchmarks/{script}", *args), key=key)
+
+
+def demo(model: str) -> tuple[Step, ...]:
+    """`make demo MODEL=model OUT={out}`: analyze, classify, plot and report."""
+    return (ap("analyze", "--model", model, "--corpus", CORPUS, "--out", "{out}", key="analyze"),
+            ap("classify", "--out", "{out}"), ap("plot", "--out", "{out}"), ap("report", "--out", "{out}"))
+
+
+RUNS: dict[str, Run] = {run.name: run for run in (
+    Run("convert", "results", (
+        Step(("{py}", "-m", "attnprobe", "verify", "--model", "smollm2-135m"), key="verify", fresh_cache=True),),
+        about="the GGUF conversion of SmolLM2, from an "
+        "empty cache (`attnprobe verify --model smollm2-135m`)", minutes=0.5),
+    Run("demo", "results", demo("smollm2-135m"), about="`make demo`: SmolLM2-135M on the bundled corpus",
+        minutes=0.5),
+    Run("demo-minilm", "results", demo("minilm-l6"), about="`make demo MODEL=minilm-l6`", minutes=0.3),
+    Run("demo-extended", "results", (
+        helper("copy-analysis", "{work}/demo", "{out}"),
+        ap("classify", "--out", "{out}", "--scheme", "extended"), ap("plot", "--out", "{out}"),
+        ap("report", "--out", "{out}"), helper("screenshot", "{out}/report.html", "L16H0", "{out}/report.png")),
+        needs=("demo",), about="`make demo`, then `attnprobe classify --scheme extended`, plot, report",
+        minutes=0.3),
+    Run("probe-smollm2", "results", (ap("probe", "--model", "smollm2-135m", "--out", "{out}"),),
+        about="`attnprobe probe --model smollm2-135m`", minutes=0.5),
+    Run("probe-minilm", "results", (ap("probe", "--model", "minilm-l6", "--out", "{out}"),),
+        about="`attnprobe probe --model minilm-l6`", minutes=0.3),
+    Run("bf16", "results", (
+        ap("analyze", "--model", "smollm2-135m", "--corpus", CORPUS, "--out", "{out}", "--dtype", "bfloat16"),
+        ap("classify", "--out", "{out}"),
+        ap("compare", "{work}/demo", "{out}"),
+        ap("compare", "{work}/demo", "{out}", "--unpaired", "--out", "{out}/compare-unpaired")),
+        needs=("demo",), about="SmolLM2 in bfloat16 against `make demo`'s float32 (`attnprobe compare`)",
+        minutes=1),
+    Run("compare-minilm", "results", (
+        ap("compare", "{work}/demo", "{work}/demo-minilm", "--score", "entropy_norm", "--out", "{out}"),),
+        needs=("demo", "demo-minilm"), about="`attnprobe compare` SmolLM2 against MiniLM", minutes=0.1),
+    Run("gpl3", "results", (
+        ap("analyze", "--model", "smollm2-135m", "--corpus", GPL3, "--split", "file", "--out", "{out}",
+           key="analyze"),
+        ap("classify", "--out", "{out}", "--scheme", "kv", key="classify"), ap("plot", "--out", "{out}")),
+        about="SmolLM2 on the GPL-3 licence as one sequence, `classify --scheme kv`", minutes=1.5),
+    Run("rollout", "results", (
+        ap("rollout", "--model", "smollm2-135m", "--corpus", CORPUS, "--out", "{out}/smollm2"),
+        ap("rollout", "--model", "smollm2-135m", "--corpus", CORPUS, "--residual", "0.9", "--out",
+           "{out}/smollm2-residual-0.9"),
+        ap("rollout", "--model", "minilm-l6", "--corpus", CORPUS, "--out", "{out}/minilm")),
+        about="`attnprobe rollout` on both models' example sentence", minutes=0.5),
+    Run("verify", "results", (
+        helper("verify", "smollm2-135m", "{out}/smollm2-135m.json"),
+        Step(("{py}", "-m", "figures.steps", "verify", "smollm2-135m", "{out}/smollm2-135m-1-thread.json"),
+             env=(("OMP_NUM_THREADS", "1"),)),
+        helper("verify", "minilm-l6", "{out}/minilm-l6.json"),
+        helper("gpt2-small", "{work}/gpt2-small"),
+        helper("verify", "{work}/gpt2-small/model", "{out}/gpt2-small.json")),
+        about="`attnprobe verify`'s checks on both models and a random GPT-2 small", minutes=1),
+    Run("ablate-minilm", "results", (
+        ap("ablate", "--model", "minilm-l6", "--corpus", CORPUS, "--out", "{out}", key="ablate"),),
+        about="`attnprobe ablate --model minilm-l6` (zero ablation)", minutes=0.7),
+    Run("report-sizes", "results", (helper("report-sizes", "{work}/demo", "{out}/sizes.json"),),
+        needs=("demo",), about="report.html's size for 8 examples of 40 tokens, decoder and encoder", minutes=0.1),
+    Run("coverage", "results", (helper("coverage", "{out}/coverage.json"),),
+        about="the bootstrap's coverage simulation (tests/test_bootstrap.py's)", minutes=0.1),
+    Run("zoo", "results", (helper("zoo", "{work}/zoo-models", "{out}/zoo.json"),),
+        about="the architecture table: tests/zoo.py's tiny models, discovered and verified", minutes=0.3),
+    Run("torchrun-minilm", "results", (
+        ap("analyze", "--model", "minilm-l6", "--corpus", CORPUS, "--out", "{out}/one", key="one"),
+        Step(("{py}", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "attnprobe",
+              "analyze", "--model", "minilm-l6", "--corpus", CORPUS, "--out", "{out}/two"), key="two"),
+        Step(("{py}", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "attnprobe",
+              "analyze", "--model", "minilm-l6", "--corpus", CORPUS, "--out", "{out}/two-1-thread"),
+             env=(("OMP_NUM_THREADS", "1"),), key="two-1-thread")),
+        about="MiniLM on the bundled corpus in one process and in two under torchrun", minutes=0.5),
+    Run("startup", "results", (helper("startup", "{out}/startup.json"),),
+        about="how long `attnprobe --help` takes", minutes=0.1),
+    Run("bench-analyze", "bench", (
+        bench("bench_analyze.py", "--no-memory", "--repeat", "3", "--threads", "1", "--work", "{work}/bench-work",
+              "--json", "{out}/speed.json"),
+        bench("bench_analyze.py", "--memory-only", "--work", "{work}/bench-work", "--json", "{out}/memory.json")),
+        about="benchmarks/bench_analyze.py: speed (3 interleaved runs, 1 thread) and memory", minutes=8),
+    Run("batch-sizes", "bench", (helper("batch-sizes", "{work}/bench-work", "{out}/batch-sizes.json"),),
+        about="`attnprobe analyze` on bench_analyze.py's model and corpus with batches of 4, 8, 16 and 32",
+        minutes=2),
+    Run("bench-long", "bench", (
+        bench("bench_long.py", "--part", "smollm2", "--tokens", "3600", "--eager", "--threads", "1", "--work",
+              "{work}/bench-work", "--json", "{out}/smollm2.json"),
+        bench("bench_long.py", "--part", "tiny", "--threads", "1", "--work", "{work}/bench-work", "--json",
+              "{out}/tiny.json"),
+        bench("bench_long.py", "--part", "zoo", "--threads", "1", "--work", "{work}/bench-work", "--json",
+              "{out}/zoo.json")),
+        about="benchmarks/bench_long.py: SmolLM2 at 3,600 tokens, a tiny Llama to 32k, the zoo", minutes=10),
+    Run("ablate-smollm2", "slow", (
+        helper("copy-analysis", "{work}/demo-extended", "{out}", "head_types.csv"),
+        ap("ablate", "--model", "smollm2-135m", "--corpus", CORPUS, "--out", "{out}", "--layers", "--threads", "1",
+           key="ablate"),
+        ap("plot", "--out", "{out}")),
+        needs=("demo-extended",), about="`attnprobe ablate --model smollm2-135m --layers --threads 1`",
+        minutes=20),
+    Run("sink-groups", "slow", (helper("sink-groups", "{work}/demo-extended", "{out}/sink-groups.json"),),
+        needs=("demo-extended",), about="all of SmolLM2's sink heads ablated at once, zero and mean", minutes=4),
+    Run("bench-ablate", "slow", (bench("bench_ablate.py", "--threads", "1", "--json", "{out}/ablate.json"),),
+        about="benchmarks/bench_ablate.py --threads 1", minutes=45),
+    Run("bench-corpus", "slow", (
+        bench("bench_corpus.py", "--work", "{work}/bench-work/corpus", "--json", "{out}/corpus.json"),),
+        about="benchmarks/bench_corpus.py: 1k, 10k and 100k sentences, 1 and 2 processes", minutes=20),
+    Run("threads", "slow", (helper("threads", "{out}/threads.json"),),
+        about="`attnprobe ablate` on 24 sentences with 1 and 2 threads, interleaved", minutes=6),
+    Run("suite", "slow", (helper("suite", "{out}/suite.json"),), about="the test suite's time", minutes=12),
+)}
+
+
+def machine() -> dict:
+    """What the figures were measured on: CPU, cores, load, versions."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+    import transformers
+
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "torch_threads": torch.get_num_threads()}
+
+
+def load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def expand(text: str, work: Path, out: Path) -> str:
+    return text.replace("{work}", str(work)).replace("{out}", str(out)).replace("{py}", sys.executable)
+
+
+def run_step(step: Step, work: Path, out: Path, log) -> dict:
+    """Run one step from the repository's root: its wall and CPU time, its own peak RSS (os.wait4), its output."""
+    argv = [expand(a, work, out) for a in step.argv]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **dict(step.env)}
+    if step.fresh_cache:
+        cache = work / "_fresh-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        env["ATTNPROBE_CACHE"] = str(cache)
+    shown = " ".join(a.replace(sys.executable, "python") for a in argv)
+    log(f"  $ {shown}")
+    load = load_average()
+    logs = out / "_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    stem = f"{len(list(logs.glob('*.out')))}"
+    with open(logs / f"{stem}.out", "w") as stdout, open(logs / f"{stem}.err", "w") as stderr:
+        started = time.perf_counter()
+        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if step.fresh_cache:
+        shutil.rmtree(work / "_fresh-cache", ignore_errors=True)
+    out_text = (logs / f"{stem}.out").read_text(errors="replace")
+    err_text = (logs / f"{stem}.err").read_text(errors="replace")
+    if process.returncode != 0:
+        raise RuntimeError(f"{shown} failed (exit {process.returncode}):\n{err_text[-3000:]}")
+    return {"argv": shown, "key": step.key, "seconds": round(seconds, 2),
+            "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024),
+            "load_average": load, "load_average_after": load_average(), "stdout": out_text[-20000:],
+            "stderr": err_text[-20000:]}
+
+
+def execute(run: Run, work: Path, log=print) -> dict:
+    """Run every step of `run` into a fresh `<work>/<run.name>` and write its record."""
+    out = work / run.name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    log(f"{run.name}: {run.about}")
+    started = datetime.now(timezone.utc)
+    steps = []
+    for step in run.steps:
+        steps.append(run_step(step, work, out, log))
+    record = {"run": run.name, "started": started.isoformat(timespec="seconds"),
+              "date": started.date().isoformat(), "machine": machine(), "steps": steps}
+    records = work / "_runs"
+    records.mkdir(exist_ok=True)
+    (records / f"{run.name}.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return record
+
+
+def record(work: Path, name: str) -> dict | None:
+    path = work / "_runs" / f"{name}.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None

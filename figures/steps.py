@@ -1,0 +1,265 @@
+"""Helpers that figures/runs.py runs as their own processes: `python -m figures.steps NAME ARGS...`.
+
+Each does what a person would do by hand between the documented commands (copy an analysis, screenshot the
+report, read verify's checks as JSON, ablate a group of heads from Python, time something) and writes what it
+measured as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from figures.runs import ANALYZE_FILES, CORPUS, ROOT
+
+
+def write_json(path: str | Path, data) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1), encoding="utf-8")
+
+
+def copy_analysis(source: str, target: str, *extra: str) -> None:
+    """The files `attnprobe analyze` wrote in `source` (and `extra` ones), into `target`."""
+    Path(target).mkdir(parents=True, exist_ok=True)
+    for name in (*ANALYZE_FILES, *extra):
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(target) / name)
+
+
+def screenshot(page: str, head: str, target: str) -> None:
+    """report.html opened at `head`, the tooltip of another head showing, as a 1360 x 1060 png."""
+    from playwright.sync_api import sync_playwright
+
+    executable = os.environ.get("ATTNPROBE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not executable:
+        raise SystemExit("no Chromium: set ATTNPROBE_CHROMIUM or install chromium")
+    with sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=executable)
+        tab = browser.new_page(viewport={"width": 1360, "height": 1060})
+        tab.goto(Path(page).resolve().as_uri() + f"#{head}")
+        tab.wait_for_selector("body[data-ready='true']")
+        tab.wait_for_selector(f"#pattern[data-name='{head}']")
+        tab.hover("td[data-name='L17H4']")
+        tab.wait_for_timeout(300)
+        tab.screenshot(path=target)
+        browser.close()
+
+
+def verify(model: str, target: str) -> None:
+    """`attnprobe verify --model model`'s checks (4 built-in sentences, CPU), as JSON."""
+    import torch
+
+    from attnprobe.model import load_model
+    from attnprobe.verify import DEFAULT_SENTENCES
+    from attnprobe.verify import verify as run_verify
+
+    loaded = load_model(model, "cpu")
+    checks = run_verify(loaded, list(DEFAULT_SENTENCES))
+    write_json(target, {"model": model, "threads": torch.get_num_threads(), "checks": [
+        {"name": c.name, "max_abs_diff": c.max_abs_diff, "tolerance": c.tolerance, "note": c.note} for c in checks]})
+
+
+def gpt2_small(target: str) -> None:
+    """A GPT-2-small-shaped model with random weights (seed 0) and GPT-2's tokenizer shape: a word-level one."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_analyze import build
+
+    build(Path(target), 10)
+
+
+def sink_groups(folder: str, target: str, resamples: int = 1000, seed: int = 0) -> None:
+    """Every sink head of SmolLM2 (head_types.csv, extended scheme) ablated at once, zero and mean, against three
+    random sets of as many heads (numpy seeds 1, 2, 3), with ablate.prune_passes on the bundled corpus."""
+    import numpy as np
+    import pandas as pd
+    import torch
+
+    from attnprobe import ablate as ab
+    from attnprobe.analysis import tokenize
+    from attnprobe.bootstrap import poisson_weights
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+
+    types = pd.read_csv(Path(folder) / "head_types.csv")
+    loaded = load_model("smollm2-135m", "cpu", lm_head=True)
+    stack = ab.find_stack(loaded)
+    ids = tokenize(loaded, read_corpus(str(ROOT / CORPUS))).ids
+    batches = ab.make_batches(loaded, ids, 8)
+    shape = (loaded.num_layers, stack.heads)
+    sinks = np.zeros(shape, dtype=bool)  # [layer, heads]
+    sinks[types.loc[types["head_type"] == "sink", "layer"], types.loc[types["head_type"] == "sink", "head"]] = True
+    count = int(sinks.sum())
+    masks = {"sink": sinks}
+    for k in (1, 2, 3):
+        chosen = np.random.default_rng(k).permutation(sinks.size)[:count]
+        mask = np.zeros(sinks.size, dtype=bool)
+        mask[chosen] = True
+        masks[f"random {k}"] = mask.reshape(shape)
+    weights = poisson_weights(range(len(ids)), resamples, seed)  # [resample, sentence]
+    out = {"heads": count, "resamples": resamples, "seed": seed, "groups": {}}
+    with ab.fast_attention(loaded.model), torch.inference_mode():
+        for method in ("zero", "mean"):
+            fill = ab.head_fill(loaded, stack, batches, method, None)
+            values = ab.prune_passes(loaded, stack, batches, list(masks.values()), fill)
+            for column, name in enumerate(masks):
+                if method == "mean" and name != "sink":
+                    continue
+                row = {}
+                for measure in ("loss_change", "kl"):
+                    mean, low, high = ab.summarize(values[measure][:, [column]], weights)
+                    row[measure] = [float(mean[0]), float(low[0]), float(high[0])]
+                out["groups"][f"{name}, {method}"] = row
+    write_json(target, out)
+
+
+def startup(target: str, repeat: int = 5) -> None:
+    """Wall seconds of `python -m attnprobe --help`, the median of `repeat` runs after one warm-up."""
+    times = []
+    for k in range(repeat + 1):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "attnprobe", "--help"], check=True, capture_output=True)
+        if k:
+            times.append(time.perf_counter() - started)
+    write_json(target, {"median_seconds": statistics.median(times), "seconds": times})
+
+
+def threads(target: str, sentences: int = 24) -> None:
+    """`attnprobe ablate` on the corpus's first `sentences` with 1 and with 2 torch threads, interleaved, twice."""
+    runs = []
+    for count in (1, 2, 1, 2):
+        out = Path(target).parent / f"ablate-{len(runs)}"
+        command = [sys.executable, "-m", "attnprobe", "ablate", "--model", "smollm2-135m", "--corpus", CORPUS,
+                   "--limit", str(sentences), "--no-pruning", "--resamples", "200", "--threads", str(count),
+                   "--out", str(out)]
+        load = os.getloadavg()[0]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+        runs.append({"threads": count, "seconds": time.perf_counter() - started, "load_average": load,
+                     "load_average_after": os.getloadavg()[0]})
+    write_json(target, {"sentences": sentences, "runs": runs})
+
+
+def suite(target: str) -> None:
+    """The whole test suite (`python -m pytest -q`): its wall time and pytest's own counts."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    seconds = time.perf_counter() - started
+    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|errors?|xfailed|xpassed)", last)}
+    failures = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    write_json(target, {"seconds": seconds, "counts": counts, "summary": last, "exit": done.returncode,
+                        "failures": failures,
+                        "load_average": os.getloadavg()[0]})
+
+
+def batch_sizes(work: str, target: str) -> None:
+    """Seconds of the whole `attnprobe analyze` process on bench_analyze.py's model and corpus (built in `work`
+    if missing), one torch thread, for batches of 4, 8, 16 and 32."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_analyze import build
+
+    build(Path(work), 300)
+    seconds = {}
+    for size in (4, 8, 16, 32):
+        out = Path(target).parent / f"batch-{size}"
+        command = [sys.executable, "-m", "attnprobe", "analyze", "--model", str(Path(work) / "model"), "--corpus",
+                   str(Path(work) / "corpus.txt"), "--out", str(out), "--device", "cpu", "--threads", "1",
+                   "--batch-size", str(size)]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+        seconds[size] = time.perf_counter() - started
+    write_json(target, {"threads": 1, "seconds": seconds})
+
+
+def report_sizes(folder: str, target: str, layers: int = 30, heads: int = 9, tokens: int = 40) -> None:
+    """report.html's size for a `layers` x `heads` model with 8 examples of `tokens` tokens (random softmax maps),
+    decoder (lower triangle stored) and encoder (full maps), built on a copy of the analysis in `folder`."""
+    import tempfile
+
+    import numpy as np
+
+    from attnprobe import io
+    from attnprobe.report import build_report
+
+    rng = np.random.default_rng(0)
+    sizes = {}
+    for causal in (True, False):
+        with tempfile.TemporaryDirectory() as tmp:
+            copy_analysis(folder, tmp)
+            run = json.loads((Path(tmp) / "run.json").read_text())
+            if (run["model"]["layers"], run["model"]["heads"]) != (layers, heads):
+                raise SystemExit(f"{folder} is not a {layers} x {heads} model")
+            run["model"]["causal"] = causal
+            (Path(tmp) / "run.json").write_text(json.dumps(run))
+            (Path(tmp) / "example_attention.npz").unlink(missing_ok=True)
+            logits = rng.normal(0, 3, (io.MAX_EXAMPLES, layers, heads, tokens, tokens))
+            if causal:
+                logits = np.where(np.tril(np.ones((tokens, tokens), bool)), logits, -np.inf)
+            maps = np.exp(logits - logits.max(-1, keepdims=True))
+            maps = (maps / maps.sum(-1, keepdims=True)).astype(np.float32)  # [example, layer, head, q, k]
+            io.write_files(Path(tmp), {io.EXAMPLES_FILE: io.examples_writer([
+                {"maps": m, "tokens": [f" token{j}" for j in range(tokens)], "sentence": "x " * tokens,
+                 "category": ""} for m in maps])})
+            sizes["decoder" if causal else "encoder"] = len(build_report(tmp).html.encode("utf-8"))
+    write_json(target, {"layers": layers, "heads": heads, "examples": io.MAX_EXAMPLES, "tokens": tokens,
+                        "bytes": sizes})
+
+
+def coverage(target: str, trials: int = 300, n: int = 60, resamples: int = 400) -> None:
+    """How often the 95% interval of a mean of `n` exponential values holds the true mean: the simulation of
+    tests/test_bootstrap.py's coverage test, with its seeds."""
+    import numpy as np
+
+    from attnprobe.bootstrap import interval, poisson_weights, resampled_means
+
+    rng = np.random.default_rng(11)
+    covered = 0
+    for trial in range(trials):
+        sample = rng.exponential(1.0, size=(n, 1))  # [sentence, 1]
+        weights = poisson_weights(range(trial * n, (trial + 1) * n), resamples, seed=0)
+        low, high = interval(resampled_means(sample, weights))
+        covered += bool(low[0] <= 1.0 <= high[0])
+    write_json(target, {"trials": trials, "values": n, "resamples": resamples, "rate": covered / trials})
+
+
+def zoo(work: str, target: str) -> None:
+    """Per architecture of tests/zoo.py: the path `auto` takes on long documents and the features discovered,
+    and the largest difference of the blocked and fused statistics from the eager maps' (verify's checks)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import SENTENCES
+    from zoo import ZOO, architecture_row, make
+
+    from attnprobe.model import load_model
+    from attnprobe.verify import verify as run_verify
+
+    rows = {}
+    for name in ZOO:
+        folder = Path(work) / re.sub(r"\W+", "_", name)
+        if not (folder / "config.json").is_file():
+            make(name, folder)
+        loaded = load_model(str(folder), "cpu")
+        path, features = architecture_row(name, loaded)
+        diffs = {}
+        if path != "eager (hooks)":
+            for check in run_verify(loaded, list(SENTENCES[:4])):
+                if check.name in ("blocked statistics = eager", "fused statistics = eager"):
+                    diffs[check.name.split()[0]] = check.max_abs_diff
+        rows[name] = {"path": path, "features": features, "max_diff": diffs}
+    write_json(target, {"architectures": rows})
+
+
+STEPS = {"copy-analysis": copy_analysis, "screenshot": screenshot, "verify": verify, "gpt2-small": gpt2_small,
+         "sink-groups": sink_groups, "startup": startup, "threads": threads, "suite": suite,
+         "report-sizes": report_sizes, "batch-sizes": batch_sizes, "coverage": coverage, "zoo": zoo}
+
+
+if __name__ == "__main__":
+    STEPS[sys.argv[1]](*sys.argv[2:])
