@@ -16,6 +16,7 @@ about heads^2 / 2 x sentences x max_tokens^2 / 2 at most.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="200 texts of 64+ tokens: the largest default sample")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", default="auto", help="torch threads, as the CLI's --threads (default: auto)")
+    parser.add_argument("--json", type=Path, help="also write what was measured to this file (for `make figures`)")
     args = parser.parse_args()
 
     import torch
@@ -86,6 +88,13 @@ def main() -> None:
           f"{sum(len(t) for t in ids):,} tokens, {total.rows:,} rows, ~{weights:,} weights per head, "
           f"{torch.get_num_threads()} threads")
     print(f"forward {forward:.1f} s, js {js:.1f} s, together {forward + js:.1f} s")
+    if args.json:
+        measured = {"model": args.model, "long": args.long, "heads": heads, "pairs": heads * (heads - 1) // 2,
+                    "sentences": len(ids), "tokens": sum(len(t) for t in ids), "rows": total.rows,
+                    "weights_per_head": weights, "threads": torch.get_num_threads(), "forward_seconds": forward,
+                    "js_seconds": js}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(measured, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

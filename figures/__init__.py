@@ -8,4 +8,4 @@
 - figures/build.py: `python -m figures` (run, collect into figures/measured.json, render into the docs).
 """
 
-from figures import ablation, benchmarks, results  # noqa: F401  (each module registers its figures)
+from figures import ablation, benchmarks, related, results  # noqa: F401  (each module registers its figures)

@@ -234,16 +234,23 @@ def _(d: dict) -> str:
         fmt.table(["way", "seconds", *(["CPU seconds"] if cpu else []), "peak RSS MiB"], rows),
         "",
         f"The fused path is {fmt.percent(abs(faster), 1)} {'faster' if faster > 0 else 'slower'} than blocked here. "
-        "The statistics need a second pass over every score: for a float32 model one flash call whose head size is "
-        "64 (the key) + 64 (the values) + 3 channels, rounded up to 136. On [1, 9, 4096, d] here one call of head "
-        f"size 136 took {fmt.num(flash[136], 2)} s{' of CPU' if 'cpu' in key else ''}, a call of 64 (the model's own) "
-        f"{fmt.num(flash[64], 2)} s and one of 72 {fmt.num(flash[72], 2)} s: one wide call costs "
-        f"{fmt.ratio(flash[136] / flash[64])} calls of 64"
-        f"{', less than two' if flash[136] < 2 * flash[64] else ''}.",
+        + head_size_sentence(flash, key),
         "",
         fmt.source(f"`.venv/bin/python benchmarks/bench_long.py --part smollm2 --tokens {d['tokens']}"
                    f"{' --eager' if 'eager' in r else ''}{threads_flag(d)}` ({measured_on(d)})"),
     ])
+
+
+def head_size_sentence(flash: dict[int, float], key: str) -> str:
+    """What the fused path's one statistics call costs against the model's own flash call."""
+    if 136 not in flash:  # measured before the values rode in the statistics call: rerun bench-long
+        return "The statistics need a second pass over every score."
+    return ("The statistics need a second pass over every score: for a float32 model one flash call whose head size "
+            "is 64 (the key) + 64 (the values) + 3 channels, rounded up to 136. On [1, 9, 4096, d] here one call of "
+            f"head size 136 took {fmt.num(flash[136], 2)} s{' of CPU' if 'cpu' in key else ''}, a call of 64 (the "
+            f"model's own) {fmt.num(flash[64], 2)} s and one of 72 {fmt.num(flash[72], 2)} s: one wide call costs "
+            f"{fmt.ratio(flash[136] / flash[64])} calls of 64"
+            f"{', less than two' if flash[136] < 2 * flash[64] else ''}.")
 
 
 @figure("bench-long-tiny", runs=("bench-long",))
@@ -386,6 +393,42 @@ def _(d: dict) -> str:
     return (fmt.table(["tokens", "SDPA, no maps", "attnprobe (blocked)", "eager hooks", "holding all 12 layers' maps"],
                       rows) + "\n\n"
             + fmt.source(f"`.venv/bin/python benchmarks/bench_analyze.py --memory-only` ({measured_on(d)})"))
+
+
+@figure("new-scores-cost", runs=("bench-analyze",))
+def new_scores_cost(out: Outputs) -> dict:
+    found = out.json("bench-analyze", "speed.json")
+    return {"new_scores": found.get("new_scores"), "repeat": found["repeat"],
+            "threads_option": found["threads_option"], **timed(out, "bench-analyze")}
+
+
+@new_scores_cost.renderer
+def _(d: dict) -> str:
+    n = d["new_scores"]
+    if n is None:  # measured before bench_analyze.py timed the new scores: rerun bench-analyze
+        return "Not measured yet: `python -m figures --only bench-analyze` measures it."
+    off, on = n["medians"]["False"], n["medians"]["True"]
+    busy = is_busy(d)
+    judged = "cpu" if busy else "seconds"
+    rows = [[f"`{flags}`", fmt.num(m["seconds"], 2), fmt.num(m["cpu"], 2), fmt.num(m["analysis"], 2)]
+            for flags, m in (("--no-value-weighted --no-top-tokens", off), ("(the default: with them)", on))]
+    ratios = {k: on[k] / off[k] for k in ("seconds", "cpu", "analysis")}
+    rows.append(["**with / without**", *[f"**{fmt.ratio(ratios[k])}**" if k == judged else fmt.ratio(ratios[k])
+                                         for k in ("seconds", "cpu", "analysis")]])
+    met = ratios[judged] <= n["target"]
+    return "\n".join([
+        fmt.table(["run", "wall s", "CPU s", "analysis s (run.json `wall_seconds`)"], rows),
+        "",
+        f"The process, as a user runs it, is {fmt.percent(abs(ratios[judged] - 1), 1)} "
+        f"{'slower' if ratios[judged] > 1 else 'faster'} by {'CPU' if busy else 'wall'} time with the new scores "
+        f"(target: at most {fmt.percent(n['target'] - 1, 1)} slower, {'met' if met else 'missed'}); the analysis "
+        f"alone, after the model is loaded, {fmt.percent(abs(ratios['analysis'] - 1), 1)} "
+        f"{'slower' if ratios['analysis'] > 1 else 'faster'}.",
+        "",
+        fmt.source(f"`.venv/bin/python benchmarks/bench_analyze.py --no-memory --repeat {d['repeat']} --threads "
+                   f"{d['threads_option']}`, medians of {d['repeat']} interleaved runs of `attnprobe analyze --model "
+                   f"{n['model']} --corpus corpora/{n['corpus']}` each way ({measured_on(d)})"),
+    ])
 
 
 @figure("performance-choices", runs=("batch-sizes", "startup"))

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPUS = "corpora/sentences.txt"
 GPL3 = "/usr/share/common-licenses/GPL-3"
 PARTS = ("results", "bench", "slow")
+INDUCTION = "L17H4,L18H6,L17H3,L23H2"  # SmolLM2's top induction heads by `attnprobe probe` (the figures check it)
 ANALYZE_FILES = ("heads.csv", "layers.csv", "run.json", "positions.csv", "categories.csv", "examples.npz",
                  "example_attention.npz", "resamples.npz")
 
@@ -65,9 +66,10 @@ def bench(script: str, *args: str, key: str = "") -> Step:
 
 
 def demo(model: str) -> tuple[Step, ...]:
-    """`make demo MODEL=model OUT={out}`: analyze, classify, plot and report."""
+    """`make demo MODEL=model OUT={out}`: analyze, classify, related, plot and report."""
     return (ap("analyze", "--model", model, "--corpus", CORPUS, "--out", "{out}", key="analyze"),
-            ap("classify", "--out", "{out}"), ap("plot", "--out", "{out}"), ap("report", "--out", "{out}"))
+            ap("classify", "--out", "{out}"), ap("related", "--out", "{out}", key="related"),
+            ap("plot", "--out", "{out}"), ap("report", "--out", "{out}"))
 
 
 RUNS: dict[str, Run] = {run.name: run for run in (
@@ -84,6 +86,12 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         ap("report", "--out", "{out}"), helper("screenshot", "{out}/report.html", "L16H0", "{out}/report.png")),
         needs=("demo",), about="`make demo`, then `attnprobe classify --scheme extended`, plot, report",
         minutes=0.3),
+    Run("related-smollm2", "results", (
+        helper("copy-analysis", "{work}/demo-extended", "{out}", "head_types.csv"),
+        ap("related", "--out", "{out}", "--heads", INDUCTION, key="related"),
+        ap("plot", "--out", "{out}", "--heads", INDUCTION)),
+        needs=("demo-extended",), about=f"`attnprobe related --heads {INDUCTION}` and plot, after `make demo` and "
+        "`classify --scheme extended`", minutes=0.5),
     Run("probe-smollm2", "results", (ap("probe", "--model", "smollm2-135m", "--out", "{out}"),),
         about="`attnprobe probe --model smollm2-135m`", minutes=0.5),
     Run("probe-minilm", "results", (ap("probe", "--model", "minilm-l6", "--out", "{out}"),),
@@ -141,6 +149,11 @@ RUNS: dict[str, Run] = {run.name: run for run in (
               "--json", "{out}/speed.json"),
         bench("bench_analyze.py", "--memory-only", "--work", "{work}/bench-work", "--json", "{out}/memory.json")),
         about="benchmarks/bench_analyze.py: speed (3 interleaved runs, 1 thread) and memory", minutes=8),
+    Run("bench-related", "bench", (
+        bench("bench_related.py", "--threads", "1", "--json", "{out}/defaults.json"),
+        bench("bench_related.py", "--long", "--threads", "1", "--json", "{out}/long.json")),
+        about="benchmarks/bench_related.py: `related`'s two parts on the bundled corpus and on its largest sample",
+        minutes=3),
     Run("batch-sizes", "bench", (helper("batch-sizes", "{work}/bench-work", "{out}/batch-sizes.json"),),
         about="`attnprobe analyze` on bench_analyze.py's model and corpus with batches of 4, 8, 16 and 32",
         minutes=2),
