@@ -705,12 +705,13 @@ def verify(
         texts = [s.text for s in itertools.islice(read_corpus(corpus).stream(), sentences)]
     else:
         texts = list(DEFAULT_SENTENCES)[:sentences]
-    apply_threads(threads)
+    threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
     checks = run_verify(loaded, texts)
     shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
-    table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}")))
+    table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}, "
+                                     f"{threads_used['threads']} torch thread(s)")))
     table.add_column("check", no_wrap=True)
     table.add_column("max abs diff", justify="right")
     table.add_column("tolerance", justify="right")
@@ -1141,12 +1142,13 @@ def rollout(
         raise AttnprobeError("--limit picks the first sentences of the corpus: pass --corpus too")
     sentences = read_corpus(corpus).head(limit) if corpus is not None else None
     check_choice(sentences, index, example)
-    apply_threads(threads)
+    threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, dtype.value, on_status=on_status)
     texts, indices = choose_sentences(loaded, sentences, index, example)
     result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
     result.info["limit"] = limit
+    result.info["threads"] = threads_used["threads"]
     source = Path(corpus).name if corpus is not None and not example else None
     written = io.write_rollout(out, result, plotting.rollout_figure(result, model, source))
     heading = f"{model}: attention rollout, {result.info['layers']} layers, residual {residual:g}"
@@ -1192,7 +1194,7 @@ def related(
     naming.check_heads_exist(chosen, run["model"]["layers"], run["model"]["heads"])
     corpus = run_corpus(run, out)
     spec = run_model(run)
-    apply_threads(threads)
+    threads_used = apply_threads(threads)
     with loading(spec) as on_status:
         loaded = load_model(spec, device.value, run.get("dtype", "float32"), on_status=on_status)
     if (loaded.num_layers, loaded.num_heads) != (run["model"]["layers"], run["model"]["heads"]):
@@ -1202,6 +1204,7 @@ def related(
     with err_console.status(f"Comparing {loaded.num_layers * loaded.num_heads} heads"):
         result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens, batch_size=batch_size)
     result.info["model"] = run["model"]["spec"]  # as run.json names it, whatever path loaded it
+    result.info["threads"] = threads_used["threads"]
     written = io.write_similarity(out, result)
     seconds = time.monotonic() - started
     out_console.print(similarity_table(result), soft_wrap=True)

@@ -741,6 +741,7 @@ def write_rollout(out: str | Path, rollout: Any, figure: Any) -> list[Path]:
         "sentence": np.asarray(rollout.sentences, dtype=str), "index": np.asarray(rollout.indices, dtype=np.int64),
         "residual": np.float64(rollout.residual), "model": np.asarray(str(rollout.info.get("model", ""))),
         "limit": np.int64(rollout.info.get("limit") or 0),  # --limit N: chosen among the first N; 0: no limit
+        "threads": np.int64(rollout.info.get("threads") or 0),  # torch threads it ran with; 0: not recorded
     }
     return write_files(out, {ROLLOUT_FILE: npz_writer(**arrays), ROLLOUT_FIGURE: figure_writer(figure)})
 
@@ -750,7 +751,8 @@ def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
 
     Keys: `js` [head, head] float64 (nats), `layer` and `head` [head] int64 (the matrix's rows, layer-major),
     `sentences`, `rows`, `tokens`, `max_tokens`, `cut` (int64), `indices` [sentence] int64 (0-based corpus
-    positions), `model` and `corpus_sha256` (strings), `causal` (bool). No pickles: `np.load(path)` reads it.
+    positions), `model` and `corpus_sha256` (strings), `causal` (bool), `threads` (int64, the torch threads it
+    ran with). No pickles: `np.load(path)` reads it.
     """
     info = similarity.info
     arrays = {
@@ -761,6 +763,7 @@ def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
         "indices": np.asarray(similarity.indices, dtype=np.int64), "model": np.asarray(str(info.get("model", ""))),
         "corpus_sha256": np.asarray(str(info.get("corpus_sha256", ""))),
         "causal": np.asarray(bool(info.get("causal", True))),
+        "threads": np.int64(info.get("threads") or 0),  # torch threads it ran with; 0: not recorded
     }
     return write_files(out, {SIMILARITY_FILE: npz_writer(**arrays)})
 

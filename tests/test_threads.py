@@ -4,6 +4,7 @@ recorded in run.json, ablate.json and probe.json; `auto` leaves out the cores th
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from test_cli import run
@@ -80,6 +81,18 @@ def test_threads_are_recorded(gpt2_dir, corpus_file, tmp_path):
                  "--sequences", 2, "--resamples", 5)
     assert result.exit_code == 0, result.output
     assert json.loads((probe_out / "probe.json").read_text())["threads"]["requested"] == "auto"
+    result = run("related", "--out", out, "--sentences", 3, "--device", "cpu", "--threads", 1)
+    assert result.exit_code == 0, result.output
+    with np.load(out / "head_similarity.npz") as similarity:
+        assert int(similarity["threads"]) == 1
+    rollout_out = tmp_path / "rollout"
+    result = run("rollout", "--model", gpt2_dir, "--corpus", corpus_file, "--out", rollout_out, "--device", "cpu",
+                 "--threads", 1)
+    assert result.exit_code == 0, result.output
+    with np.load(rollout_out / "rollout.npz") as rollout:
+        assert int(rollout["threads"]) == 1
+    result = run("verify", "--model", gpt2_dir, "--sentences", 1, "--device", "cpu", "--threads", 1)
+    assert "1 torch thread(s)" in " ".join(result.output.split()), result.output
 
 
 def test_numpy_gets_one_blas_thread_unless_told(monkeypatch):
