@@ -48,6 +48,8 @@ _MAP_SCORES: dict[str, tuple[str, str]] = {
 HEAD_SCORES: dict[str, tuple[str, str]] = {  # then what the head writes, and the value-weighted scores
     **_MAP_SCORES,
     "output_norm": ("output norm", "mean size of what the head writes, |sum_j a_ij W_O v_j|"),
+    "punctuation": ("punctuation", "attention on punctuation tokens"),
+    "duplicate_token": ("duplicate token", "attention on earlier copies of the query's token (rows that have one)"),
     **{key + VW: (f"{label}, value-weighted", f"{meaning}; each key weighted by |W_O v_j| (value-weighted)")
        for key, (label, meaning) in _MAP_SCORES.items() if key in VALUE_WEIGHTED},
 }
