@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -384,9 +384,9 @@ def attend(
 
     `span`: the layer's attention window (None: every key); `softcap`: scores -> softcap * tanh(scores /
     softcap); `sinks` [head]: a learned logit per head that joins each row's softmax and takes its share.
-    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from the same scores plus
-    ln |f_h(x_j)| (a second softmax over the block, without the sink: it moves nothing), stacked on the head axis
-    with the map so that one pass computes both, and `output_norm` from the block's output.
+    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from the same scores
+    (weighted_block; the sink, which moves nothing, is left out), written next to the map along the batch axis of
+    one buffer so that one pass of the block statistics computes both, and `output_norm` from the block's output.
     """
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]
@@ -414,20 +414,21 @@ def attend(
             scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys], as eager rounds it
         scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
         mask_block(scores, real, q0, causal, k0, span)
-        p, entropy, log_total = softmax_with_entropy(scores, sink_logits)  # [b, h, r, keys], [b, h, r], [b, h, r]
+        both = None if bias is None else scores.new_empty(2, *scores.shape)  # [2, batch, head, r, keys]
+        p, entropy, log_total = softmax_with_entropy(  # [b, h, r, keys] (both[0]), [b, h, r], [b, h, r]
+            scores, sink_logits, None if both is None else both[0])
         special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
-        if bias is None:
+        if both is None:
             stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0,
                                     span=span, tokens=info.tokens)
-        else:
-            weighted, weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1])
-            both = torch.cat((p, weighted), dim=1)  # [batch, 2 x head, r, keys]
-            stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
-                                                  torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span),
-                                  heads)
+        else:  # the map and its value-weighted map as a batch twice as long, no copy: [2 x batch, head, r, keys]
+            weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1], both[1])
+            stats = split_stacked(block_row_stats(
+                both.view(2 * batch, heads, q1 - q0, k1 - k0), q0, lengths.repeat(2), causal,
+                None if special is None else special.repeat(2, 1), info.sink, info.window,
+                torch.cat((entropy, weighted_entropy)), k0=k0, span=span), batch)
             if info.tokens is not None:  # of the map only: the stack's second half would be thrown away
                 stats.update(token_stats(p, info.tokens, q0, lengths, causal, k0, span))
-            del both, weighted
         del scores
         if taken is not None:
             taken[:, :, k0:k1] += received(p, q0, lengths)  # [batch, head, keys]
@@ -442,25 +443,26 @@ def attend(
                 stats[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, r]
             output[:, q0:q1] = out.transpose(1, 2)  # [batch, r, head, dim]
         sums.add(stats, q0, lengths, info.bins)
+        del both, p
     sums.received = taken
     return sums, example, output
 
 
-def weighted_block(p: Tensor, shifted: Tensor, log_total: Tensor, norms: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+def weighted_block(p: Tensor, shifted: Tensor, log_total: Tensor, norms: Tensor, bias: Tensor, out: Tensor) -> Tensor:
     """The value-weighted block a_ij w_j / sum_k a_ik w_k (w_j = |f_h(x_j)|, `norms` [batch, head, keys]; `bias` its
-    log, values.log_weights) and each row's entropy; NaN in a row whose weights w_j a_ij are all 0.
+    log, values.log_weights), written to `out` [batch, head, r, keys]; returns each row's entropy [batch, head, r].
+    NaN in a row whose weights w_j a_ij are all 0.
 
     From softmax_with_entropy's leftovers: p, the shifted scores s' (edited here) and ln Z, so that
     ln a~_ij = s'_ij + ln w_j - ln Z - ln z_i with z_i = sum_k a_ik w_k, and H~_i = ln Z + ln z_i - sum_j a~_ij (s'_ij
     + ln w_j): products and sums, no second exponential. A row whose every key of norm above 0 has a weight a_ij
     below float32's range (1e-38) would be NaN here; the fused path, in log space, still gives it.
     """
-    weighted = p * norms[:, :, None, :]  # [batch, head, r, keys]
+    weighted = torch.mul(p, norms[:, :, None, :], out=out)  # [batch, head, r, keys]
     z = weighted.sum(dim=-1)  # [batch, head, r]
     weighted.div_(z[..., None])  # 0/0 = NaN in a row with nothing to weigh
     logits = shifted.add_(bias[:, :, None, :])  # [batch, head, r, keys]: s' + ln w; masked keys stay near -3.4e38
-    entropy = log_total + z.log() - (weighted * logits).sum(dim=-1)  # [batch, head, r]
-    return weighted, entropy
+    return log_total + z.log() - (weighted * logits).sum(dim=-1)  # [batch, head, r]
 
 
 def fusable(features: LayerFeatures) -> bool:
@@ -508,8 +510,9 @@ def fused_attend(
     the causal part sum_{j<=i} p_ij (i - j) from a third, causal call; the recent window of sink_window is a
     banded sum over the W keys before each row.
 
-    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from the same calls with
-    ln |f_h(x_j)| added to the mask (see _fused_masses), and `output_norm` from the output.
+    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from one more statistics
+    call with ln |f_h(x_j)| added to the mask (see _fused_masses; the single weights' logits and the recent
+    window's band are shared with the map's), and `output_norm` from the output.
     """
     batch, heads, n, dim = query.shape
     groups = heads // key.shape[1]
@@ -533,8 +536,11 @@ def fused_attend(
     keys = keys - centre  # [batch, head, key, dim]: softmax unchanged, scores and lse smaller
     additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
         hidden, float("-inf"))  # [batch, 1, 1, key]
-    masses, lse, carried = _fused_masses(q, keys, real, additive32, causal, info, scale,
-                                         carry=value_h if together else None)
+    norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]
+    biases = (None,) if norms is None else (None, values.log_weights(norms))  # the map; the value-weighted one
+    found, carried = _fused_masses(q, keys, real, additive32, causal, info, scale, biases,
+                                   carry=value_h if together else None)
+    masses, lse = found[0]
     if together:  # centring the keys leaves every row's softmax, so the output, as it was
         out = carried  # [batch, head, q, dim]
     if info.tokens is not None:
@@ -542,12 +548,9 @@ def fused_attend(
                                                                    scale)
     per_row = row_stats(masses, 0, lengths, causal)
     if factors is not None:
-        norms = values.key_norms(value, factors)  # [batch, head, key]
-        bias = values.log_weights(norms)  # [batch, head, key]
-        weighted, _, _ = _fused_masses(q, keys, real, additive32, causal, info, scale, bias)
         empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]
         per_row.update({name: values_.masked_fill(empty, torch.nan) for name, values_ in value_weighted(
-            row_stats(weighted, 0, lengths, causal)).items()})
+            row_stats(found[1][0], 0, lengths, causal)).items()})
         per_row[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, q]
     sums = SentenceSums(rows={} if info.keep_rows else None)
     sums.add(per_row, 0, lengths, info.bins)
@@ -557,18 +560,74 @@ def fused_attend(
     return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
 
 
+class _FusedSums(NamedTuple):
+    """What one statistics call of _fused_masses reads from the fused kernel, [batch, head, q] each."""
+
+    lse: Tensor  # each row's logsumexp
+    entropy: Tensor
+    distance: Tensor
+    sinks: Tensor  # the mass on the first `sink` keys
+    special: Tensor | None  # None where not counted
+    punctuation: Tensor | None
+
+
 def _fused_masses(
     q: Tensor, keys: Tensor, real: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
-    bias: Tensor | None = None, carry: Tensor | None = None,
-) -> tuple[RowMasses, Tensor, Tensor | None]:
-    """Every row's masses from the fused kernel (fused_attend's identities), the logsumexp [batch, head, q], and
-    the attention output of `carry` [batch, head, key, c] (values that ride along in the same call) or None.
+    biases: tuple[Tensor | None, ...] = (None,), carry: Tensor | None = None,
+) -> tuple[list[tuple[RowMasses, Tensor]], Tensor | None]:
+    """Every row's masses from the fused kernel (fused_attend's identities) and the logsumexp [batch, head, q], once
+    per entry of `biases` (None: the map itself); and the attention output of `carry` [batch, head, key, c] (values
+    that ride along in the first call) or None. Each entry costs a statistics call of its own (_fused_call); the
+    scores of the single weights and of the recent window's band are computed once for all of them.
 
-    `bias` [batch, head, key]: an additive per-key term, ln |f_h(x_j)| for the value-weighted map (values.ZERO_NORM
-    where the norm is 0). It joins the mask, the single weights exp(s_ij + b_j - lse_i) and the recent
-    window's banded sum, and the entropy loses its mean, -sum_j p_ij b_j, from one more value channel:
-    H_i = lse_i - scale q_i . E[k] - E[b]. Special tokens are counted without a bias only.
+    A bias [batch, head, key] is an additive per-key term, ln |f_h(x_j)| for the value-weighted map
+    (values.ZERO_NORM where the norm is 0). It joins the mask, the single weights exp(s_ij + b_j - lse_i) and the
+    recent window's banded sum, and the entropy loses its mean, -sum_j p_ij b_j, from one more value channel:
+    H_i = lse_i - scale q_i . E[k] - E[b]. Special tokens and punctuation are counted without a bias only.
     """
+    batch, heads, n, _ = q.shape
+    calls = [_fused_call(q, keys, additive, causal, info, scale, bias, carry if k == 0 else None)
+             for k, bias in enumerate(biases)]
+    sums, carried = [call_sums for call_sums, _ in calls], calls[0][1]
+
+    def weights_at(offset: int) -> list[Tensor]:
+        """p[i, i + offset] for every row, one [batch, head, q] per bias, 0 where that key is not allowed (a future
+        key of a causal row)."""
+        found = [torch.zeros(batch, heads, n, device=q.device) for _ in biases]  # [batch, head, q] each
+        if (causal and offset > 0) or abs(offset) >= n:
+            return found
+        rows = slice(max(0, -offset), n - max(0, offset))  # the rows whose key i + offset exists
+        cols = slice(max(0, offset), n - max(0, -offset))
+        logit = scale * torch.linalg.vecdot(q[:, :, rows], keys[:, :, cols])  # [batch, head, m]
+        for out, bias, call in zip(found, biases, sums):
+            biased = logit if bias is None else logit + bias[:, :, cols]  # [batch, head, m]
+            weight = (biased - call.lse[:, :, rows]).exp()  # [batch, head, m]
+            out[:, :, rows] = torch.where(real[:, None, cols], weight, 0.0)  # a padded key has no weight
+        return found
+
+    near = {offset: weights_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
+    first_logit = scale * (q * keys[:, :, :1]).sum(dim=-1)  # [batch, head, q]: key 0 is always allowed
+    windows = _sink_window(q, keys, [(call.lse, call.sinks, bias) for call, bias in zip(sums, biases)], real,
+                           causal, info, scale)
+    found = []
+    for k, (bias, call) in enumerate(zip(biases, sums)):
+        biased = first_logit if bias is None else first_logit + bias[:, :, :1]  # [batch, head, q]
+        masses = RowMasses(
+            entropy=call.entropy, diagonal=sum(weights[k] for weights in near.values()),
+            first=(biased - call.lse).exp(), previous=near[-1][k], self=near[0][k], distance=call.distance,
+            sink_window=windows[k], special=call.special, punctuation=call.punctuation,
+        )
+        found.append((masses, call.lse))
+    return found, carried
+
+
+def _fused_call(
+    q: Tensor, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
+    bias: Tensor | None = None, carry: Tensor | None = None,
+) -> tuple[_FusedSums, Tensor | None]:
+    """One statistics call of _fused_masses (`bias` [batch, head, key] or None) and the output of `carry`
+    [batch, head, key, c] riding in it, [batch, head, q, c] or None: the keys, centred positions, first-keys,
+    special and punctuation flags and the bias as value channels, written in place."""
     batch, heads, n, dim = q.shape
     mid = (n - 1) / 2
     first = 0 if carry is None else carry.shape[-1]  # where the statistics' channels start
@@ -597,39 +656,17 @@ def _fused_masses(
     entropy = lse - scale * (q * mean[..., :dim]).sum(dim=-1)  # [batch, head, q]
     if bias is not None:
         entropy = entropy - mean[..., at_bias]  # [batch, head, q]
-    i = torch.arange(n, device=q.device)  # [q]
-
-    def weight_at(offset: int) -> Tensor:
-        """p[i, i + offset] for every row, 0 where that key is not allowed (a future key of a causal row)."""
-        out = torch.zeros(batch, heads, n, device=q.device)  # [batch, head, q]
-        if (causal and offset > 0) or abs(offset) >= n:
-            return out
-        rows = slice(max(0, -offset), n - max(0, offset))  # the rows whose key i + offset exists
-        cols = slice(max(0, offset), n - max(0, -offset))
-        logit = scale * torch.linalg.vecdot(q[:, :, rows], keys[:, :, cols])  # [batch, head, m]
-        if bias is not None:
-            logit = logit + bias[:, :, cols]  # [batch, head, m]
-        weight = (logit - lse[:, :, rows]).exp()  # [batch, head, m]
-        out[:, :, rows] = torch.where(real[:, None, cols], weight, 0.0)  # a padded key has no weight
-        return out
-
-    near = {offset: weight_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
-    first_logit = scale * (q * keys[:, :, :1]).sum(dim=-1)  # [batch, head, q]: key 0 is always allowed
-    if bias is not None:
-        first_logit = first_logit + bias[:, :, :1]  # [batch, head, q]
     position = mean[..., dim] + mid  # [batch, head, q]: E[j]
     if causal:
-        distance = i - position  # [batch, head, q]
+        distance = torch.arange(n, device=q.device) - position  # [batch, head, q]
     else:
         distance = _encoder_distance(q, keys, lse, position, additive, scale)
-    masses = RowMasses(
-        entropy=entropy, diagonal=sum(near.values()), first=(first_logit - lse).exp(), previous=near[-1],
-        self=near[0], distance=distance,
-        sink_window=_sink_window(q, keys, lse, mean[..., dim + 1], real, causal, info, scale, bias),
+    found = _FusedSums(
+        lse=lse, entropy=entropy, distance=distance, sinks=mean[..., dim + 1],
         special=mean[..., dim + 2] if special else None,
         punctuation=mean[..., dim + 2 + special] if punctuation else None,
     )
-    return masses, lse, carried
+    return found, carried
 
 
 PAIR_CHUNK = 1 << 16  # duplicate pairs scored at once on the fused path
@@ -726,14 +763,15 @@ def _encoder_distance(
 
 
 def _sink_window(
-    q: Tensor, keys: Tensor, lse: Tensor, sink_mass: Tensor, real: Tensor, causal: bool, info: Batch, scale: float,
-    bias: Tensor | None = None,
-) -> Tensor:
-    """row_sink_window from the fused kernel's logsumexp: the first `sink` keys' mass (a value channel) plus a
-    banded sum over the `window` most recent keys, block by block (O(n window) memory); `bias` [batch, head, key]
-    is added to the scores (the value-weighted map)."""
+    q: Tensor, keys: Tensor, views: list[tuple[Tensor, Tensor, Tensor | None]], real: Tensor, causal: bool,
+    info: Batch, scale: float,
+) -> list[Tensor]:
+    """row_sink_window from the fused kernel's logsumexp, one [batch, head, q] for each (lse, mass of the first
+    `sink` keys (a value channel), bias or None) in `views`: that mass plus a banded sum over the `window` most
+    recent keys, block by block (O(n window) memory); a bias [batch, head, key] is added to the scores (the
+    value-weighted map). The band's scores are computed once for every view."""
     batch, heads, n, _ = q.shape
-    out = torch.full((batch, heads, n), torch.nan, device=q.device)  # [batch, head, q]
+    out = [torch.full((batch, heads, n), torch.nan, device=q.device) for _ in views]  # [batch, head, q] each
     start, window = info.sink + info.window, info.window
     if not causal or start >= n:
         return out
@@ -744,15 +782,17 @@ def _sink_window(
         q1 = min(n, q0 + rows)
         k0 = q0 - window + 1  # >= sink: the window keys never reach the sink keys
         logits = (q[:, :, q0:q1] @ keys[:, :, k0:q1].transpose(-1, -2)).mul_(scale)  # [batch, head, r, keys]
-        if bias is not None:
-            logits.add_(bias[:, :, None, k0:q1])  # [batch, head, r, keys]
         i = torch.arange(q0, q1, device=q.device)[:, None]  # [r, 1]
         j = torch.arange(k0, q1, device=q.device)[None, :]  # [1, keys]
         band = (j > i - window) & (j <= i)  # [r, keys]
-        allowed = band[None] & real[:, None, k0:q1]  # [batch, r, keys]
-        logits.sub_(lse[:, :, q0:q1, None]).masked_fill_(~allowed[:, None], float("-inf"))
-        recent = logits.exp_().sum(dim=-1)  # [batch, head, r]: the window's mass
-        out[:, :, q0:q1] = sink_mass[:, :, q0:q1] + recent  # [batch, head, r]
+        hidden = ~(band[None] & real[:, None, k0:q1])[:, None]  # [batch, 1, r, keys]
+        for k, (into, (lse, sink_mass, bias)) in enumerate(zip(out, views)):
+            shifted = logits if k == len(views) - 1 else logits.clone()  # the last view may edit the shared scores
+            if bias is not None:
+                shifted.add_(bias[:, :, None, k0:q1])  # [batch, head, r, keys]
+            shifted.sub_(lse[:, :, q0:q1, None]).masked_fill_(hidden, float("-inf"))
+            recent = shifted.exp_().sum(dim=-1)  # [batch, head, r]: the window's mass
+            into[:, :, q0:q1] = sink_mass[:, :, q0:q1] + recent  # [batch, head, r]
     return out
 
 
@@ -793,19 +833,20 @@ def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool, k0: int = 0,
         scores.masked_fill_(~real[:, None, None, k0 : k0 + keys], lowest)  # [batch, head, r, keys]
 
 
-def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None, out: Tensor | None = None,
+                         ) -> tuple[Tensor, Tensor, Tensor]:
     """softmax over the last axis, each row's entropy -sum p ln p, from the shifted scores, and ln Z.
 
     With s' = s - max and Z = sum exp(s'), ln p = s' - ln Z, so H = ln Z sum p - sum p s': one product
     instead of a logarithm per entry. `sinks` [1, head, 1, 1]: a learned logit per head that joins the
     softmax as one more column and is dropped from p (its rows then sum to less than 1), as gpt-oss does.
-    Edits `scores` (our own) in place.
+    Edits `scores` (our own) in place; `out`, when given, receives p.
     """
     top = scores.amax(dim=-1, keepdim=True)  # [batch, head, r, 1]
     if sinks is not None:
         top = torch.maximum(top, sinks)  # [batch, head, r, 1]
     scores.sub_(top)  # [batch, head, r, keys]: <= 0, masked keys hugely negative
-    p = scores.exp()  # [batch, head, r, keys]
+    p = scores.exp() if out is None else torch.exp(scores, out=out)  # [batch, head, r, keys]
     total = p.sum(dim=-1, keepdim=True)  # [batch, head, r, 1]
     if sinks is not None:
         total = total + (sinks - top).exp()  # [batch, head, r, 1]

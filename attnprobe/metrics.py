@@ -336,11 +336,11 @@ def value_weighted(per_row: dict[str, Tensor]) -> dict[str, Tensor]:
     return {name + VW: per_row[name] for name in VALUE_WEIGHTED}
 
 
-def split_stacked(per_row: dict[str, Tensor], heads: int) -> dict[str, Tensor]:
-    """The statistics of a block of the map and its value-weighted map stacked on the head axis
-    ([batch, 2 x head, rows] each): the raw scores from the first `heads`, the `_vw` ones from the rest."""
-    raw = {name: values[:, :heads] for name, values in per_row.items()}  # [batch, head, rows] each
-    return {**raw, **value_weighted({name: per_row[name][:, heads:] for name in VALUE_WEIGHTED})}
+def split_stacked(per_row: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
+    """The statistics of a block of the map and its value-weighted map stacked on the batch axis
+    ([2 x batch, head, rows] each): the raw scores from the first `batch`, the `_vw` ones from the rest."""
+    raw = {name: values[:batch] for name, values in per_row.items()}  # [batch, head, rows] each
+    return {**raw, **value_weighted({name: per_row[name][batch:] for name in VALUE_WEIGHTED})}
 
 
 def position_bin(i: Tensor) -> Tensor:
