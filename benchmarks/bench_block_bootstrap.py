@@ -2,21 +2,23 @@
 
 Run:  .venv/bin/python benchmarks/bench_block_bootstrap.py                 (~1 min here)
       .venv/bin/python benchmarks/bench_block_bootstrap.py --lengths 1825,7657 --layers 30 --heads 9
+      .venv/bin/python benchmarks/bench_block_bootstrap.py --json x.json   (also as JSON, for `make figures`)
 
 Below 10 sequences `analyze` keeps each layer's row values ([head, row] per score) and resamples them
 with `BlockResampler.means` before dropping them. This times exactly that, on random values shaped like
 SmolLM2-135M's (30 layers x 9 heads, the 13 scores of a tokenizer that adds special tokens; some rows
 NaN as in entropy_norm, sink_window and the _unforced scores) with the default 1,000 resamples: drawing
 the blocks once per sequence, then one `means` call per layer. Target: well under the forward pass of
-the same document (SmolLM2 took 20 s for 1,825 tokens and 183 s for 7,657 on this machine, see
-docs/long-documents.md). It also prints the row values one layer holds, in MiB (float32, as the kernel
-keeps them).
+the same document (docs/long-documents.md compares it with SmolLM2's run on the GPL-3 text, `make figures`).
+It also prints the row values one layer holds, in MiB (float32, as the kernel keeps them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch  # noqa: F401 - imported before the timings (BlockResampler imports it on first use)
@@ -41,10 +43,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES)
+    parser.add_argument("--json", type=Path, help="also write what was measured to this file (for `make figures`)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print("| rows | block length | draw s | resample all layers s | s per layer | one layer's rows MiB |")
     print("|---|---|---|---|---|---|")
+    measured = {"layers": args.layers, "heads": args.heads, "scores": SCORES, "resamples": args.resamples,
+                "lengths": []}
     for rows in (int(n) for n in args.lengths.split(",")):
         layer = values(args.heads, rows, rng)
         started = time.perf_counter()
@@ -57,6 +62,11 @@ def main() -> None:
         held = SCORES * args.heads * rows * 4 / 2**20
         print(f"| {rows:,} | {block_length(rows)} | {drawn:.2f} | {resampled:.1f} | {resampled / args.layers:.2f} | "
               f"{held:.1f} |")
+        measured["lengths"].append({"rows": rows, "block_length": block_length(rows), "draw_seconds": drawn,
+                                    "resample_seconds": resampled, "held_mib": held})
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(measured, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ into its own folder under the work folder (default `outputs/figures/`, gitignore
 where and how long into `<work>/_runs/<run>.json`; the figures read those folders (see figures/figures.py).
 
 Runs belong to a part: `results` (the real models' results, the default), `bench` (benchmarks that take a few
-minutes) and `slow` (those that take tens of minutes: the full SmolLM2 ablation, bench_ablate, bench_corpus,
-the thread comparison, the test suite). `python -m figures --part ...` chooses.
+minutes) and `slow` (those that take tens of minutes: the full SmolLM2 ablation, the dormant sinks' ablation,
+bench_ablate, bench_corpus, the thread comparison, the test suite). `python -m figures --part ...` chooses.
 """
 
 from __future__ import annotations
@@ -132,6 +132,8 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         needs=("demo",), about="report.html's size for 8 examples of 40 tokens, decoder and encoder", minutes=0.1),
     Run("coverage", "results", (helper("coverage", "{out}/coverage.json"),),
         about="the bootstrap's coverage simulation (tests/test_bootstrap.py's)", minutes=0.1),
+    Run("block-coverage", "results", (helper("block-coverage", "{out}/block-coverage.json"),),
+        about="the block bootstrap's coverage simulation (tests/test_block_bootstrap.py's)", minutes=0.2),
     Run("zoo", "results", (helper("zoo", "{work}/zoo-models", "{out}/zoo.json"),),
         about="the architecture table: tests/zoo.py's tiny models, discovered and verified", minutes=0.3),
     Run("torchrun-minilm", "results", (
@@ -165,6 +167,9 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         bench("bench_long.py", "--part", "zoo", "--threads", "1", "--work", "{work}/bench-work", "--json",
               "{out}/zoo.json")),
         about="benchmarks/bench_long.py: SmolLM2 at 3,600 tokens, a tiny Llama to 32k, the zoo", minutes=10),
+    Run("bench-block-bootstrap", "bench", (bench("bench_block_bootstrap.py", "--json", "{out}/block.json"),),
+        about="benchmarks/bench_block_bootstrap.py: the block bootstrap's resampling of 1,825 to 32,768 rows",
+        minutes=1),
     Run("ablate-smollm2", "slow", (
         helper("copy-analysis", "{work}/demo-extended", "{out}", "head_types.csv"),
         ap("ablate", "--model", "smollm2-135m", "--corpus", CORPUS, "--out", "{out}", "--layers", "--threads", "1",
@@ -174,6 +179,10 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         minutes=20),
     Run("sink-groups", "slow", (helper("sink-groups", "{work}/demo-extended", "{out}/sink-groups.json"),),
         needs=("demo-extended",), about="all of SmolLM2's sink heads ablated at once, zero and mean", minutes=4),
+    Run("dormant-sinks", "slow", (
+        bench("dormant_sinks.py", "--out", "{out}/smollm2", "--json", "{out}/dormant.json"),),
+        about="benchmarks/dormant_sinks.py: SmolLM2's analyze, classify --scheme extended, ablate of every head",
+        minutes=12),
     Run("bench-ablate", "slow", (bench("bench_ablate.py", "--threads", "1", "--json", "{out}/ablate.json"),),
         about="benchmarks/bench_ablate.py --threads 1", minutes=45),
     Run("bench-corpus", "slow", (

@@ -230,6 +230,30 @@ def coverage(target: str, trials: int = 300, n: int = 60, resamples: int = 400) 
     write_json(target, {"trials": trials, "values": n, "resamples": resamples, "rate": covered / trials})
 
 
+def block_coverage(target: str, trials: int = 300, rows: int = 1000, resamples: int = 400, phi: float = 0.5) -> None:
+    """How often the 95% block interval of the mean of an AR(1) series holds the true mean, against resampling
+    single rows as if independent: the simulation of tests/test_block_bootstrap.py's coverage test, with its seeds
+    and its series."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_block_bootstrap import ar1
+
+    from attnprobe.bootstrap import BlockResampler, block_length, interval
+
+    rng = np.random.default_rng(5)
+    series = ar1(trials, rows, phi, rng)  # [trial, row]
+    covered = naive = 0
+    for trial in range(trials):
+        low, high = interval(BlockResampler.draw(trial, rows, resamples, seed=0).means(series[trial][None, :]))
+        covered += bool(low[0] <= 1.0 <= high[0])
+        single = series[trial][rng.integers(0, rows, size=(resamples, rows))].mean(axis=1)  # [resample]
+        low, high = interval(single)
+        naive += bool(low <= 1.0 <= high)
+    write_json(target, {"trials": trials, "rows": rows, "resamples": resamples, "phi": phi,
+                        "block_length": block_length(rows), "rate": covered / trials, "single_rows": naive / trials})
+
+
 def zoo(work: str, target: str) -> None:
     """Per architecture of tests/zoo.py: the path `auto` takes on long documents and the features discovered,
     and the largest difference of the blocked and fused statistics from the eager maps' (verify's checks)."""
@@ -258,7 +282,8 @@ def zoo(work: str, target: str) -> None:
 
 STEPS = {"copy-analysis": copy_analysis, "screenshot": screenshot, "verify": verify, "gpt2-small": gpt2_small,
          "sink-groups": sink_groups, "startup": startup, "threads": threads, "suite": suite,
-         "report-sizes": report_sizes, "batch-sizes": batch_sizes, "coverage": coverage, "zoo": zoo}
+         "report-sizes": report_sizes, "batch-sizes": batch_sizes, "coverage": coverage,
+         "block-coverage": block_coverage, "zoo": zoo}
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/guides/classify.md", "default **0.95**", "a threshold's default"),
     ("docs/guides/related.md", "ln 2 = 0.693", "a closed form: JS of disjoint rows"),
     ("docs/guides/related.md", "at most 64 x 64", "the --max-tokens default"),
+    ("docs/guides/classify.md", "default 0.5, of its layer's", "a threshold's default (--dormant-max-output-ratio)"),
     ("docs/guides/classify.md", "with 5% of its mass", "an example"),
     ("docs/guides/rollout.md", "A' = 0.5 A + 0.5 I", "the definition of rollout"),
     ("docs/guides/rollout.md", "default 0.5", "an option's default"),
@@ -70,6 +71,13 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/long-documents.md", "no architecture in 5.23", "a version"),
     ("docs/long-documents.md", "56 GiB (32,768^2 x 14 heads x 4 bytes)", "arithmetic, shown"),
     ("docs/long-documents.md", "default 64 MiB", "an option's default"),
+    ("docs/long-documents.md", "x 13 scores x 4 bytes = 15 MB", "arithmetic on SmolLM2's shape, shown"),
+    ("docs/metrics.md", "x 13 scores x 4 bytes = 15 MB", "arithmetic on SmolLM2's shape, shown"),
+    ("docs/metrics.md", "30 x 9 x 49,152 x 8 bytes = 106 MB for M (about 118 MB in all",
+     "arithmetic: float64 sums of SmolLM2's layers x heads x vocabulary, plus layers x vocabulary (U)"),
+    ("docs/metrics.md", "float32's range (1e-38)", "float32's smallest normal number, a constant"),
+    ("docs/metrics.md", "smallest normal number (1.2e-38;", "float32's smallest normal number, a constant"),
+    ("docs/metrics.md", "by less than 1e-35 nats", "arithmetic: -w ln w < 88 w for a weight w below 1.2e-38"),
     ("docs/large-corpora.md", "up to 1 GiB", "a threshold of the code"),
     ("*", "within 3 s", "the hub's connection timeout, a constant of the code"),
     ("docs/errors.md", "(604,800 s)", "a limit of the code: a week"),
@@ -321,6 +329,27 @@ def test_the_figures_own_rules_on_small_inputs():
     busy = {"machine": machine, "load": 3.0}
     assert benchmarks.seconds_of({"seconds": 9.0, "cpu_seconds": 5.0}, benchmarks.is_busy(busy)) == 5.0
     assert benchmarks.seconds_of({"seconds": 9.0, "cpu_seconds": 5.0}, False) == 9.0
+
+
+def test_the_moves_figures_own_rules_on_small_inputs():
+    from figures import moves
+
+    assert moves.ceil_sig(0.0013) == pytest.approx(0.002) and moves.ceil_sig(0.002) == pytest.approx(0.002)
+    assert moves.ceil_sig(0.0000) == 0.0 and moves.ceil_sig(0.031) == pytest.approx(0.04)
+    loud = {"loudest": [{"head": "L24H8", "layer": 24, "type": "sink", "ratio": 5.71},
+                        {"head": "L24H6", "layer": 24, "type": "dormant", "ratio": 5.38},
+                        {"head": "L3H1", "layer": 3, "type": "mixed", "ratio": 3.4}]}
+    assert moves.loud_sentence(loud) == ("SmolLM2's loudest heads are L24H6 and L24H8 (sinks of layer 24), writing "
+                                         "5.4 to 5.7 times their layer's median; the next, L3H1 (mixed), 3.4")
+    loud["loudest"][1].update(layer=5, head="L5H6", type="broad")
+    assert moves.loud_sentence(loud) == ("SmolLM2's loudest heads are L5H6 and L24H8, writing 5.4 to 5.7 times their "
+                                         "layer's median; the next, L3H1 (mixed), 3.4")
+    quiet = {"loudest": [{"head": "L1H1", "layer": 1, "type": "mixed", "ratio": 1.5}]}
+    assert moves.loud_sentence(quiet) == ("SmolLM2's loudest head is L1H1 (of layer 1), writing 1.5 times its "
+                                          "layer's median")
+    assert moves.below_default({"others_below_default": []}) == "no other head"
+    assert moves.below_default({"others_below_default": [{"head": "L2H2", "type": "mixed", "ratio": 0.4833}]}) == \
+        "a single other head (a mixed one, at 0.483)"
 
 
 # ---- the runner's choices ----------------------------------------------------------------------------------------
