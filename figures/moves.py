@@ -244,3 +244,21 @@ def _(d: dict) -> str:
         + f" takes {fmt.percent(share, 1)} of the whole `analyze` run ({fmt.seconds(g['seconds'])} on {g['date']}, "
         "[below](#smollm2-on-a-long-document)).\n\n"
         + fmt.source("`.venv/bin/python benchmarks/bench_block_bootstrap.py`"))
+
+
+@figure("readme-value-weighted", runs=("dormant-sinks",))
+def readme_value_weighted(out: Outputs) -> dict:
+    d = dormant_sinks.collect(out)
+    return {k: d[k] for k in ("sinks", "value_weighted", "date")}
+
+
+@readme_value_weighted.renderer
+def _(d: dict) -> str:
+    vw = d["value_weighted"]
+    sinks = vw["sinks"]["first_token_unforced"]
+    verb = "less" if sinks[1] < sinks[0] else "more"
+    return (f"- Value-weighted scores (`<score>_vw`): weighing each key by the size of what it writes, SmolLM2's "
+            f"{d['sinks']} sinks put {verb} on the first token ({fmt.num(sinks[0], 2)} of the attention, "
+            f"{fmt.num(sinks[1], 2)} value-weighted)"
+            + (": the first token draws more attention than it moves" if sinks[1] < sinks[0] else "")
+            + " ([metric definitions](docs/metrics.md#what-a-head-moves-value-weighted-scores)).")
