@@ -257,7 +257,8 @@ def _(d: dict) -> str:
     vw = d["value_weighted"]
     sinks = vw["sinks"]["first_token_unforced"]
     verb = "less" if sinks[1] < sinks[0] else "more"
-    return (f"- Value-weighted scores (`<score>_vw`): weighing each key by the size of what it writes, SmolLM2's "
+    return (f"- Value-weighted scores (`<score>_vw` of `attnprobe analyze`): weighing each key by the size of what it "
+            "writes, SmolLM2's "
             f"{d['sinks']} sinks put {verb} on the first token ({fmt.num(sinks[0], 2)} of the attention, "
             f"{fmt.num(sinks[1], 2)} value-weighted)"
             + (": the first token draws more attention than it moves" if sinks[1] < sinks[0] else "")
