@@ -600,8 +600,8 @@ def vocabulary(loaded: LoadedModel) -> int:
 
 def key_classes(loaded: LoadedModel, input_ids: torch.Tensor, special: torch.Tensor) -> TokenClasses:
     """The batch's token ids and which positions hold punctuation (never a special token), [batch, seq] each."""
-    table = torch.from_numpy(token_classes.punctuation_table(loaded.tokenizer, vocabulary(loaded)))  # [vocab]
-    punctuation = table.to(input_ids.device)[input_ids] & ~special  # [batch, seq]
+    flags = token_classes.punctuation_of(loaded.tokenizer, input_ids.cpu().numpy(), vocabulary(loaded))  # [b, seq]
+    punctuation = torch.from_numpy(flags).to(input_ids.device) & ~special  # [batch, seq]
     return TokenClasses(input_ids, punctuation)
 
 
