@@ -528,26 +528,27 @@ def measure_batch(
     """
     b, sink, window = input_ids.shape[0], options.sink, options.window
     k = min(shape.bins, bin_count(input_ids.shape[1]))
-    stats = {name: torch.full((b, shape.layers, shape.heads), torch.nan, device=loaded.device)
-             for name in shape.names}  # [batch, layer, head]
-    bins = {name: torch.full((b, shape.layers, shape.heads, k), torch.nan, device=loaded.device)
-            for name in shape.bin_names}  # [batch, layer, head, bin]
+    stats = torch.full((len(shape.names), b, shape.layers, shape.heads), torch.nan,
+                       device=loaded.device)  # [score, batch, layer, head]
+    bins = torch.full((len(shape.bin_names), b, shape.layers, shape.heads, k), torch.nan,
+                      device=loaded.device)  # [binned score, batch, layer, head, bin]
 
     spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
     lengths = mask.sum(dim=-1)  # [batch]
     if received_by is not None:
         n = input_ids.shape[1]
         received_by["mass"] = torch.zeros(shape.layers, shape.heads, b, n, device=loaded.device)  # [l, h, b, seq]
-        received_by["uniform"] = torch.stack([uniform_received(lengths, n, loaded.causal, span)
-                                              for span in spans])  # [layer, batch, seq]
+        uniform = {span: uniform_received(lengths, n, loaded.causal, span) for span in set(spans)}  # [batch, seq]
+        received_by["uniform"] = torch.stack([uniform[span] for span in spans])  # [layer, batch, seq]
+    rows_of = Rows(shape.names, shape.bin_names)
 
     def store(layer: int, sums: SentenceSums) -> None:
         if received_by is not None and sums.received is not None:
             received_by["mass"][layer] = sums.received.transpose(0, 1)  # [head, batch, seq]
-        for name, value in sums.means().items():  # [batch, head]
-            stats[name][:, layer] = value
-        for name, value in sums.bin_means().items():  # [batch, head, bin]
-            bins[name][:, layer] = value
+        if sums.total is not None:
+            stats[rows_of.scores(sums.names), :, layer] = sums.stacked_means()  # [score, batch, head]
+        if sums.bin_total is not None:
+            bins[rows_of.bins(sums.binned), :, layer] = sums.stacked_bin_means()  # [binned score, batch, head, bin]
         if resamplers and on_resampled is not None:
             on_resampled(layer, resample_rows(sums.rows, shape.names, resamplers))
         if on_layer is not None:
@@ -574,7 +575,28 @@ def measure_batch(
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
         stream_attention(loaded, input_ids, mask, on_map)
-    return _to_numpy(stats), _to_numpy(bins)
+    return _to_numpy(shape.names, stats), _to_numpy(shape.bin_names, bins)
+
+
+class Rows:
+    """Where a layer's stacked scores (SentenceSums.names, .binned) go in measure_batch's stacked tensors: the
+    indices, looked up once per order of names."""
+
+    def __init__(self, names: tuple[str, ...], bin_names: tuple[str, ...]) -> None:
+        self.names, self.bin_names = names, bin_names
+        self._found: dict[tuple[tuple[str, ...], bool], list[int]] = {}
+
+    def scores(self, names: tuple[str, ...]) -> list[int]:
+        return self._find(names, False)
+
+    def bins(self, names: tuple[str, ...]) -> list[int]:
+        return self._find(names, True)
+
+    def _find(self, names: tuple[str, ...], binned: bool) -> list[int]:
+        if (names, binned) not in self._found:
+            order = self.bin_names if binned else self.names
+            self._found[names, binned] = [order.index(name) for name in names]  # ValueError: a score not asked for
+        return self._found[names, binned]
 
 
 def resample_rows(
@@ -638,8 +660,9 @@ def eager_value_weighted(
     return per_row
 
 
-def _to_numpy(values_: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {name: v.cpu().numpy().astype(np.float64) for name, v in values_.items()}
+def _to_numpy(names: tuple[str, ...], stacked: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per name, its slice of `stacked` [name, ...] in float64."""
+    return dict(zip(names, stacked.cpu().numpy().astype(np.float64)))
 
 
 def windows(sentences: Iterable[Sentence], size: int) -> Iterator[tuple[int, list[Sentence]]]:

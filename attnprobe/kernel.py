@@ -35,13 +35,17 @@ from attnprobe.metrics import (
     DIAGONAL_WINDOW,
     RECENT_WINDOW,
     SINK_TOKENS,
+    RowGeometry,
     RowMasses,
     SentenceSums,
     TokenClasses,
+    TokenPairs,
     block_row_stats,
     received,
+    row_geometry,
     row_stats,
     split_stacked,
+    token_pairs,
     token_stats,
     value_weighted,
 )
@@ -105,6 +109,45 @@ class Batch:
     projections: list[nn.Module] | None = None  # per layer, the output projection: also the value-weighted scores
     keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
     tokens: TokenClasses | None = None  # token ids and punctuation: punctuation, duplicate and the mass received
+    kept: dict[tuple, Any] = field(default_factory=dict)  # what every layer shares: `padding`, `block`
+
+    def padding(self, padding: Tensor | None, batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The checked right-padded mask [batch, key] and the lengths [batch] of a layer's padding mask: checked
+        and counted by the first layer that gets this mask, the others reuse them."""
+        found = self.kept.get(("padding", id(padding), batch, n))
+        if found is None or found[0] is not padding:  # the mask itself is kept, so its id is not reused
+            real = _right_padded(padding, batch, n, device)  # [batch, key]
+            found = self.kept["padding", id(padding), batch, n] = (padding, real, real.sum(dim=-1))
+        return found[1], found[2]
+
+    def block(self, real: Tensor, lengths: Tensor, q0: int, q1: int, k0: int, k1: int, causal: bool,
+              span: int | None) -> Block:
+        """The Block of query rows q0 .. q1 - 1 and keys k0 .. k1 - 1 under the mask `real` (one of `padding`'s)."""
+        key = ("block", id(real), q0, q1, k0, k1, causal, span)
+        if key not in self.kept:
+            pairs = None if self.tokens is None else token_pairs(self.tokens.ids, q0, q1 - q0, k0, k1 - k0, lengths,
+                                                                  causal, span)
+            self.kept[key] = Block(row_geometry(q0, q1 - q0, lengths, causal, span),
+                                   mask_plan(real, q0, q1 - q0, k1 - k0, causal, k0, span), pairs)
+        return self.kept[key]
+
+
+@dataclass
+class Block:
+    """What the statistics of a block of query rows share across the layers of a batch (Batch.block): their
+    geometry, the mask of the block's scores and the keys that hold each row's token."""
+
+    rows: RowGeometry
+    mask: MaskPlan
+    pairs: TokenPairs | None  # None without token classes
+
+
+@dataclass
+class MaskPlan:
+    """Which scores of a block mask_block hides: a strip of columns some row may not see, and padded keys."""
+
+    strip: tuple[int, int, Tensor] | None  # (lo, hi, hidden [rows, hi - lo] bool), None: every row sees every key
+    padded: Tensor | None  # [batch, 1, 1, keys] bool: padded keys, None when every key is real
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
@@ -392,8 +435,7 @@ def attend(
     kv_heads = key.shape[1]
     groups = heads // kv_heads  # query heads sharing one KV head (grouped-query attention)
     scale = dim**-0.5 if scaling is None else scaling
-    real = _right_padded(padding, batch, n, query.device)  # [batch, key]
-    lengths = real.sum(dim=-1)  # [batch]: right padding
+    real, lengths = info.padding(padding, batch, n, query.device)  # [batch, key], [batch]: right padding
     keys_t = key.transpose(-1, -2)  # [batch, kv_head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
     extra = None if span is None else sum(window_reach(causal, span))
@@ -408,25 +450,26 @@ def attend(
     for q0 in range(0, n, rows):
         q1 = min(n, q0 + rows)
         k0, k1 = block_keys(q0, q1, n, causal, span)
+        block = info.block(real, lengths, q0, q1, k0, k1, causal, span)
         q_block = query[:, :, q0:q1].reshape(batch, kv_heads, groups * (q1 - q0), dim)  # [batch, kv, g*r, dim]
         scores = (q_block @ keys_t[..., k0:k1]).mul_(scale)  # [batch, kv, g*r, keys]: scaled in the model's dtype
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys], as eager rounds it
         scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
-        mask_block(scores, real, q0, causal, k0, span)
+        apply_mask(scores, block.mask)
         p, entropy, log_total = softmax_with_entropy(scores, sink_logits)  # [b, h, r, keys], [b, h, r], [b, h, r]
         special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
         if bias is None:
             stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0,
-                                    span=span, tokens=info.tokens)
+                                    span=span, tokens=info.tokens, geometry=block.rows, pairs=block.pairs)
         else:
             weighted, weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1])
             both = torch.cat((p, weighted), dim=1)  # [batch, 2 x head, r, keys]
             stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
-                                                  torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span),
-                                  heads)
+                                                  torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span,
+                                                  geometry=block.rows), heads)
             if info.tokens is not None:  # of the map only: the stack's second half would be thrown away
-                stats.update(token_stats(p, info.tokens, q0, lengths, causal, k0, span))
+                stats.update(token_stats(p, info.tokens, q0, lengths, causal, k0, span, block.pairs))
             del both, weighted
         del scores
         if taken is not None:
@@ -441,7 +484,7 @@ def attend(
             if factors is not None:
                 stats[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, r]
             output[:, q0:q1] = out.transpose(1, 2)  # [batch, r, head, dim]
-        sums.add(stats, q0, lengths, info.bins)
+        sums.add(stats, q0, lengths, info.bins, block.rows)
     sums.received = taken
     return sums, example, output
 
@@ -777,20 +820,37 @@ def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool, k0: int = 0,
     block's own positions, the window's far edge, padded keys.
     """
     rows, keys = scores.shape[-2:]
-    lowest = torch.finfo(torch.float32).min
-    i = torch.arange(q0, q0 + rows, device=scores.device)  # [r]
-    j = torch.arange(k0, k0 + keys, device=scores.device)  # [keys]
-    hidden = torch.zeros(rows, keys, dtype=torch.bool, device=scores.device)  # [r, keys]
+    apply_mask(scores, mask_plan(real, q0, rows, keys, causal, k0, span))
+
+
+def mask_plan(real: Tensor, q0: int, rows: int, keys: int, causal: bool, k0: int = 0,
+              span: int | None = None) -> MaskPlan:
+    """What mask_block hides in a block of `rows` query rows from q0 and `keys` keys from k0 (the same in every
+    layer of a batch)."""
+    i = torch.arange(q0, q0 + rows, device=real.device)  # [r]
+    j = torch.arange(k0, k0 + keys, device=real.device)  # [keys]
+    hidden = torch.zeros(rows, keys, dtype=torch.bool, device=real.device)  # [r, keys]
     if causal:
         hidden |= j[None, :] > i[:, None]
     if span is not None:
         hidden |= (j[None, :] <= i[:, None] - span) if causal else ((j[None, :] - i[:, None]).abs() > span)
     columns = hidden.any(dim=0).nonzero()  # [c, 1]
+    strip = None
     if len(columns):
         lo, hi = int(columns[0]), int(columns[-1]) + 1
-        scores[..., lo:hi].masked_fill_(hidden[:, lo:hi], lowest)  # [batch, head, r, strip]
-    if not bool(real[:, k0 : k0 + keys].all()):
-        scores.masked_fill_(~real[:, None, None, k0 : k0 + keys], lowest)  # [batch, head, r, keys]
+        strip = (lo, hi, hidden[:, lo:hi])  # [r, strip]
+    padded = None if bool(real[:, k0 : k0 + keys].all()) else ~real[:, None, None, k0 : k0 + keys]  # [b, 1, 1, keys]
+    return MaskPlan(strip, padded)
+
+
+def apply_mask(scores: Tensor, plan: MaskPlan) -> None:
+    """mask_block's masking of `scores` [batch, head, r, keys] by a MaskPlan, in place."""
+    lowest = torch.finfo(torch.float32).min
+    if plan.strip is not None:
+        lo, hi, hidden = plan.strip
+        scores[..., lo:hi].masked_fill_(hidden, lowest)  # [batch, head, r, strip]
+    if plan.padded is not None:
+        scores.masked_fill_(plan.padded, lowest)  # [batch, head, r, keys]
 
 
 def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
