@@ -457,13 +457,13 @@ def attend(
             scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys], as eager rounds it
         scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
         apply_mask(scores, block.mask)
-        p, entropy, log_total = softmax_with_entropy(scores, sink_logits)  # [b, h, r, keys], [b, h, r], [b, h, r]
+        p, entropy, log_p = softmax_with_entropy(scores, sink_logits)  # [b, h, r, keys], [b, h, r], [b, h, r, keys]
         special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
         if bias is None:
             stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0,
                                     span=span, tokens=info.tokens, geometry=block.rows, pairs=block.pairs)
         else:
-            weighted, weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1])
+            weighted, weighted_entropy = weighted_block(p, log_p, norms[:, :, k0:k1], bias[:, :, k0:k1])
             both = torch.cat((p, weighted), dim=1)  # [batch, 2 x head, r, keys]
             stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
                                                   torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span,
@@ -489,20 +489,20 @@ def attend(
     return sums, example, output
 
 
-def weighted_block(p: Tensor, shifted: Tensor, log_total: Tensor, norms: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+def weighted_block(p: Tensor, log_p: Tensor, norms: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """The value-weighted block a_ij w_j / sum_k a_ik w_k (w_j = |f_h(x_j)|, `norms` [batch, head, keys]; `bias` its
     log, values.log_weights) and each row's entropy; NaN in a row whose weights w_j a_ij are all 0.
 
-    From softmax_with_entropy's leftovers: p, the shifted scores s' (edited here) and ln Z, so that
-    ln a~_ij = s'_ij + ln w_j - ln Z - ln z_i with z_i = sum_k a_ik w_k, and H~_i = ln Z + ln z_i - sum_j a~_ij (s'_ij
-    + ln w_j): products and sums, no second exponential. A row whose every key of norm above 0 has a weight a_ij
-    below float32's range (1e-38) would be NaN here; the fused path, in log space, still gives it.
+    From softmax_with_entropy's p and ln p (edited here): ln a~_ij = ln p_ij + ln w_j - ln z_i with
+    z_i = sum_k a_ik w_k, and H~_i = ln z_i - sum_j a~_ij (ln p_ij + ln w_j): products and sums, no second
+    exponential. A row whose every key of norm above 0 has a weight a_ij below float32's range (1e-38) would be NaN
+    here; the fused path, in log space, still gives it.
     """
     weighted = p * norms[:, :, None, :]  # [batch, head, r, keys]
     z = weighted.sum(dim=-1)  # [batch, head, r]
     weighted.div_(z[..., None])  # 0/0 = NaN in a row with nothing to weigh
-    logits = shifted.add_(bias[:, :, None, :])  # [batch, head, r, keys]: s' + ln w; masked keys stay near -3.4e38
-    entropy = log_total + z.log() - (weighted * logits).sum(dim=-1)  # [batch, head, r]
+    logits = log_p.add_(bias[:, :, None, :])  # [batch, head, r, keys]: ln p + ln w; masked keys stay near -3.4e38
+    entropy = z.log() - (weighted * logits).sum(dim=-1)  # [batch, head, r]
     return weighted, entropy
 
 
@@ -854,26 +854,28 @@ def apply_mask(scores: Tensor, plan: MaskPlan) -> None:
 
 
 def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """softmax over the last axis, each row's entropy -sum p ln p, from the shifted scores, and ln Z.
+    """softmax over the last axis, each row's entropy -sum p ln p, and ln p (hugely negative, finite, at masked keys).
 
-    With s' = s - max and Z = sum exp(s'), ln p = s' - ln Z, so H = ln Z sum p - sum p s': one product
-    instead of a logarithm per entry. `sinks` [1, head, 1, 1]: a learned logit per head that joins the
-    softmax as one more column and is dropped from p (its rows then sum to less than 1), as gpt-oss does.
-    Edits `scores` (our own) in place.
+    torch's own softmax and log_softmax, as eager attention takes them: fused kernels, where a plain exp of the
+    masked keys' hugely negative scores takes a slow path (40 times the time of the whole softmax on short
+    sentences). `sinks` [1, head, 1, 1]: a learned logit per head that joins the softmax as one more column and is
+    dropped from p (its rows then sum to less than 1), as gpt-oss does: with s' = s - max and Z = sum exp(s') over
+    the keys and the sink, ln p = s' - ln Z and H = ln Z sum p - sum p s'. Edits `scores` (our own) in place.
     """
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1)  # [batch, head, r, keys]
+        log_p = torch.log_softmax(scores, dim=-1)  # [batch, head, r, keys]
+        return p, -(p * log_p).sum(dim=-1), log_p  # masked keys: 0 * finite
     top = scores.amax(dim=-1, keepdim=True)  # [batch, head, r, 1]
     if sinks is not None:
         top = torch.maximum(top, sinks)  # [batch, head, r, 1]
     scores.sub_(top)  # [batch, head, r, keys]: <= 0, masked keys hugely negative
     p = scores.exp()  # [batch, head, r, keys]
-    total = p.sum(dim=-1, keepdim=True)  # [batch, head, r, 1]
-    if sinks is not None:
-        total = total + (sinks - top).exp()  # [batch, head, r, 1]
+    total = p.sum(dim=-1, keepdim=True) + (sinks - top).exp()  # [batch, head, r, 1]
     p.div_(total)
-    mass = 1.0 if sinks is None else p.sum(dim=-1)  # [batch, head, r]
     log_total = total[..., 0].log()  # [batch, head, r]
-    entropy = log_total * mass - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
-    return p, entropy, log_total
+    entropy = log_total * p.sum(dim=-1) - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
+    return p, entropy, scores.sub_(log_total[..., None])
 
 
 def _example_buffer(info: Batch, heads: int, device: torch.device) -> Tensor | None:
