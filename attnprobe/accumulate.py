@@ -321,5 +321,7 @@ def _zeroed(shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _ratio(total: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """total / count, NaN where the count is 0 (one division, only where it is defined)."""
+    out = np.full(np.broadcast_shapes(total.shape, count.shape), np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(count > 0, total / np.where(count > 0, count, 1.0), np.nan)
+        return np.divide(total, count, out=out, where=count > 0)

@@ -173,7 +173,8 @@ def analyze_loaded(
     totals = measured.totals
     heads = totals.heads()
     layers = summarize_layers(heads)
-    heads, layers, summary = add_intervals(heads, layers, totals)
+    per_head = {name: totals.resampled_head_means(name) for name in totals.shape.names}  # [resample, layer, head]
+    heads, layers, summary = add_intervals(heads, layers, totals, per_head)
     run = run_info(loaded, corpus, scanned, batch_size, time.perf_counter() - started)
     run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(scanned.sentences)}
     run["attention"] = {
@@ -199,7 +200,7 @@ def analyze_loaded(
     }
     per_sentence = tidy(measured.per_sentence, corpus) if measured.per_sentence is not None else None
     positions = totals.positions(scanned.longest)
-    resampled = {name: totals.resampled_head_means(name).astype(np.float32) for name in totals.shape.names}
+    resampled = {name: values_.astype(np.float32) for name, values_ in per_head.items()}
     examples = [{**example, "index": scanned.example_index, "line": scanned.example.line,
                  "category": scanned.example.category}]
     if world.is_main:
@@ -981,21 +982,24 @@ def early_late(layers: pd.DataFrame) -> dict[str, Any]:
 
 
 def add_intervals(
-    heads: pd.DataFrame, layers: pd.DataFrame, totals: Accumulator
+    heads: pd.DataFrame, layers: pd.DataFrame, totals: Accumulator, resampled: dict[str, np.ndarray] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
-    """`<name>_ci_low`/`_ci_high` for every score of heads and layers, and the gradient's interval."""
-    heads, layers = heads.copy(), layers.copy()
+    """`<name>_ci_low`/`_ci_high` for every score of heads and layers, and the gradient's interval. `resampled`:
+    per score, totals.resampled_head_means [resample, layer, head], when the caller has them already."""
+    head_columns, layer_columns = {}, {}
     for name in totals.shape.names:
-        per_head = totals.resampled_head_means(name)  # [resample, layer, head]
+        per_head = resampled[name] if resampled is not None else totals.resampled_head_means(name)  # [r, l, h]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN heads stay NaN
             per_layer = np.nanmean(per_head, axis=2)  # [resample, layer]
         low, high = interval(per_head)
-        heads[f"{name}_ci_low"], heads[f"{name}_ci_high"] = low.ravel(), high.ravel()
+        head_columns[f"{name}_ci_low"], head_columns[f"{name}_ci_high"] = low.ravel(), high.ravel()
         low, high = interval(per_layer)
-        layers[f"{name}_ci_low"], layers[f"{name}_ci_high"] = low, high
+        layer_columns[f"{name}_ci_low"], layer_columns[f"{name}_ci_high"] = low, high
         if name == "entropy":
             entropy_by_layer = per_layer
+    heads = pd.concat([heads, pd.DataFrame(head_columns, index=heads.index)], axis=1)  # one copy, not one per column
+    layers = pd.concat([layers, pd.DataFrame(layer_columns, index=layers.index)], axis=1)
     summary = early_late(layers)
     k = third(entropy_by_layer.shape[1])
     early = entropy_by_layer[:, :k].mean(axis=1)  # [resample]
