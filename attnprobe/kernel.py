@@ -122,14 +122,20 @@ class Batch:
 
     def block(self, real: Tensor, lengths: Tensor, q0: int, q1: int, k0: int, k1: int, causal: bool,
               span: int | None) -> Block:
-        """The Block of query rows q0 .. q1 - 1 and keys k0 .. k1 - 1 under the mask `real` (one of `padding`'s)."""
+        """The Block of query rows q0 .. q1 - 1 and keys k0 .. k1 - 1 under the mask `real` (one of `padding`'s).
+
+        Kept for the other layers only when the block is the whole sequence (short sentences, where making it costs
+        as much as using it): a long sequence's blocks together would hold [rows, keys] masks of every block."""
         key = ("block", id(real), q0, q1, k0, k1, causal, span)
-        if key not in self.kept:
+        found = self.kept.get(key)
+        if found is None:
             pairs = None if self.tokens is None else token_pairs(self.tokens.ids, q0, q1 - q0, k0, k1 - k0, lengths,
                                                                   causal, span)
-            self.kept[key] = Block(row_geometry(q0, q1 - q0, lengths, causal, span),
-                                   mask_plan(real, q0, q1 - q0, k1 - k0, causal, k0, span), pairs)
-        return self.kept[key]
+            found = Block(row_geometry(q0, q1 - q0, lengths, causal, span),
+                          mask_plan(real, q0, q1 - q0, k1 - k0, causal, k0, span), pairs)
+            if q0 == 0 and q1 == real.shape[-1]:
+                self.kept[key] = found
+        return found
 
 
 @dataclass
