@@ -173,7 +173,8 @@ def analyze_loaded(
     totals = measured.totals
     heads = totals.heads()
     layers = summarize_layers(heads)
-    heads, layers, summary = add_intervals(heads, layers, totals)
+    per_head = {name: totals.resampled_head_means(name) for name in totals.shape.names}  # [resample, layer, head]
+    heads, layers, summary = add_intervals(heads, layers, totals, per_head)
     run = run_info(loaded, corpus, scanned, batch_size, time.perf_counter() - started)
     run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(scanned.sentences)}
     run["attention"] = {
@@ -199,7 +200,7 @@ def analyze_loaded(
     }
     per_sentence = tidy(measured.per_sentence, corpus) if measured.per_sentence is not None else None
     positions = totals.positions(scanned.longest)
-    resampled = {name: totals.resampled_head_means(name).astype(np.float32) for name in totals.shape.names}
+    resampled = {name: values_.astype(np.float32) for name, values_ in per_head.items()}
     examples = [{**example, "index": scanned.example_index, "line": scanned.example.line,
                  "category": scanned.example.category}]
     if world.is_main:
@@ -528,26 +529,27 @@ def measure_batch(
     """
     b, sink, window = input_ids.shape[0], options.sink, options.window
     k = min(shape.bins, bin_count(input_ids.shape[1]))
-    stats = {name: torch.full((b, shape.layers, shape.heads), torch.nan, device=loaded.device)
-             for name in shape.names}  # [batch, layer, head]
-    bins = {name: torch.full((b, shape.layers, shape.heads, k), torch.nan, device=loaded.device)
-            for name in shape.bin_names}  # [batch, layer, head, bin]
+    stats = torch.full((len(shape.names), b, shape.layers, shape.heads), torch.nan,
+                       device=loaded.device)  # [score, batch, layer, head]
+    bins = torch.full((len(shape.bin_names), b, shape.layers, shape.heads, k), torch.nan,
+                      device=loaded.device)  # [binned score, batch, layer, head, bin]
 
     spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
     lengths = mask.sum(dim=-1)  # [batch]
     if received_by is not None:
         n = input_ids.shape[1]
         received_by["mass"] = torch.zeros(shape.layers, shape.heads, b, n, device=loaded.device)  # [l, h, b, seq]
-        received_by["uniform"] = torch.stack([uniform_received(lengths, n, loaded.causal, span)
-                                              for span in spans])  # [layer, batch, seq]
+        uniform = {span: uniform_received(lengths, n, loaded.causal, span) for span in set(spans)}  # [batch, seq]
+        received_by["uniform"] = torch.stack([uniform[span] for span in spans])  # [layer, batch, seq]
+    rows_of = Rows(shape.names, shape.bin_names)
 
     def store(layer: int, sums: SentenceSums) -> None:
         if received_by is not None and sums.received is not None:
             received_by["mass"][layer] = sums.received.transpose(0, 1)  # [head, batch, seq]
-        for name, value in sums.means().items():  # [batch, head]
-            stats[name][:, layer] = value
-        for name, value in sums.bin_means().items():  # [batch, head, bin]
-            bins[name][:, layer] = value
+        if sums.total is not None:
+            stats[rows_of.scores(sums.names), :, layer] = sums.stacked_means()  # [score, batch, head]
+        if sums.bin_total is not None:
+            bins[rows_of.bins(sums.binned), :, layer] = sums.stacked_bin_means()  # [binned score, batch, head, bin]
         if resamplers and on_resampled is not None:
             on_resampled(layer, resample_rows(sums.rows, shape.names, resamplers))
         if on_layer is not None:
@@ -574,7 +576,28 @@ def measure_batch(
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
         stream_attention(loaded, input_ids, mask, on_map)
-    return _to_numpy(stats), _to_numpy(bins)
+    return _to_numpy(shape.names, stats), _to_numpy(shape.bin_names, bins)
+
+
+class Rows:
+    """Where a layer's stacked scores (SentenceSums.names, .binned) go in measure_batch's stacked tensors: the
+    indices, looked up once per order of names."""
+
+    def __init__(self, names: tuple[str, ...], bin_names: tuple[str, ...]) -> None:
+        self.names, self.bin_names = names, bin_names
+        self._found: dict[tuple[tuple[str, ...], bool], list[int]] = {}
+
+    def scores(self, names: tuple[str, ...]) -> list[int]:
+        return self._find(names, False)
+
+    def bins(self, names: tuple[str, ...]) -> list[int]:
+        return self._find(names, True)
+
+    def _find(self, names: tuple[str, ...], binned: bool) -> list[int]:
+        if (names, binned) not in self._found:
+            order = self.bin_names if binned else self.names
+            self._found[names, binned] = [order.index(name) for name in names]  # ValueError: a score not asked for
+        return self._found[names, binned]
 
 
 def resample_rows(
@@ -600,8 +623,8 @@ def vocabulary(loaded: LoadedModel) -> int:
 
 def key_classes(loaded: LoadedModel, input_ids: torch.Tensor, special: torch.Tensor) -> TokenClasses:
     """The batch's token ids and which positions hold punctuation (never a special token), [batch, seq] each."""
-    table = torch.from_numpy(token_classes.punctuation_table(loaded.tokenizer, vocabulary(loaded)))  # [vocab]
-    punctuation = table.to(input_ids.device)[input_ids] & ~special  # [batch, seq]
+    flags = token_classes.punctuation_of(loaded.tokenizer, input_ids.cpu().numpy(), vocabulary(loaded))  # [b, seq]
+    punctuation = torch.from_numpy(flags).to(input_ids.device) & ~special  # [batch, seq]
     return TokenClasses(input_ids, punctuation)
 
 
@@ -638,8 +661,9 @@ def eager_value_weighted(
     return per_row
 
 
-def _to_numpy(values_: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {name: v.cpu().numpy().astype(np.float64) for name, v in values_.items()}
+def _to_numpy(names: tuple[str, ...], stacked: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per name, its slice of `stacked` [name, ...] in float64."""
+    return dict(zip(names, stacked.cpu().numpy().astype(np.float64)))
 
 
 def windows(sentences: Iterable[Sentence], size: int) -> Iterator[tuple[int, list[Sentence]]]:
@@ -958,21 +982,24 @@ def early_late(layers: pd.DataFrame) -> dict[str, Any]:
 
 
 def add_intervals(
-    heads: pd.DataFrame, layers: pd.DataFrame, totals: Accumulator
+    heads: pd.DataFrame, layers: pd.DataFrame, totals: Accumulator, resampled: dict[str, np.ndarray] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
-    """`<name>_ci_low`/`_ci_high` for every score of heads and layers, and the gradient's interval."""
-    heads, layers = heads.copy(), layers.copy()
+    """`<name>_ci_low`/`_ci_high` for every score of heads and layers, and the gradient's interval. `resampled`:
+    per score, totals.resampled_head_means [resample, layer, head], when the caller has them already."""
+    head_columns, layer_columns = {}, {}
     for name in totals.shape.names:
-        per_head = totals.resampled_head_means(name)  # [resample, layer, head]
+        per_head = resampled[name] if resampled is not None else totals.resampled_head_means(name)  # [r, l, h]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN heads stay NaN
             per_layer = np.nanmean(per_head, axis=2)  # [resample, layer]
         low, high = interval(per_head)
-        heads[f"{name}_ci_low"], heads[f"{name}_ci_high"] = low.ravel(), high.ravel()
+        head_columns[f"{name}_ci_low"], head_columns[f"{name}_ci_high"] = low.ravel(), high.ravel()
         low, high = interval(per_layer)
-        layers[f"{name}_ci_low"], layers[f"{name}_ci_high"] = low, high
+        layer_columns[f"{name}_ci_low"], layer_columns[f"{name}_ci_high"] = low, high
         if name == "entropy":
             entropy_by_layer = per_layer
+    heads = pd.concat([heads, pd.DataFrame(head_columns, index=heads.index)], axis=1)  # one copy, not one per column
+    layers = pd.concat([layers, pd.DataFrame(layer_columns, index=layers.index)], axis=1)
     summary = early_late(layers)
     k = third(entropy_by_layer.shape[1])
     early = entropy_by_layer[:, :k].mean(axis=1)  # [resample]

@@ -35,13 +35,17 @@ from attnprobe.metrics import (
     DIAGONAL_WINDOW,
     RECENT_WINDOW,
     SINK_TOKENS,
+    RowGeometry,
     RowMasses,
     SentenceSums,
     TokenClasses,
+    TokenPairs,
     block_row_stats,
     received,
+    row_geometry,
     row_stats,
     split_stacked,
+    token_pairs,
     token_stats,
     value_weighted,
 )
@@ -105,6 +109,51 @@ class Batch:
     projections: list[nn.Module] | None = None  # per layer, the output projection: also the value-weighted scores
     keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
     tokens: TokenClasses | None = None  # token ids and punctuation: punctuation, duplicate and the mass received
+    kept: dict[tuple, Any] = field(default_factory=dict)  # what every layer shares: `padding`, `block`
+
+    def padding(self, padding: Tensor | None, batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The checked right-padded mask [batch, key] and the lengths [batch] of a layer's padding mask: checked
+        and counted by the first layer that gets this mask, the others reuse them."""
+        found = self.kept.get(("padding", id(padding), batch, n))
+        if found is None or found[0] is not padding:  # the mask itself is kept, so its id is not reused
+            real = _right_padded(padding, batch, n, device)  # [batch, key]
+            found = self.kept["padding", id(padding), batch, n] = (padding, real, real.sum(dim=-1))
+        return found[1], found[2]
+
+    def block(self, real: Tensor, lengths: Tensor, q0: int, q1: int, k0: int, k1: int, causal: bool,
+              span: int | None) -> Block:
+        """The Block of query rows q0 .. q1 - 1 and keys k0 .. k1 - 1 under the mask `real` (one of `padding`'s).
+
+        Kept for the other layers only when the block is the whole sequence (short sentences, where making it costs
+        as much as using it): a long sequence's blocks together would hold [rows, keys] masks of every block."""
+        key = ("block", id(real), q0, q1, k0, k1, causal, span)
+        found = self.kept.get(key)
+        if found is None:
+            pairs = None if self.tokens is None else token_pairs(self.tokens.ids, q0, q1 - q0, k0, k1 - k0, lengths,
+                                                                  causal, span)
+            found = Block(row_geometry(q0, q1 - q0, lengths, causal, span),
+                          mask_plan(real, q0, q1 - q0, k1 - k0, causal, k0, span), pairs)
+            if q0 == 0 and q1 == real.shape[-1]:
+                self.kept[key] = found
+        return found
+
+
+@dataclass
+class Block:
+    """What the statistics of a block of query rows share across the layers of a batch (Batch.block): their
+    geometry, the mask of the block's scores and the keys that hold each row's token."""
+
+    rows: RowGeometry
+    mask: MaskPlan
+    pairs: TokenPairs | None  # None without token classes
+
+
+@dataclass
+class MaskPlan:
+    """Which scores of a block mask_block hides: a strip of columns some row may not see, and padded keys."""
+
+    strip: tuple[int, int, Tensor] | None  # (lo, hi, hidden [rows, hi - lo] bool), None: every row sees every key
+    padded: Tensor | None  # [batch, 1, 1, keys] bool: padded keys, None when every key is real
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
@@ -392,8 +441,7 @@ def attend(
     kv_heads = key.shape[1]
     groups = heads // kv_heads  # query heads sharing one KV head (grouped-query attention)
     scale = dim**-0.5 if scaling is None else scaling
-    real = _right_padded(padding, batch, n, query.device)  # [batch, key]
-    lengths = real.sum(dim=-1)  # [batch]: right padding
+    real, lengths = info.padding(padding, batch, n, query.device)  # [batch, key], [batch]: right padding
     keys_t = key.transpose(-1, -2)  # [batch, kv_head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
     extra = None if span is None else sum(window_reach(causal, span))
@@ -408,27 +456,27 @@ def attend(
     for q0 in range(0, n, rows):
         q1 = min(n, q0 + rows)
         k0, k1 = block_keys(q0, q1, n, causal, span)
+        block = info.block(real, lengths, q0, q1, k0, k1, causal, span)
         q_block = query[:, :, q0:q1].reshape(batch, kv_heads, groups * (q1 - q0), dim)  # [batch, kv, g*r, dim]
         scores = (q_block @ keys_t[..., k0:k1]).mul_(scale)  # [batch, kv, g*r, keys]: scaled in the model's dtype
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys], as eager rounds it
         scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
-        mask_block(scores, real, q0, causal, k0, span)
-        both = None if bias is None else scores.new_empty(2, *scores.shape)  # [2, batch, head, r, keys]
-        p, entropy, log_total = softmax_with_entropy(  # [b, h, r, keys] (both[0]), [b, h, r], [b, h, r]
-            scores, sink_logits, None if both is None else both[0])
+        apply_mask(scores, block.mask)
+        both = None if bias is None else scores.new_empty(batch, 2 * heads, q1 - q0, k1 - k0)  # [b, 2 x h, r, keys]
+        p, entropy, log_p = softmax_with_entropy(  # [b, h, r, keys] (both's first heads), [b, h, r], [b, h, r, keys]
+            scores, sink_logits, None if both is None else both[:, :heads])
         special = None if info.special is None else info.special[:, :k1]  # [batch, keys up to k1]
         if both is None:
             stats = block_row_stats(p, q0, lengths, causal, special, info.sink, info.window, entropy, k0=k0,
-                                    span=span, tokens=info.tokens)
-        else:  # the map and its value-weighted map as a batch twice as long, no copy: [2 x batch, head, r, keys]
-            weighted_entropy = weighted_block(p, scores, log_total, norms[:, :, k0:k1], bias[:, :, k0:k1], both[1])
-            stats = split_stacked(block_row_stats(
-                both.view(2 * batch, heads, q1 - q0, k1 - k0), q0, lengths.repeat(2), causal,
-                None if special is None else special.repeat(2, 1), info.sink, info.window,
-                torch.cat((entropy, weighted_entropy)), k0=k0, span=span), batch)
+                                    span=span, tokens=info.tokens, geometry=block.rows, pairs=block.pairs)
+        else:  # the map and its value-weighted map stacked on the head axis in one buffer, no cat
+            weighted_entropy = weighted_block(p, log_p, norms[:, :, k0:k1], bias[:, :, k0:k1], both[:, heads:])
+            stats = split_stacked(block_row_stats(both, q0, lengths, causal, special, info.sink, info.window,
+                                                  torch.cat((entropy, weighted_entropy), dim=1), k0=k0, span=span,
+                                                  geometry=block.rows), heads)
             if info.tokens is not None:  # of the map only: the stack's second half would be thrown away
-                stats.update(token_stats(p, info.tokens, q0, lengths, causal, k0, span))
+                stats.update(token_stats(p, info.tokens, q0, lengths, causal, k0, span, block.pairs))
         del scores
         if taken is not None:
             taken[:, :, k0:k1] += received(p, q0, lengths)  # [batch, head, keys]
@@ -442,27 +490,27 @@ def attend(
             if factors is not None:
                 stats[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, r]
             output[:, q0:q1] = out.transpose(1, 2)  # [batch, r, head, dim]
-        sums.add(stats, q0, lengths, info.bins)
+        sums.add(stats, q0, lengths, info.bins, block.rows)
         del both, p
     sums.received = taken
     return sums, example, output
 
 
-def weighted_block(p: Tensor, shifted: Tensor, log_total: Tensor, norms: Tensor, bias: Tensor, out: Tensor) -> Tensor:
+def weighted_block(p: Tensor, log_p: Tensor, norms: Tensor, bias: Tensor, out: Tensor) -> Tensor:
     """The value-weighted block a_ij w_j / sum_k a_ik w_k (w_j = |f_h(x_j)|, `norms` [batch, head, keys]; `bias` its
     log, values.log_weights), written to `out` [batch, head, r, keys]; returns each row's entropy [batch, head, r].
     NaN in a row whose weights w_j a_ij are all 0.
 
-    From softmax_with_entropy's leftovers: p, the shifted scores s' (edited here) and ln Z, so that
-    ln a~_ij = s'_ij + ln w_j - ln Z - ln z_i with z_i = sum_k a_ik w_k, and H~_i = ln Z + ln z_i - sum_j a~_ij (s'_ij
-    + ln w_j): products and sums, no second exponential. A row whose every key of norm above 0 has a weight a_ij
-    below float32's range (1e-38) would be NaN here; the fused path, in log space, still gives it.
+    From softmax_with_entropy's p and ln p (edited here): ln a~_ij = ln p_ij + ln w_j - ln z_i with
+    z_i = sum_k a_ik w_k, and H~_i = ln z_i - sum_j a~_ij (ln p_ij + ln w_j): products and sums, no second
+    exponential. A row whose every key of norm above 0 has a weight a_ij below float32's range (1e-38) would be NaN
+    here; the fused path, in log space, still gives it.
     """
     weighted = torch.mul(p, norms[:, :, None, :], out=out)  # [batch, head, r, keys]
     z = weighted.sum(dim=-1)  # [batch, head, r]
     weighted.div_(z[..., None])  # 0/0 = NaN in a row with nothing to weigh
-    logits = shifted.add_(bias[:, :, None, :])  # [batch, head, r, keys]: s' + ln w; masked keys stay near -3.4e38
-    return log_total + z.log() - (weighted * logits).sum(dim=-1)  # [batch, head, r]
+    logits = log_p.add_(bias[:, :, None, :])  # [batch, head, r, keys]: ln p + ln w; masked keys stay near -3.4e38
+    return z.log() - (weighted * logits).sum(dim=-1)  # [batch, head, r]
 
 
 def fusable(features: LayerFeatures) -> bool:
@@ -817,44 +865,65 @@ def mask_block(scores: Tensor, real: Tensor, q0: int, causal: bool, k0: int = 0,
     block's own positions, the window's far edge, padded keys.
     """
     rows, keys = scores.shape[-2:]
-    lowest = torch.finfo(torch.float32).min
-    i = torch.arange(q0, q0 + rows, device=scores.device)  # [r]
-    j = torch.arange(k0, k0 + keys, device=scores.device)  # [keys]
-    hidden = torch.zeros(rows, keys, dtype=torch.bool, device=scores.device)  # [r, keys]
+    apply_mask(scores, mask_plan(real, q0, rows, keys, causal, k0, span))
+
+
+def mask_plan(real: Tensor, q0: int, rows: int, keys: int, causal: bool, k0: int = 0,
+              span: int | None = None) -> MaskPlan:
+    """What mask_block hides in a block of `rows` query rows from q0 and `keys` keys from k0 (the same in every
+    layer of a batch)."""
+    i = torch.arange(q0, q0 + rows, device=real.device)  # [r]
+    j = torch.arange(k0, k0 + keys, device=real.device)  # [keys]
+    hidden = torch.zeros(rows, keys, dtype=torch.bool, device=real.device)  # [r, keys]
     if causal:
         hidden |= j[None, :] > i[:, None]
     if span is not None:
         hidden |= (j[None, :] <= i[:, None] - span) if causal else ((j[None, :] - i[:, None]).abs() > span)
     columns = hidden.any(dim=0).nonzero()  # [c, 1]
+    strip = None
     if len(columns):
         lo, hi = int(columns[0]), int(columns[-1]) + 1
-        scores[..., lo:hi].masked_fill_(hidden[:, lo:hi], lowest)  # [batch, head, r, strip]
-    if not bool(real[:, k0 : k0 + keys].all()):
-        scores.masked_fill_(~real[:, None, None, k0 : k0 + keys], lowest)  # [batch, head, r, keys]
+        strip = (lo, hi, hidden[:, lo:hi])  # [r, strip]
+    padded = None if bool(real[:, k0 : k0 + keys].all()) else ~real[:, None, None, k0 : k0 + keys]  # [b, 1, 1, keys]
+    return MaskPlan(strip, padded)
+
+
+def apply_mask(scores: Tensor, plan: MaskPlan) -> None:
+    """mask_block's masking of `scores` [batch, head, r, keys] by a MaskPlan, in place."""
+    lowest = torch.finfo(torch.float32).min
+    if plan.strip is not None:
+        lo, hi, hidden = plan.strip
+        scores[..., lo:hi].masked_fill_(hidden, lowest)  # [batch, head, r, strip]
+    if plan.padded is not None:
+        scores.masked_fill_(plan.padded, lowest)  # [batch, head, r, keys]
 
 
 def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None, out: Tensor | None = None,
                          ) -> tuple[Tensor, Tensor, Tensor]:
-    """softmax over the last axis, each row's entropy -sum p ln p, from the shifted scores, and ln Z.
+    """softmax over the last axis, each row's entropy -sum p ln p, and ln p (hugely negative, finite, at masked keys).
 
-    With s' = s - max and Z = sum exp(s'), ln p = s' - ln Z, so H = ln Z sum p - sum p s': one product
-    instead of a logarithm per entry. `sinks` [1, head, 1, 1]: a learned logit per head that joins the
-    softmax as one more column and is dropped from p (its rows then sum to less than 1), as gpt-oss does.
-    Edits `scores` (our own) in place; `out`, when given, receives p.
+    torch's own softmax and log_softmax, as eager attention takes them: fused kernels, where a plain exp of the
+    masked keys' hugely negative scores takes a slow path (40 times the time of the whole softmax on short
+    sentences). `sinks` [1, head, 1, 1]: a learned logit per head that joins the softmax as one more column and is
+    dropped from p (its rows then sum to less than 1), as gpt-oss does: with s' = s - max and Z = sum exp(s') over
+    the keys and the sink, ln p = s' - ln Z and H = ln Z sum p - sum p s'. Edits `scores` (our own) in place;
+    `out` [batch, head, r, keys], when given, receives p.
     """
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1)  # [batch, head, r, keys]
+        p = p if out is None else out.copy_(p)  # [batch, head, r, keys]
+        log_p = torch.log_softmax(scores, dim=-1)  # [batch, head, r, keys]
+        return p, -(p * log_p).sum(dim=-1), log_p  # masked keys: 0 * finite
     top = scores.amax(dim=-1, keepdim=True)  # [batch, head, r, 1]
     if sinks is not None:
         top = torch.maximum(top, sinks)  # [batch, head, r, 1]
     scores.sub_(top)  # [batch, head, r, keys]: <= 0, masked keys hugely negative
     p = scores.exp() if out is None else torch.exp(scores, out=out)  # [batch, head, r, keys]
-    total = p.sum(dim=-1, keepdim=True)  # [batch, head, r, 1]
-    if sinks is not None:
-        total = total + (sinks - top).exp()  # [batch, head, r, 1]
+    total = p.sum(dim=-1, keepdim=True) + (sinks - top).exp()  # [batch, head, r, 1]
     p.div_(total)
-    mass = 1.0 if sinks is None else p.sum(dim=-1)  # [batch, head, r]
     log_total = total[..., 0].log()  # [batch, head, r]
-    entropy = log_total * mass - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
-    return p, entropy, log_total
+    entropy = log_total * p.sum(dim=-1) - (p * scores).sum(dim=-1)  # [batch, head, r]; masked keys: 0 * finite
+    return p, entropy, scores.sub_(log_total[..., None])
 
 
 def _example_buffer(info: Batch, heads: int, device: torch.device) -> Tensor | None:

@@ -15,7 +15,7 @@ keys a row may see (entropy_norm's ln k, the chance level of diagonal_excess, wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -184,36 +184,39 @@ def row_sink_window(
 def block_row_stats(
     p: Tensor, q0: int, lengths: Tensor, causal: bool, special: Tensor | None = None,
     sink: int = SINK_TOKENS, window: int = RECENT_WINDOW, entropy: Tensor | None = None, k0: int = 0,
-    span: int | None = None, tokens: TokenClasses | None = None,
+    span: int | None = None, tokens: TokenClasses | None = None, geometry: RowGeometry | None = None,
+    pairs: TokenPairs | None = None,
 ) -> dict[str, Tensor]:
     """Every row statistic of a block of query rows, [batch, head, rows] each (padded rows included).
 
     The block's keys start at position `k0`; the layer attends within the window `span` (None: every key).
     `entropy`, when the caller already has it (the blocked attention gets it from the softmax), is used
     instead of computing it from p. `tokens`: the batch's token ids and punctuation flags, for `punctuation`
-    and `duplicate`.
+    and `duplicate`. `geometry` (row_geometry) and `pairs` (token_pairs), when the caller keeps them for the
+    block, save computing them again.
     """
     p = p.float()  # [batch, head, rows, keys]; no copy when the model runs in float32
+    near = {offset: row_offset(p, offset, q0, k0) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
     masses = RowMasses(
         entropy=row_entropy(p) if entropy is None else entropy,
-        diagonal=row_diagonal(p, q0, k0=k0),
+        diagonal=sum(near.values()),  # row_diagonal's sum, in its order
         first=row_first_token(p, k0),
-        previous=row_offset(p, -1, q0, k0),
-        self=row_offset(p, 0, q0, k0),
+        previous=near[-1],
+        self=near[0],
         distance=row_distance(p, q0, k0),
         sink_window=row_sink_window(p, q0, causal, sink, window, k0),
         special=None if special is None else row_special(p, special, k0),
     )
     if tokens is not None:
-        add_token_masses(masses, p, tokens, q0, lengths, causal, k0, span)
-    return row_stats(masses, q0, lengths, causal, span)
+        add_token_masses(masses, p, tokens, q0, lengths, causal, k0, span, pairs)
+    return row_stats(masses, q0, lengths, causal, span, geometry)
 
 
 def add_token_masses(masses: RowMasses, p: Tensor, tokens: TokenClasses, q0: int, lengths: Tensor, causal: bool,
-                     k0: int = 0, span: int | None = None) -> RowMasses:
+                     k0: int = 0, span: int | None = None, pairs: TokenPairs | None = None) -> RowMasses:
     """Set the punctuation and duplicate masses of a block of p (see block_row_stats)."""
     masses.punctuation = row_special(p, tokens.punctuation, k0)
-    masses.duplicate, masses.has_duplicate = row_duplicate(p, tokens.ids, q0, lengths, causal, k0, span)
+    masses.duplicate, masses.has_duplicate = row_duplicate(p, tokens.ids, q0, lengths, causal, k0, span, pairs)
     return masses
 
 
@@ -239,15 +242,32 @@ def same_token(ids: Tensor, q0: int, rows: int, k0: int, keys: int, lengths: Ten
 
 
 def row_duplicate(p: Tensor, ids: Tensor, q0: int, lengths: Tensor, causal: bool, k0: int = 0,
-                  span: int | None = None) -> tuple[Tensor, Tensor]:
+                  span: int | None = None, pairs: TokenPairs | None = None) -> tuple[Tensor, Tensor]:
     """Attention mass on the other keys whose token id equals the query's (natural-text duplicates), [batch, head,
-    rows]; and whether the row has such a key, [batch, 1, rows] (the score is defined only there)."""
+    rows]; and whether the row has such a key, [batch, 1, rows] (the score is defined only there). `pairs`: the
+    block's token_pairs, when the caller keeps them."""
     rows, keys = p.shape[-2:]
+    pairs = pairs or token_pairs(ids, q0, rows, k0, keys, lengths, causal, span)
+    if not pairs.some:
+        return torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device), pairs.has
+    mass = torch.where(pairs.same[:, None], p, 0.0).sum(dim=-1)  # [batch, head, rows]
+    return mass, pairs.has
+
+
+@dataclass
+class TokenPairs:
+    """Which keys of a block hold the query's token (same_token): the same for every layer of a batch."""
+
+    same: Tensor  # [batch, rows, keys] bool
+    has: Tensor  # [batch, 1, rows] bool: the row has such a key
+    some: bool  # whether any row has one
+
+
+def token_pairs(ids: Tensor, q0: int, rows: int, k0: int, keys: int, lengths: Tensor, causal: bool,
+                span: int | None = None) -> TokenPairs:
+    """same_token of a block, kept for its layers."""
     same, has = same_token(ids, q0, rows, k0, keys, lengths, causal, span)  # [b, r, k], [b, r]
-    if not bool(has.any()):
-        return torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device), has[:, None, :]
-    mass = torch.where(same[:, None], p, 0.0).sum(dim=-1)  # [batch, head, rows]
-    return mass, has[:, None, :]
+    return TokenPairs(same, has[:, None, :], bool(has.any()))
 
 
 def received(p: Tensor, q0: int, lengths: Tensor) -> Tensor:
@@ -288,39 +308,73 @@ class RowMasses:
 
 
 def token_stats(p: Tensor, tokens: TokenClasses, q0: int, lengths: Tensor, causal: bool, k0: int = 0,
-                span: int | None = None) -> dict[str, Tensor]:
+                span: int | None = None, pairs: TokenPairs | None = None) -> dict[str, Tensor]:
     """punctuation and duplicate alone, [batch, head, rows] each (for a block whose other statistics come from
-    elsewhere, as the blocked path's value-weighted stack)."""
-    empty = p.new_zeros(p.shape[:-1])  # [batch, head, rows]
-    masses = add_token_masses(RowMasses(*([empty] * 7)), p, tokens, q0, lengths, causal, k0, span)
-    return {name: value for name, value in row_stats(masses, q0, lengths, causal, span).items()
-            if name in TOKEN_METRICS}
+    elsewhere, as the blocked path's value-weighted stack), as row_stats gives them."""
+    duplicate, has = row_duplicate(p, tokens.ids, q0, lengths, causal, k0, span, pairs)  # [b, h, r], [b, 1, r]
+    return {PUNCTUATION: row_special(p, tokens.punctuation, k0), DUPLICATE: torch.where(has, duplicate, torch.nan)}
 
 
-def row_stats(masses: RowMasses, q0: int, lengths: Tensor, causal: bool, span: int | None = None) -> dict[str, Tensor]:
-    """The row statistics of METRICS (and special_tokens) from a block's masses: the scores that count a row's
-    keys (entropy_norm, diagonal_excess, the forced rows of the _unforced scores) follow the window `span`."""
-    i = positions(q0, masses.entropy.shape[-1], masses.entropy.device)  # [rows]
+@dataclass
+class RowGeometry:
+    """What the statistics of a block of query rows know besides the attention: where the rows are and which keys
+    each may see, [batch, 1, rows] each unless noted. It depends on the block, the lengths and the window only, so
+    every layer of a batch shares it (the blocked path makes it once per batch and block, not per layer)."""
+
+    i: Tensor  # [rows]: the query positions
+    real: Tensor  # bool: a real row, not padding
+    n_keys: Tensor  # how many keys the row may see (key_counts)
+    several: Tensor  # bool: two keys or more
+    log_keys: Tensor  # float32: ln of n_keys, at least ln 2 (entropy_norm's maximum)
+    chance: Tensor  # the share of its keys within DIAGONAL_WINDOW of it (diagonal_excess)
+    has_previous: Tensor  # bool: it may see key i - 1 and another
+    window_open: Tensor  # bool: some key it sees lies outside the +-DIAGONAL_WINDOW window
+    bins: tuple[int, Tensor] | None = None  # (bins kept, each row's bin [rows]), once `position_bins` is asked
+
+    def position_bins(self, bins: int) -> Tensor:
+        """Each row's position bin, the last of `bins` taking the rows beyond it, [rows]."""
+        if self.bins is None or self.bins[0] != bins:
+            self.bins = (bins, position_bin(self.i).clamp(max=bins - 1))
+        return self.bins[1]
+
+
+def row_geometry(q0: int, rows: int, lengths: Tensor, causal: bool, span: int | None = None) -> RowGeometry:
+    """The RowGeometry of the query rows q0 .. q0 + rows - 1, attending within the window `span`."""
+    i = positions(q0, rows, lengths.device)  # [rows]
     first_key = key_range(i, lengths, causal, span)[0][:, None, :]  # [batch, 1, rows]
     n_keys = key_counts(i, lengths, causal, span)[:, None, :]  # [batch, 1, rows]
     in_window = window_key_counts(i, lengths, causal, span=span)[:, None, :]  # [batch, 1, rows]
-    chance = in_window / n_keys.clamp(min=1)  # [batch, 1, rows]
-    has_previous = (n_keys >= 2) & (i[None, None, :] - 1 >= first_key)  # [batch, 1, rows]
-    window_open = in_window < n_keys  # [batch, 1, rows]
+    several = n_keys >= 2  # [batch, 1, rows]
+    return RowGeometry(
+        i=i, real=(i[None, :] < lengths[:, None])[:, None, :], n_keys=n_keys, several=several,
+        log_keys=torch.log(n_keys.float().clamp(min=2)), chance=in_window / n_keys.clamp(min=1),
+        has_previous=several & (i[None, None, :] - 1 >= first_key), window_open=in_window < n_keys,
+    )
+
+
+def row_stats(masses: RowMasses, q0: int, lengths: Tensor, causal: bool, span: int | None = None,
+              geometry: RowGeometry | None = None) -> dict[str, Tensor]:
+    """The row statistics of METRICS (and special_tokens) from a block's masses: the scores that count a row's
+    keys (entropy_norm, diagonal_excess, the forced rows of the _unforced scores) follow the window `span`.
+    `geometry`: the block's row_geometry, when the caller keeps it."""
     entropy, diagonal, first = masses.entropy, masses.diagonal, masses.first  # [batch, head, rows] each
+    g = geometry or row_geometry(q0, entropy.shape[-1], lengths, causal, span)
+    several = g.several  # [batch, 1, rows]
+    entropy_norm = torch.where(several, entropy / g.log_keys, torch.nan) if entropy.dtype == torch.float32 \
+        else row_entropy_norm(entropy, g.n_keys[:, 0])  # [batch, head, rows]
     per_row = {
         "entropy": entropy,
-        "entropy_norm": row_entropy_norm(entropy, n_keys[:, 0]),
+        "entropy_norm": entropy_norm,
         "diagonal": diagonal,
         "first_token": first,
-        "previous_token": torch.where(has_previous, masses.previous, torch.nan),
-        "self": torch.where(n_keys >= 2, masses.self, torch.nan),
+        "previous_token": torch.where(g.has_previous, masses.previous, torch.nan),
+        "self": torch.where(several, masses.self, torch.nan),
         "distance": masses.distance,
-        "diagonal_excess": diagonal - chance,
+        "diagonal_excess": diagonal - g.chance,
         "sink_window": masses.sink_window,
-        "entropy_unforced": torch.where(n_keys >= 2, entropy, torch.nan),
-        "diagonal_unforced": torch.where(window_open, diagonal, torch.nan),
-        "first_token_unforced": torch.where(n_keys >= 2, first, torch.nan),
+        "entropy_unforced": torch.where(several, entropy, torch.nan),
+        "diagonal_unforced": torch.where(g.window_open, diagonal, torch.nan),
+        "first_token_unforced": torch.where(several, first, torch.nan),
     }
     if masses.special is not None:
         per_row[SPECIAL] = masses.special
@@ -336,11 +390,11 @@ def value_weighted(per_row: dict[str, Tensor]) -> dict[str, Tensor]:
     return {name + VW: per_row[name] for name in VALUE_WEIGHTED}
 
 
-def split_stacked(per_row: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
-    """The statistics of a block of the map and its value-weighted map stacked on the batch axis
-    ([2 x batch, head, rows] each): the raw scores from the first `batch`, the `_vw` ones from the rest."""
-    raw = {name: values[:batch] for name, values in per_row.items()}  # [batch, head, rows] each
-    return {**raw, **value_weighted({name: per_row[name][batch:] for name in VALUE_WEIGHTED})}
+def split_stacked(per_row: dict[str, Tensor], heads: int) -> dict[str, Tensor]:
+    """The statistics of a block of the map and its value-weighted map stacked on the head axis
+    ([batch, 2 x head, rows] each): the raw scores from the first `heads`, the `_vw` ones from the rest."""
+    raw = {name: values[:, :heads] for name, values in per_row.items()}  # [batch, head, rows] each
+    return {**raw, **value_weighted({name: per_row[name][:, heads:] for name in VALUE_WEIGHTED})}
 
 
 def position_bin(i: Tensor) -> Tensor:
@@ -364,39 +418,46 @@ class SentenceSums:
     """Per-sentence sums and counts of row statistics, filled block by block.
 
     A sentence's value is sum / count over its real rows where the statistic is defined; the same
-    per bin of query positions for POSITION_METRICS.
+    per bin of query positions for BINNED. Every score sits in one stacked tensor, in the order of
+    `names` (one operation for all the scores of a block, not one per score).
     """
 
-    sums: dict[str, Tensor] = field(default_factory=dict)  # [batch, head]
-    counts: dict[str, Tensor] = field(default_factory=dict)  # [batch, head]
-    bin_sums: dict[str, Tensor] = field(default_factory=dict)  # [batch, head, bin]
-    bin_counts: dict[str, Tensor] = field(default_factory=dict)  # [batch, head, bin]
+    names: tuple[str, ...] = ()  # the scores, in the order of the first axis of `total` and `count`
+    total: Tensor | None = None  # [score, batch, head]
+    count: Tensor | None = None  # [score, batch, head]
+    binned: tuple[str, ...] = ()  # the scores of `names` kept per bin (BINNED), in the order of `bin_total`
+    bin_total: Tensor | None = None  # [binned score, batch, head, bin]
+    bin_count: Tensor | None = None  # [binned score, batch, head, bin]
     # every row's value [batch, head, query] (NaN where none), only when asked for (`rows={}`): the block
     # bootstrap of a run of few sequences resamples them; O(sequence length) per layer, dropped with it
     rows: dict[str, Tensor] | None = None
     received: Tensor | None = None  # [batch, head, key]: mass each key received from the real rows (top_tokens)
 
-    def add(self, per_row: dict[str, Tensor], q0: int, lengths: Tensor, bins: int) -> None:
-        """Fold a block's row statistics in; `bins` is the number of position bins to keep."""
-        some = next(iter(per_row.values()))  # [batch, head, rows]
-        i = positions(q0, some.shape[-1], some.device)  # [rows]
-        real = (i[None, :] < lengths[:, None])[:, None, :]  # [batch, 1, rows]
+    def add(self, per_row: dict[str, Tensor], q0: int, lengths: Tensor, bins: int,
+            geometry: RowGeometry | None = None) -> None:
+        """Fold a block's row statistics in; `bins` is the number of position bins to keep. `geometry`: the
+        block's row_geometry, when the caller keeps it."""
+        if self.total is not None and tuple(per_row) != self.names:
+            per_row = {name: per_row[name] for name in self.names}  # every block has the same scores
+        self.names = tuple(per_row)
+        values = torch.stack(list(per_row.values()))  # [score, batch, head, rows]
+        i = geometry.i if geometry is not None else positions(q0, values.shape[-1], values.device)  # [rows]
+        real = geometry.real if geometry is not None else (i[None, :] < lengths[:, None])[:, None, :]  # [b, 1, rows]
         if self.rows is not None:
             self.keep_rows(per_row, q0, real, lengths)
-        where = position_bin(i).clamp(max=bins - 1)  # [rows]
-        for name, values in per_row.items():
-            keep = real & ~values.isnan()  # [batch, head, rows]
-            kept = torch.where(keep, values, 0.0)  # [batch, head, rows]
-            _add(self.sums, name, kept.sum(dim=-1))
-            _add(self.counts, name, keep.sum(dim=-1).to(values.dtype))
-            if name in BINNED:
-                shape = (*values.shape[:-1], bins)
-                sums = torch.zeros(shape, dtype=values.dtype, device=values.device).index_add_(-1, where, kept)
-                counts = torch.zeros(shape, dtype=values.dtype, device=values.device).index_add_(
-                    -1, where, keep.to(values.dtype)
-                )
-                _add(self.bin_sums, name, sums)  # [batch, head, bin]
-                _add(self.bin_counts, name, counts)  # [batch, head, bin]
+        keep = real & ~values.isnan()  # [score, batch, head, rows]
+        kept = torch.where(keep, values, 0.0)  # [score, batch, head, rows]
+        self.total = _plus(self.total, kept.sum(dim=-1))  # [score, batch, head]
+        self.count = _plus(self.count, keep.sum(dim=-1).to(values.dtype))  # [score, batch, head]
+        self.binned = tuple(name for name in self.names if name in BINNED)
+        if not self.binned:
+            return
+        where = geometry.position_bins(bins) if geometry is not None else position_bin(i).clamp(max=bins - 1)
+        pick = [k for k, name in enumerate(self.names) if name in BINNED]
+        shape = (len(pick), *values.shape[1:-1], bins)  # [binned score, batch, head, bin]
+        zeros = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        self.bin_total = _plus(self.bin_total, zeros.index_add(-1, where, kept[pick]))
+        self.bin_count = _plus(self.bin_count, zeros.index_add(-1, where, keep[pick].to(values.dtype)))
 
     def keep_rows(self, per_row: dict[str, Tensor], q0: int, real: Tensor, lengths: Tensor) -> None:
         """Copy a block's row values into `rows` (padded rows NaN); `real` [batch, 1, rows] marks the real ones."""
@@ -408,16 +469,37 @@ class SentenceSums:
             end = min(q0 + values.shape[-1], self.rows[name].shape[-1])
             self.rows[name][..., q0:end] = torch.where(real, values, torch.nan)[..., : end - q0]
 
+    @property
+    def sums(self) -> dict[str, Tensor]:
+        """Per score, the sums over rows [batch, head] (views of `total`)."""
+        return {} if self.total is None else dict(zip(self.names, self.total))
+
+    @property
+    def counts(self) -> dict[str, Tensor]:
+        """Per score, the rows with a value [batch, head] (views of `count`)."""
+        return {} if self.count is None else dict(zip(self.names, self.count))
+
+    def stacked_means(self) -> Tensor | None:
+        """Per score, sentence and head, the mean over rows, [score, batch, head] in the order of `names`; NaN where
+        no row had a value."""
+        return None if self.total is None else _ratio(self.total, self.count)
+
+    def stacked_bin_means(self) -> Tensor | None:
+        """The same per bin, [binned score, batch, head, bin] in the order of `binned`."""
+        return None if self.bin_total is None else _ratio(self.bin_total, self.bin_count)
+
     def means(self) -> dict[str, Tensor]:
         """Per sentence and head, the mean over rows; NaN where no row had a value."""
-        return {name: _ratio(self.sums[name], self.counts[name]) for name in self.sums}  # [batch, head]
+        means = self.stacked_means()
+        return {} if means is None else dict(zip(self.names, means))  # [batch, head] each
 
     def bin_means(self) -> dict[str, Tensor]:
-        return {name: _ratio(self.bin_sums[name], self.bin_counts[name]) for name in self.bin_sums}
+        means = self.stacked_bin_means()
+        return {} if means is None else dict(zip(self.binned, means))  # [batch, head, bin] each
 
 
-def _add(store: dict[str, Tensor], name: str, value: Tensor) -> None:
-    store[name] = value if name not in store else store[name] + value
+def _plus(total: Tensor | None, value: Tensor) -> Tensor:
+    return value if total is None else total + value
 
 
 def _ratio(total: Tensor, count: Tensor) -> Tensor:

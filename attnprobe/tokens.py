@@ -47,6 +47,35 @@ def punctuation_table(tokenizer: Any, vocab: int) -> np.ndarray:
     return table[:vocab]
 
 
+_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (decided [vocab], table [vocab])
+
+
+def punctuation_of(tokenizer: Any, ids: np.ndarray, vocab: int) -> np.ndarray:
+    """Which of these token ids are punctuation, as `punctuation_table` says: bool, the shape of `ids`.
+
+    Only ids not met before are decoded (a corpus of short sentences meets a small part of the vocabulary, and
+    decoding all of a 50k vocabulary costs more than analysing a few hundred sentences); the whole table is used
+    when it has been built."""
+    whole = _TABLES.get(tokenizer) if _weakable(tokenizer) else None
+    if whole is not None and len(whole) >= vocab:
+        return whole[ids]
+    seen = _SEEN.get(tokenizer) if _weakable(tokenizer) else None
+    if seen is None or len(seen[0]) < vocab:
+        seen = (np.zeros(vocab, dtype=bool), np.zeros(vocab, dtype=bool))  # decided, punctuation
+        special = [i for i in getattr(tokenizer, "all_special_ids", ()) if 0 <= i < vocab]
+        seen[0][special] = True  # special tokens never are punctuation
+        if _weakable(tokenizer):
+            _SEEN[tokenizer] = seen
+    decided, table = seen
+    new = np.unique(ids[~decided[ids]])  # [ids met for the first time]
+    inside = new[new < size(tokenizer)].tolist() if len(new) else []  # ids past the tokenizer's never are
+    if inside:
+        texts = tokenizer.batch_decode([[i] for i in inside], skip_special_tokens=False)
+        table[inside] = [is_punctuation(t) for t in texts]
+    decided[new] = True
+    return table[ids]
+
+
 def size(tokenizer: Any) -> int:
     """len(tokenizer), also for a wrapper that hands its attributes through (__getattr__) but defines no __len__."""
     length = getattr(tokenizer, "__len__", None)
