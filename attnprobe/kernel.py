@@ -485,10 +485,13 @@ def flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Ten
 
     aten's flash attention for CPU (Q, K, V of one head size). On a GPU the efficient-attention and
     FlashAttention kernels return the logsumexp too, but no GPU was at hand to test them: there (FUSED_DEVICES)
-    the layers run blocked.
+    the layers run blocked. `additive` [batch, head or 1, 1, key] is made contiguous: the kernel reads a mask whose
+    keys are not adjacent in memory (a logsumexp's, which the kernel returns strided) by first copying it out to a
+    whole [batch, head, query, key] map.
     """
     if query.device.type not in FUSED_DEVICES:
         raise AttnprobeError(f"the fused path runs on {', '.join(FUSED_DEVICES)}, not {query.device.type}")
+    additive = None if additive is None else additive.contiguous()  # [batch, head or 1, 1, key]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, causal, attn_mask=additive, scale=scale)[:2]
     return out, lse
