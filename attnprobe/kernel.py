@@ -105,6 +105,7 @@ class Batch:
     projections: list[nn.Module] | None = None  # per layer, the output projection: also the value-weighted scores
     keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
     tokens: TokenClasses | None = None  # token ids and punctuation: punctuation, duplicate and the mass received
+    cache: dict[Any, Any] = field(default_factory=dict)  # what every layer of the batch shares, computed once
 
 
 _ACTIVE: ContextVar[Batch | None] = ContextVar("attnprobe_batch", default=None)
@@ -548,7 +549,7 @@ def fused_attend(
         out = carried  # [batch, head, q, dim]
     if info.tokens is not None:
         masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, info.tokens.ids, lengths, causal,
-                                                                   scale)
+                                                                   scale, info.cache)
     per_row = row_stats(masses, 0, lengths, causal)
     if factors is not None:
         empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]
@@ -672,45 +673,85 @@ def _fused_call(
     return found, carried
 
 
-PAIR_CHUNK = 1 << 16  # duplicate pairs scored at once on the fused path
+TILE_ROWS = 64  # rows of a duplicate tile (positions in token order): tiles pack whole groups up to this many rows
+TILE_KEYS = 2048  # keys of a duplicate tile, at most (a token that repeats more often is cut into several)
+
+
+@dataclass(frozen=True)
+class _SameToken:
+    """Where one sentence's pairs of positions holding the same token lie: its positions sorted by token (stable, so
+    by position within a token), those of tokens that occur once left out, cut into tiles of rows x keys of that
+    order. A tile holds some whole groups of one token each (rows and keys the same span) or part of one large
+    group; within it the pairs are those of the same group, key before row (causal) or any other key."""
+
+    order: Tensor  # [m] positions in token order, only of tokens that occur more than once
+    group: Tensor  # [m] which token (a group number) each holds
+    tiles: tuple[tuple[int, int, int, int], ...]  # (row start, row end, key start, key end) in `order`
+    has: Tensor  # [length] bool: the position has such a key (causal: not its token's first occurrence)
+
+
+def _same_token(ids: Tensor, causal: bool) -> _SameToken:
+    """The pairs plan of one sentence's ids [length] (see _SameToken): the same in every layer."""
+    order = ids.argsort(stable=True)  # [length]: positions grouped by id
+    _, counts = torch.unique_consecutive(ids[order], return_counts=True)  # [groups]
+    repeated = counts.repeat_interleave(counts) > 1  # [length]: in token order
+    order, counts = order[repeated], counts[counts > 1]  # [m], [groups of 2 or more]
+    group = torch.arange(len(counts), device=ids.device).repeat_interleave(counts)  # [m]
+    has = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)  # [length]
+    first = counts.cumsum(0) - counts  # [groups]: where each group starts in `order`
+    has[order] = True
+    if causal:
+        has[order[first]] = False  # a token's first occurrence has no earlier key holding it
+    tiles, pack, begin = [], 0, 0
+    for end in counts.cumsum(0).tolist():  # group [begin, end) of `order`
+        if end - begin > TILE_ROWS:  # a large group: rows by TILE_ROWS, keys up to the row (causal) by TILE_KEYS
+            tiles += [(pack, begin, pack, begin)] if pack < begin else []
+            for r0 in range(begin, end, TILE_ROWS):
+                r1 = min(end, r0 + TILE_ROWS)
+                tiles += [(r0, r1, c0, min(c0 + TILE_KEYS, r1 if causal else end))
+                          for c0 in range(begin, r1 if causal else end, TILE_KEYS)]
+            pack = end
+        elif end - pack > TILE_ROWS:  # the pack is full: close it before this group
+            tiles.append((pack, begin, pack, begin))
+            pack = begin
+        begin = end
+    tiles += [(pack, begin, pack, begin)] if pack < begin else []
+    return _SameToken(order, group, tuple(tiles), has)
 
 
 def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, ids: Tensor, lengths: Tensor, causal: bool,
-                     scale: float) -> tuple[Tensor, Tensor]:
+                     scale: float, cache: dict[Any, Any] | None = None) -> tuple[Tensor, Tensor]:
     """row_duplicate from the fused kernel's logsumexp: exp(s_ij - lse_i) summed over the pairs of positions that
-    hold the same token (found by sorting each sentence's ids, never as an [n, n] mask), scored PAIR_CHUNK at a
-    time; and whether each row has such a key, [batch, 1, q]."""
+    hold the same token, and whether each row has such a key, [batch, 1, q]. The positions are sorted by token
+    (_same_token, never an [n, n] mask): a tile of that order is one product of the rows' queries and the keys.
+    `cache`: the pairs plan is kept there for the batch's other layers."""
     batch, heads, n, _ = q.shape
     mass = torch.zeros(batch, heads, n, device=q.device)  # [batch, head, q]
     has = torch.zeros(batch, 1, n, dtype=torch.bool, device=q.device)  # [batch, 1, q]
     for b in range(batch):
-        for rows, cols in _same_token_pairs(ids[b, : int(lengths[b])], causal):  # [pairs] each
-            logits = scale * (q[b][:, rows] * keys[b][:, cols]).sum(dim=-1)  # [head, pairs]
-            mass[b].index_add_(1, rows, (logits - lse[b][:, rows]).exp())  # [head, q]
-            has[b, 0, rows] = True
+        length = int(lengths[b])
+        key = ("same token", b, length, causal)
+        plan = None if cache is None else cache.get(key)
+        if plan is None:
+            plan = _same_token(ids[b, :length], causal)
+            if cache is not None:
+                cache[key] = plan
+        has[b, 0, :length] = plan.has
+        if not plan.tiles:
+            continue
+        order = plan.order
+        rows_q, rows_k, rows_lse = (x[b].index_select(1, order) for x in (q, keys, lse))  # [head, m, (dim)]
+        found = torch.zeros(heads, len(order), device=q.device)  # [head, m]
+        sorted_at = torch.arange(len(order), device=q.device)  # [m]
+        for r0, r1, c0, c1 in plan.tiles:
+            logits = (rows_q[:, r0:r1] @ rows_k[:, c0:c1].transpose(-1, -2)).mul_(scale)  # [head, r, c]
+            same = plan.group[r0:r1, None] == plan.group[None, c0:c1]  # [r, c]
+            i, j = sorted_at[r0:r1, None], sorted_at[None, c0:c1]  # [r, 1], [1, c]
+            same &= (j < i) if causal else (j != i)  # within a group token order is position order
+            logits.sub_(rows_lse[:, r0:r1, None]).masked_fill_(~same, float("-inf"))
+            found[:, r0:r1] += logits.exp_().sum(dim=-1)  # [head, r]
+        mass[b].index_copy_(1, order, found)  # [head, q]
     return mass, has
-
-
-def _same_token_pairs(ids: Tensor, causal: bool) -> Iterator[tuple[Tensor, Tensor]]:
-    """(query, key) positions i != j holding the same id (j < i when causal), in chunks of about PAIR_CHUNK."""
-    length = ids.shape[0]
-    order = ids.argsort(stable=True)  # [length]: positions grouped by id
-    _, counts = torch.unique_consecutive(ids[order], return_counts=True)  # [groups]
-    size = counts.repeat_interleave(counts)  # [length]: the group size of each sorted position
-    start = (counts.cumsum(0) - counts).repeat_interleave(counts)  # [length]: where its group starts
-    ends = size.cumsum(0)  # [length]: pairs up to and including each sorted position
-    a0 = 0
-    while a0 < length:
-        done = int(ends[a0 - 1]) if a0 else 0
-        a1 = min(length, max(a0 + 1, int(torch.searchsorted(ends, done + PAIR_CHUNK, right=True))))
-        sizes = size[a0:a1]  # [m]
-        a = torch.arange(a0, a1, device=ids.device).repeat_interleave(sizes)  # [pairs]: sorted row
-        within = torch.arange(len(a), device=ids.device) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
-        i, j = order[a], order[start[a] + within]  # [pairs] each
-        keep = (j < i) if causal else (j != i)  # [pairs]
-        if bool(keep.any()):
-            yield i[keep], j[keep]
-        a0 = a1
 
 
 def _fused_received(q: Tensor, keys: Tensor, lse: Tensor, real: Tensor, causal: bool, scale: float) -> Tensor:

@@ -10,7 +10,7 @@ from test_blocked import assert_close, corpus_of
 
 from attnprobe import kernel
 from attnprobe.analysis import Options, analyze_loaded
-from attnprobe.metrics import bin_count, sentence_stats
+from attnprobe.metrics import TokenClasses, bin_count, received, sentence_stats
 from attnprobe.model import load_model
 
 
@@ -56,6 +56,30 @@ def test_fused_statistics_equal_a_float64_softmax_with_sharp_heads(causal, n, lo
     np.testing.assert_allclose(example, p[1, :, :12, :12].float(), atol=FLOAT32_TOLERANCE)
     reference = (p.float() @ v.repeat_interleave(2, 1)).transpose(1, 2)  # [batch, query, head, dim]
     assert float((output - reference)[real].abs().max()) < FLOAT32_TOLERANCE * max(1.0, float(reference.abs().max()))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_token_scores_equal_a_float64_softmax_with_many_repeats(causal, monkeypatch):
+    """duplicate (token-order tiles: small packs and a large group cut by rows and keys), punctuation and the mass
+    each key receives, with few distinct ids so that most positions repeat, against the float64 map."""
+    monkeypatch.setattr(kernel, "TILE_ROWS", 8)
+    monkeypatch.setattr(kernel, "TILE_KEYS", 24)
+    n = 300
+    q, k, v, real = sharp_heads(n, 30.0)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 40, (2, n), generator=generator)  # [batch, seq]: ids under 40 repeat ...
+    ids[:, ::3] = 7  # ... and one id fills a third of the positions
+    tokens = TokenClasses(ids, torch.rand(2, n, generator=generator) < 0.2)
+    info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(n),
+                        budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None, tokens=tokens)
+    sums, _, _ = kernel.fused_attend(q, k, v, real, None, causal, info)
+    p, _ = oracle(q, k, real, causal)
+    expected = sentence_stats(p, real.long(), causal, None, sink=2, window=8, tokens=tokens)
+    for name, value in sums.means().items():
+        assert_close(value.double(), expected[name], name)
+    lengths = real.sum(dim=-1)
+    assert_close(sums.received.double(), received(p, 0, lengths), "received")
+    assert ("same token", 0, n, causal) in info.cache  # the pairs plan is kept for the batch's other layers
 
 
 def test_auto_fuses_batches_from_the_threshold_on(llama_dir, monkeypatch):
