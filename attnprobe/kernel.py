@@ -371,6 +371,8 @@ def stats_attention(
                                        need_output=need_output, span=features.span, softcap=features.softcap,
                                        sinks=sinks, factors=factors)
     batch_info.on_layer(layer, sums, example)
+    if isinstance(sums, ReceivedOnRead):
+        sums.forget()  # received is computed only if the callback read it
     if layer == batch_info.last_layer:
         raise LastLayerDone  # nothing after the last attention can change a statistic
     return output, None
@@ -556,12 +558,34 @@ def fused_attend(
         per_row.update({name: values_.masked_fill(empty, torch.nan) for name, values_ in value_weighted(
             row_stats(found[1][0], 0, lengths, causal)).items()})
         per_row[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, q]
-    sums = SentenceSums(rows={} if info.keep_rows else None)
+    sums = SentenceSums(rows={} if info.keep_rows else None) if info.tokens is None else ReceivedOnRead(
+        lambda: _fused_received(q, keys, lse, real, causal, scale), rows={} if info.keep_rows else None)
     sums.add(per_row, 0, lengths, info.bins)
-    if info.tokens is not None:
-        sums.received = _fused_received(q, keys, lse, real, causal, scale)  # [batch, head, key]
     output = out.transpose(1, 2) if need_output else None  # [batch, q, head, dim]
     return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
+
+
+class ReceivedOnRead(SentenceSums):
+    """SentenceSums whose `received` [batch, head, key] is computed when first read: the fused path's costs a
+    statistics call of its own, which a run without top_tokens.csv never reads. `forget` (stats_attention, once the
+    layer's callback returned) lets go of what computing it holds; unread, it then stays None."""
+
+    def __init__(self, compute: Callable[[], Tensor], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._compute: Callable[[], Tensor] | None = compute
+
+    @property
+    def received(self) -> Tensor | None:
+        if self._compute is not None:
+            self._received, self._compute = self._compute(), None
+        return self._received
+
+    @received.setter
+    def received(self, value: Tensor | None) -> None:
+        self._received, self._compute = value, None
+
+    def forget(self) -> None:
+        self._compute = None
 
 
 class _FusedSums(NamedTuple):
@@ -939,7 +963,7 @@ def run_batch(
     projection (values.find_projections), to measure the value-weighted scores and output_norm too. `keep_rows`:
     the sums handed to `on_layer` keep every row's values too (`SentenceSums.rows`).
     `tokens`: the batch's token ids and punctuation flags, for `punctuation`, `duplicate` and the mass each key
-    receives (SentenceSums.received, for top_tokens.csv).
+    receives (SentenceSums.received, for top_tokens.csv; on the fused path computed only if `on_layer` reads it).
     """
     modules = attention_modules(loaded.model)
     info = Batch(

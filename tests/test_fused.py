@@ -82,6 +82,24 @@ def test_fused_token_scores_equal_a_float64_softmax_with_many_repeats(causal, mo
     assert ("same token", 0, n, causal) in info.cache  # the pairs plan is kept for the batch's other layers
 
 
+def test_the_mass_received_is_computed_only_when_top_tokens_reads_it(llama_dir, monkeypatch):
+    """The fused path's received costs a call of its own: without top_tokens.csv no layer makes it, and every other
+    score is the same."""
+    loaded = load_model(str(llama_dir), "cpu")
+    made = []
+    real = kernel._fused_received
+    monkeypatch.setattr(kernel, "_fused_received", lambda *args: made.append(1) or real(*args))
+    runs = {}
+    for top in (True, False):
+        made.clear()
+        runs[top] = analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=4, resamples=5,
+                                   options=Options(attention="fused", top_tokens=top))
+        batches = -(-len(SENTENCES) // 4)
+        assert len(made) == (loaded.num_layers * batches if top else 0)
+    assert runs[True].top_tokens is not None and runs[False].top_tokens is None
+    assert runs[True].heads.equals(runs[False].heads)
+
+
 def test_auto_fuses_batches_from_the_threshold_on(llama_dir, monkeypatch):
     """auto runs the fused kernel on batches of FUSED_MIN_TOKENS or more and blocked below: both equal eager."""
     monkeypatch.setattr(kernel, "FUSED_MIN_TOKENS", 12)  # the test sentences run 3 to 16 tokens
