@@ -837,31 +837,64 @@ def _sink_window(
     """row_sink_window from the fused kernel's logsumexp, one [batch, head, q] for each (lse, mass of the first
     `sink` keys (a value channel), bias or None) in `views`: that mass plus a banded sum over the `window` most
     recent keys, block by block (O(n window) memory); a bias [batch, head, key] is added to the scores (the
-    value-weighted map). The band's scores are computed once for every view."""
-    batch, heads, n, _ = q.shape
-    out = [torch.full((batch, heads, n), torch.nan, device=q.device) for _ in views]  # [batch, head, q] each
+    value-weighted map). The band's scores are one product per block for every view: the first view's s_ij - lse_i
+    straight from it (baddbmm), another's from the first's plus its lse and bias differences."""
+    batch, heads, n, dim = q.shape
     start, window = info.sink + info.window, info.window
     if not causal or start >= n:
-        return out
-    # a block of r rows computes r + window - 1 logits per row for its window of `window`: r = window / 4 wastes a
-    # fifth (r = window, as many as it keeps)
-    rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), max(16, window // 4)))
+        return [torch.full((batch, heads, n), torch.nan, device=q.device) for _ in views]  # [batch, head, q] each
+    # a block of r rows computes r + window - 1 logits per row for its window of `window`: r = window / 8 wastes an
+    # eighth; smaller blocks cost more in calls than they save
+    rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), max(16, window // 8)))
+    outside = _outside_band(rows, window, q.device)  # [r, r + window - 1]: keys outside each row's window
+    padded = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
+    flat_q, flat_k = q.reshape(batch * heads, n, dim), keys.reshape(batch * heads, n, dim)  # [batch x head, n, dim]
+    lse0, _, bias0 = views[0]
+    first = -lse0.reshape(batch * heads, n, 1)  # [batch x head, q, 1]
+    first_bias = None if bias0 is None else bias0.reshape(batch * heads, 1, n)  # [batch x head, 1, key]
+    others = [((lse0 - lse).reshape(batch * heads, n, 1),  # [batch x head, q, 1]: the first view's lse - this one's
+               None if bias is None and bias0 is None else _bias_difference(bias, bias0).reshape(batch * heads, 1, n))
+              for lse, _, bias in views[1:]]
+    recent = [torch.zeros(batch * heads, n, device=q.device) for _ in views]  # [batch x head, q] each
     for q0 in range(start, n, rows):
         q1 = min(n, q0 + rows)
-        k0 = q0 - window + 1  # >= sink: the window keys never reach the sink keys
-        logits = (q[:, :, q0:q1] @ keys[:, :, k0:q1].transpose(-1, -2)).mul_(scale)  # [batch, head, r, keys]
-        i = torch.arange(q0, q1, device=q.device)[:, None]  # [r, 1]
-        j = torch.arange(k0, q1, device=q.device)[None, :]  # [1, keys]
-        band = (j > i - window) & (j <= i)  # [r, keys]
-        hidden = ~(band[None] & real[:, None, k0:q1])[:, None]  # [batch, 1, r, keys]
-        for k, (into, (lse, sink_mass, bias)) in enumerate(zip(out, views)):
-            shifted = logits if k == len(views) - 1 else logits.clone()  # the last view may edit the shared scores
-            if bias is not None:
-                shifted.add_(bias[:, :, None, k0:q1])  # [batch, head, r, keys]
-            shifted.sub_(lse[:, :, q0:q1, None]).masked_fill_(hidden, float("-inf"))
-            recent = shifted.exp_().sum(dim=-1)  # [batch, head, r]: the window's mass
-            into[:, :, q0:q1] = sink_mass[:, :, q0:q1] + recent  # [batch, head, r]
+        r, k0 = q1 - q0, q0 - window + 1  # k0 >= sink: the window keys never reach the sink keys
+        added = first[:, q0:q1] if first_bias is None else first[:, q0:q1] + first_bias[:, :, k0:q1]
+        shifted = torch.baddbmm(added, flat_q[:, q0:q1], flat_k[:, k0:q1].transpose(1, 2), alpha=scale)  # [b x h, r,
+        # keys]: s_ij - lse_i of the first view
+        blocks = []
+        for lse_gap, gap in others:  # [batch x head, r, keys] each
+            blocks.append(shifted + lse_gap[:, q0:q1])
+            if gap is not None:
+                blocks[-1].add_(gap[:, :, k0:q1])
+        for into, block in zip([*recent[1:], recent[0]], [*blocks, shifted]):  # the first view's last: edited in place
+            hidden = outside[:r, : r + window - 1]  # [r, keys]: the band depends on j - i only
+            block[:, :, : r - 1].masked_fill_(hidden[:, : r - 1], float("-inf"))  # the band's lower-left triangle
+            block[:, :, window:].masked_fill_(hidden[:, window:], float("-inf"))  # its upper-right one
+            if padded is not None:
+                block.view(batch, heads, r, -1).masked_fill_(padded[..., k0:q1], float("-inf"))
+            into[:, q0:q1] = block.exp_().sum(dim=-1)  # [batch x head, r]: the window's mass
+    out = []
+    for (_, sink_mass, _), mass in zip(views, recent):
+        found = sink_mass + mass.view(batch, heads, n)  # [batch, head, q]
+        found[..., :start] = torch.nan  # rows whose window and sink keys cover every key
+        out.append(found)
     return out
+
+
+def _outside_band(rows: int, window: int, device: torch.device) -> Tensor:
+    """Block coordinates [r, r + window - 1] (row a = q0 + a, key c = q0 - window + 1 + c): True where the key is
+    not among the row's `window` most recent (c < a or c > a + window - 1)."""
+    a = torch.arange(rows, device=device)[:, None]  # [r, 1]
+    c = torch.arange(rows + window - 1, device=device)[None, :]  # [1, keys]
+    return (c < a) | (c > a + window - 1)  # [r, keys]
+
+
+def _bias_difference(bias: Tensor | None, base: Tensor | None) -> Tensor:
+    """bias - base of two per-key biases [batch, head, key] (None: 0)."""
+    if base is None:
+        return bias
+    return -base if bias is None else bias - base
 
 
 def _fused_example(
