@@ -525,8 +525,6 @@ def fused_attend(
     scale = dim**-0.5 if scaling is None else scaling
     real = _right_padded(padding, batch, n, query.device)  # [batch, key]
     lengths = real.sum(dim=-1)  # [batch]
-    key_h = key.repeat_interleave(groups, dim=1) if groups > 1 else key  # [batch, head, key, dim]
-    value_h = value.repeat_interleave(groups, dim=1) if groups > 1 else value  # [batch, head, key, dim]
     hidden = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
     wanted = need_output or factors is not None  # the output: for the next layer, or for output_norm
     together = wanted and value.dtype == torch.float32  # then the values ride in the statistics call
@@ -534,18 +532,20 @@ def fused_attend(
     if wanted and not together:
         additive = None if hidden is None else torch.zeros(
             hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, float("-inf"))
+        key_h = key.repeat_interleave(groups, dim=1) if groups > 1 else key  # [batch, head, key, dim]
+        value_h = value.repeat_interleave(groups, dim=1) if groups > 1 else value  # [batch, head, key, dim]
         out, _ = flash(query, key_h, value_h, causal, additive, scale)  # [batch, head, q, dim]
     q = query.float()  # [batch, head, q, dim]
-    keys = key_h.float()  # [batch, head, key, dim]
     weight = real[:, None, :, None].float()  # [batch, 1, key, 1]
-    centre = (keys * weight).sum(dim=2, keepdim=True) / lengths.clamp(min=1)[:, None, None, None]  # [b, h, 1, dim]
-    keys = keys - centre  # [batch, head, key, dim]: softmax unchanged, scores and lse smaller
+    key32 = key.float()  # [batch, kv head, key, dim]: the calls repeat it for each head of a group as they copy it
+    centre = (key32 * weight).sum(dim=2, keepdim=True) / lengths.clamp(min=1)[:, None, None, None]  # [b, kv, 1, dim]
+    centred = key32 - centre  # [batch, kv head, key, dim]: softmax unchanged, scores and lse smaller
     additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
         hidden, float("-inf"))  # [batch, 1, 1, key]
     norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]
     biases = (None,) if norms is None else (None, values.log_weights(norms))  # the map; the value-weighted one
-    found, carried = _fused_masses(q, keys, real, additive32, causal, info, scale, biases,
-                                   carry=value_h if together else None)
+    found, carried, keys = _fused_masses(q, centred, real, additive32, causal, info, scale, biases,
+                                         carry=value if together else None)
     masses, lse = found[0]
     if together:  # centring the keys leaves every row's softmax, so the output, as it was
         out = carried  # [batch, head, q, dim]
@@ -602,21 +602,29 @@ class _FusedSums(NamedTuple):
 def _fused_masses(
     q: Tensor, keys: Tensor, real: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
     biases: tuple[Tensor | None, ...] = (None,), carry: Tensor | None = None,
-) -> tuple[list[tuple[RowMasses, Tensor]], Tensor | None]:
+) -> tuple[list[tuple[RowMasses, Tensor]], Tensor | None, Tensor]:
     """Every row's masses from the fused kernel (fused_attend's identities) and the logsumexp [batch, head, q], once
-    per entry of `biases` (None: the map itself); and the attention output of `carry` [batch, head, key, c] (values
-    that ride along in the first call) or None. Each entry costs a statistics call of its own (_fused_call); the
-    scores of the single weights and of the recent window's band are computed once for all of them.
+    per entry of `biases` (None: the map itself); the attention output of `carry` [batch, kv head, key, c] (values
+    that ride along in the first call) or None; and the keys [batch, head, key, dim] as the calls read them (a view
+    of the first call's buffer). `keys` [batch, kv head, key, dim] (centred): each query head of a group reads its
+    KV head's. Each entry costs a statistics call of its own (_fused_call), all from one widened copy of the
+    queries; the scores of the single weights and of the recent window's band are computed once for all of them.
 
     A bias [batch, head, key] is an additive per-key term, ln |f_h(x_j)| for the value-weighted map
     (values.ZERO_NORM where the norm is 0). It joins the mask, the single weights exp(s_ij + b_j - lse_i) and the
     recent window's banded sum, and the entropy loses its mean, -sum_j p_ij b_j, from one more value channel:
     H_i = lse_i - scale q_i . E[k] - E[b]. Special tokens and punctuation are counted without a bias only.
     """
-    batch, heads, n, _ = q.shape
-    calls = [_fused_call(q, keys, additive, causal, info, scale, bias, carry if k == 0 else None)
-             for k, bias in enumerate(biases)]
-    sums, carried = [call_sums for call_sums, _ in calls], calls[0][1]
+    batch, heads, n, dim = q.shape
+    widths = [_head_size(dim + len(_channels(info, bias)) + (carry.shape[-1] if k == 0 and carry is not None else 0))
+              for k, bias in enumerate(biases)]
+    widened = q.new_empty(batch, heads, n, max(widths))  # [batch, head, q, width]: every call reads a prefix
+    widened[..., :dim] = q
+    widened[..., dim:] = 0.0  # zero channels leave the scores alone
+    calls = [_fused_call(widened[..., :width], keys, additive, causal, info, scale, bias, carry if k == 0 else None)
+             for k, (bias, width) in enumerate(zip(biases, widths))]
+    del widened
+    sums, carried, keys = [call_sums for call_sums, _, _ in calls], calls[0][1], calls[0][2]
 
     def weights_at(offset: int) -> list[Tensor]:
         """p[i, i + offset] for every row, one [batch, head, q] per bias, 0 where that key is not allowed (a future
@@ -634,7 +642,7 @@ def _fused_masses(
         return found
 
     near = {offset: weights_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
-    first_logit = scale * (q * keys[:, :, :1]).sum(dim=-1)  # [batch, head, q]: key 0 is always allowed
+    first_logit = scale * (q @ keys[:, :, 0, :, None])[..., 0]  # [batch, head, q]: key 0 is always allowed
     windows = _sink_window(q, keys, [(call.lse, call.sinks, bias) for call, bias in zip(sums, biases)], real,
                            causal, info, scale)
     found = []
@@ -646,55 +654,68 @@ def _fused_masses(
             sink_window=windows[k], special=call.special, punctuation=call.punctuation,
         )
         found.append((masses, call.lse))
-    return found, carried
+    return found, carried, keys
+
+
+def _channels(info: Batch, bias: Tensor | None) -> tuple[str, ...]:
+    """The statistics' value channels of a _fused_call after the keys, in order."""
+    return ("position", "sink", *(("special",) if info.special is not None and bias is None else ()),
+            *(("punctuation",) if info.tokens is not None and bias is None else ()),
+            *(("bias",) if bias is not None else ()))
 
 
 def _fused_call(
-    q: Tensor, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
+    widened: Tensor, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
     bias: Tensor | None = None, carry: Tensor | None = None,
-) -> tuple[_FusedSums, Tensor | None]:
+) -> tuple[_FusedSums, Tensor | None, Tensor]:
     """One statistics call of _fused_masses (`bias` [batch, head, key] or None) and the output of `carry`
-    [batch, head, key, c] riding in it, [batch, head, q, c] or None: the keys, centred positions, first-keys,
-    special and punctuation flags and the bias as value channels, written in place."""
-    batch, heads, n, dim = q.shape
+    [batch, kv head, key, c] riding in it, [batch, head, q, c] or None; and the keys [batch, head, key, dim] as the
+    call read them. `widened` [batch, head, q, width]: the queries, zero past their own channels; `keys`
+    [batch, kv head, key, dim].
+
+    One buffer [batch, head, key, width] holds the keys (repeated for each head of a group as they are copied in),
+    the statistics' channels (_channels: the centred position, 1 on the first `sink` keys, special and punctuation
+    flags, the bias), zeros, and the carried values last; it is both the call's keys and its values, since the
+    queries' zero channels leave the scores to the keys'."""
+    batch, heads, n, width = widened.shape
+    kv_heads, dim = keys.shape[1], keys.shape[-1]
     mid = (n - 1) / 2
-    first = 0 if carry is None else carry.shape[-1]  # where the statistics' channels start
-    special = info.special is not None and bias is None
-    punctuation = info.tokens is not None and bias is None
-    at_bias = dim + 2 + special + punctuation  # the bias channel, counted from `first`
-    width = _head_size(first + at_bias + (bias is not None))
-    values_ = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]: written in place, no concatenation
+    names = _channels(info, bias)
+    at = {name: dim + k for k, name in enumerate(names)}
+    first = width - (0 if carry is None else carry.shape[-1])  # where the carried values start
+    buffer = widened.new_empty(batch, heads, n, width)  # [batch, head, key, width]: written in place
+    grouped = buffer.view(batch, kv_heads, heads // kv_heads, n, width)  # [batch, kv head, group, key, width]
+    grouped[..., :dim] = keys[:, :, None]
     if carry is not None:
-        values_[..., :first] = carry
-    values_[..., first : first + dim] = keys
-    values_[..., first + dim] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
-    values_[..., : info.sink, first + dim + 1] = 1.0
-    if special:
-        values_[..., first + dim + 2] = info.special[:, None, :n].float()  # [batch, 1, key]
-    if punctuation:
-        values_[..., first + dim + 2 + special] = info.tokens.punctuation[:, None, :n].float()  # [batch, 1, key]
+        grouped[..., first:] = carry[:, :, None]
+    buffer[..., dim:first] = 0.0
+    buffer[..., at["position"]] = torch.arange(n, device=buffer.device, dtype=torch.float32) - mid  # [key]
+    buffer[..., : info.sink, at["sink"]] = 1.0
+    if "special" in at:
+        buffer[..., at["special"]] = info.special[:, None, :n].float()  # [batch, 1, key]
+    if "punctuation" in at:
+        buffer[..., at["punctuation"]] = info.tokens.punctuation[:, None, :n].float()  # [batch, 1, key]
     if bias is not None:
-        values_[..., first + at_bias] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
+        buffer[..., at["bias"]] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
         additive = bias[:, :, None, :] if additive is None else bias[:, :, None, :] + additive  # [b, h, 1, key]
-    qp, kp = _widened(q, width), _widened(keys, width)  # [batch, head, q or key, width]
-    mean, lse = flash(qp, kp, values_, causal, additive, scale)  # [batch, head, q, width], [batch, head, q]
-    del qp, kp, values_
-    carried = None if carry is None else mean[..., :first].to(carry.dtype)  # [batch, head, q, c]
-    mean = mean[..., first:]  # [batch, head, q, width - first]: the statistics' channels
-    entropy = lse - scale * (q * mean[..., :dim]).sum(dim=-1)  # [batch, head, q]
+    mean, lse = flash(widened, buffer, buffer, causal, additive, scale)  # [batch, head, q, width], [batch, head, q]
+    carried = None if carry is None else mean[..., first:].to(carry.dtype)  # [batch, head, q, c]
+    q = widened[..., :dim]  # [batch, head, q, dim]
+    keys_h = buffer[..., :dim]  # [batch, head, key, dim]
+    entropy = lse - scale * torch.linalg.vecdot(q, mean[..., :dim])  # [batch, head, q]
     if bias is not None:
-        entropy = entropy - mean[..., at_bias]  # [batch, head, q]
-    position = mean[..., dim] + mid  # [batch, head, q]: E[j]
+        entropy = entropy - mean[..., at["bias"]]  # [batch, head, q]
+    position = mean[..., at["position"]] + mid  # [batch, head, q]: E[j]
     if causal:
         distance = torch.arange(n, device=q.device) - position  # [batch, head, q]
     else:
-        distance = _encoder_distance(q, keys, lse, position, additive, scale)
+        distance = _encoder_distance(q, keys_h, lse, position, additive, scale)
     found = _FusedSums(
-        lse=lse, entropy=entropy, distance=distance, sinks=mean[..., dim + 1],
-        special=mean[..., dim + 2] if special else None,
-        punctuation=mean[..., dim + 2 + special] if punctuation else None,
+        lse=lse, entropy=entropy, distance=distance, sinks=mean[..., at["sink"]],
+        special=mean[..., at["special"]] if "special" in at else None,
+        punctuation=mean[..., at["punctuation"]] if "punctuation" in at else None,
     )
-    return found, carried
+    return found, carried, keys_h
 
 
 TILE_ROWS = 64  # rows of a duplicate tile (positions in token order): tiles pack whole groups up to this many rows
