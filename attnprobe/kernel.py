@@ -626,25 +626,37 @@ def _fused_masses(
     del widened
     sums, carried, keys = [call_sums for call_sums, _, _ in calls], calls[0][1], calls[0][2]
 
+    views = [(call.lse, call.sinks, bias) for call, bias in zip(sums, biases)]
+    offsets = range(-DIAGONAL_WINDOW, (0 if causal else DIAGONAL_WINDOW) + 1)  # a causal row's later keys: weight 0
+    windows, band, split = _sink_window(q, keys, views, real, causal, info, scale, tuple(offsets))
+
     def weights_at(offset: int) -> list[Tensor]:
         """p[i, i + offset] for every row, one [batch, head, q] per bias, 0 where that key is not allowed (a future
-        key of a causal row)."""
+        key of a causal row). The first view's s_ij + b_j - lse_i comes from the band from row `split` on, from a
+        product of its own before; the other views' from the first's plus their lse and bias differences."""
         found = [torch.zeros(batch, heads, n, device=q.device) for _ in biases]  # [batch, head, q] each
-        if (causal and offset > 0) or abs(offset) >= n:
+        if offset not in offsets or abs(offset) >= n:
             return found
         rows = slice(max(0, -offset), n - max(0, offset))  # the rows whose key i + offset exists
         cols = slice(max(0, offset), n - max(0, -offset))
-        logit = scale * torch.linalg.vecdot(q[:, :, rows], keys[:, :, cols])  # [batch, head, m]
-        for out, bias, call in zip(found, biases, sums):
-            biased = logit if bias is None else logit + bias[:, :, cols]  # [batch, head, m]
-            weight = (biased - call.lse[:, :, rows]).exp()  # [batch, head, m]
-            out[:, :, rows] = torch.where(real[:, None, cols], weight, 0.0)  # a padded key has no weight
+        shifted = band[offset] if offset in band else torch.empty(batch, heads, n, device=q.device)  # [b, h, q]
+        own = slice(rows.start, min(split, rows.stop))  # the rows before the band's
+        if own.start < own.stop:
+            logit = scale * torch.linalg.vecdot(q[:, :, own], keys[:, :, own.start + offset : own.stop + offset])
+            if biases[0] is not None:
+                logit = logit + biases[0][:, :, own.start + offset : own.stop + offset]  # [batch, head, m]
+            shifted[:, :, own] = logit - sums[0].lse[:, :, own]  # [batch, head, m]
+        for k, (out, bias, call) in enumerate(zip(found, biases, sums)):
+            logit = shifted[:, :, rows]  # [batch, head, m]: the first view's s_ij + b_j - lse_i
+            if k:
+                logit = logit + (sums[0].lse - call.lse)[:, :, rows]  # [batch, head, m]
+                if bias is not None or biases[0] is not None:
+                    logit = logit + _bias_difference(bias, biases[0])[:, :, cols]
+            out[:, :, rows] = torch.where(real[:, None, cols], logit.exp(), 0.0)  # a padded key has no weight
         return found
 
     near = {offset: weights_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
     first_logit = scale * (q @ keys[:, :, 0, :, None])[..., 0]  # [batch, head, q]: key 0 is always allowed
-    windows = _sink_window(q, keys, [(call.lse, call.sinks, bias) for call, bias in zip(sums, biases)], real,
-                           causal, info, scale)
     found = []
     for k, (bias, call) in enumerate(zip(biases, sums)):
         biased = first_logit if bias is None else first_logit + bias[:, :, :1]  # [batch, head, q]
@@ -853,17 +865,22 @@ def _encoder_distance(
 
 def _sink_window(
     q: Tensor, keys: Tensor, views: list[tuple[Tensor, Tensor, Tensor | None]], real: Tensor, causal: bool,
-    info: Batch, scale: float,
-) -> list[Tensor]:
+    info: Batch, scale: float, offsets: tuple[int, ...] = (),
+) -> tuple[list[Tensor], dict[int, Tensor], int]:
     """row_sink_window from the fused kernel's logsumexp, one [batch, head, q] for each (lse, mass of the first
     `sink` keys (a value channel), bias or None) in `views`: that mass plus a banded sum over the `window` most
     recent keys, block by block (O(n window) memory); a bias [batch, head, key] is added to the scores (the
     value-weighted map). The band's scores are one product per block for every view: the first view's s_ij - lse_i
-    straight from it (baddbmm), another's from the first's plus its lse and bias differences."""
+    straight from it (baddbmm), another's from the first's plus its lse and bias differences.
+
+    Also, per offset o <= 0 in `offsets`, the first view's s_ij + b_j - lse_i at j = i + o, [batch, head, q], read
+    off the band (its diagonals) from the row it returns last on: sink + window (n, and no offsets, when no row
+    has a band)."""
     batch, heads, n, dim = q.shape
     start, window = info.sink + info.window, info.window
     if not causal or start >= n:
-        return [torch.full((batch, heads, n), torch.nan, device=q.device) for _ in views]  # [batch, head, q] each
+        return [torch.full((batch, heads, n), torch.nan, device=q.device) for _ in views], {}, n  # [b, h, q] each
+    diagonals = {o: torch.empty(batch * heads, n, device=q.device) for o in offsets if -window < o <= 0}  # [b x h, q]
     # a block of r rows computes r + window - 1 logits per row for its window of `window`: r = window / 8 wastes an
     # eighth; smaller blocks cost more in calls than they save
     rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), max(16, window // 8)))
@@ -883,6 +900,8 @@ def _sink_window(
         added = first[:, q0:q1] if first_bias is None else first[:, q0:q1] + first_bias[:, :, k0:q1]
         shifted = torch.baddbmm(added, flat_q[:, q0:q1], flat_k[:, k0:q1].transpose(1, 2), alpha=scale)  # [b x h, r,
         # keys]: s_ij - lse_i of the first view
+        for offset, into in diagonals.items():  # key i + o of row i sits at column (i - q0) + window - 1 + o
+            into[:, q0:q1] = shifted.diagonal(window - 1 + offset, dim1=1, dim2=2)  # [batch x head, r]
         blocks = []
         for lse_gap, gap in others:  # [batch x head, r, keys] each
             blocks.append(shifted + lse_gap[:, q0:q1])
@@ -900,7 +919,7 @@ def _sink_window(
         found = sink_mass + mass.view(batch, heads, n)  # [batch, head, q]
         found[..., :start] = torch.nan  # rows whose window and sink keys cover every key
         out.append(found)
-    return out
+    return out, {o: into.view(batch, heads, n) for o, into in diagonals.items()}, start
 
 
 def _outside_band(rows: int, window: int, device: torch.device) -> Tensor:

@@ -8,9 +8,9 @@ import torch
 from conftest import FLOAT32_TOLERANCE, SENTENCES
 from test_blocked import assert_close, corpus_of
 
-from attnprobe import kernel
+from attnprobe import kernel, values
 from attnprobe.analysis import Options, analyze_loaded
-from attnprobe.metrics import TokenClasses, bin_count, received, sentence_stats
+from attnprobe.metrics import VALUE_WEIGHTED, TokenClasses, bin_count, received, sentence_stats
 from attnprobe.model import load_model
 
 
@@ -56,6 +56,32 @@ def test_fused_statistics_equal_a_float64_softmax_with_sharp_heads(causal, n, lo
     np.testing.assert_allclose(example, p[1, :, :12, :12].float(), atol=FLOAT32_TOLERANCE)
     reference = (p.float() @ v.repeat_interleave(2, 1)).transpose(1, 2)  # [batch, query, head, dim]
     assert float((output - reference)[real].abs().max()) < FLOAT32_TOLERANCE * max(1.0, float(reference.abs().max()))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_value_weighted_statistics_equal_a_float64_softmax_with_sharp_heads(causal):
+    """The value-weighted map's statistics (their own call; the single weights and the recent window's band derived
+    from the map's scores with the lse and bias differences) on 700 sharp tokens against the float64 weighted map."""
+    n = 700
+    q, k, v, real = sharp_heads(n, 40.0)
+    torch.manual_seed(1)
+    v = v * torch.randn(*v.shape[:-1], 1).mul(1.5).exp()  # [batch, kv head, key, dim]: norms spread widely
+    v[:, 0, 3] = 0.0  # a key of norm 0 for KV head 0
+    projection = torch.nn.Linear(4 * 16, 24)
+    factors = values.head_factors(projection, 4)  # [head, 16, 16]
+    info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(n),
+                        budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None)
+    sums, _, _ = kernel.fused_attend(q, k, v, real, None, causal, info, factors=factors)
+    p, _ = oracle(q, k, real, causal)
+    slices = projection.weight.detach().double().view(24, 4, 16).transpose(0, 1)  # [head, width, head size]
+    norms = torch.einsum("hwd,bhkd->bhkw", slices, v.double().repeat_interleave(2, 1)).norm(dim=-1)  # [b, h, key]
+    weighted = p * norms[:, :, None, :]  # [batch, head, query, key]
+    weighted = weighted / weighted.sum(dim=-1, keepdim=True)
+    expected = sentence_stats(weighted, real.long(), causal, None, sink=2, window=8)
+    got = sums.means()
+    for name in VALUE_WEIGHTED:
+        assert_close(got[name + "_vw"].double(), expected[name], name + "_vw")
+    assert (got["entropy_vw"] - got["entropy"]).abs().max() > 0.01  # not the map's own under another name
 
 
 @pytest.mark.parametrize("causal", [True, False])
