@@ -419,6 +419,8 @@ def stats_attention(
                                        need_output=need_output, span=features.span, softcap=features.softcap,
                                        sinks=sinks, factors=factors)
     batch_info.on_layer(layer, sums, example)
+    if isinstance(sums, ReceivedOnRead):
+        sums.forget()  # received is computed only if the callback read it
     if layer == batch_info.last_layer:
         raise LastLayerDone  # nothing after the last attention can change a statistic
     return output, None
@@ -533,10 +535,13 @@ def flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Ten
 
     aten's flash attention for CPU (Q, K, V of one head size). On a GPU the efficient-attention and
     FlashAttention kernels return the logsumexp too, but no GPU was at hand to test them: there (FUSED_DEVICES)
-    the layers run blocked.
+    the layers run blocked. `additive` [batch, head or 1, 1, key] is made contiguous: the kernel reads a mask whose
+    keys are not adjacent in memory (a logsumexp's, which the kernel returns strided) by first copying it out to a
+    whole [batch, head, query, key] map.
     """
     if query.device.type not in FUSED_DEVICES:
         raise AttnprobeError(f"the fused path runs on {', '.join(FUSED_DEVICES)}, not {query.device.type}")
+    additive = None if additive is None else additive.contiguous()  # [batch, head or 1, 1, key]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, causal, attn_mask=additive, scale=scale)[:2]
     return out, lse
@@ -567,8 +572,6 @@ def fused_attend(
     scale = dim**-0.5 if scaling is None else scaling
     real = _right_padded(padding, batch, n, query.device)  # [batch, key]
     lengths = real.sum(dim=-1)  # [batch]
-    key_h = key.repeat_interleave(groups, dim=1) if groups > 1 else key  # [batch, head, key, dim]
-    value_h = value.repeat_interleave(groups, dim=1) if groups > 1 else value  # [batch, head, key, dim]
     hidden = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
     wanted = need_output or factors is not None  # the output: for the next layer, or for output_norm
     together = wanted and value.dtype == torch.float32  # then the values ride in the statistics call
@@ -576,36 +579,60 @@ def fused_attend(
     if wanted and not together:
         additive = None if hidden is None else torch.zeros(
             hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, float("-inf"))
+        key_h = key.repeat_interleave(groups, dim=1) if groups > 1 else key  # [batch, head, key, dim]
+        value_h = value.repeat_interleave(groups, dim=1) if groups > 1 else value  # [batch, head, key, dim]
         out, _ = flash(query, key_h, value_h, causal, additive, scale)  # [batch, head, q, dim]
     q = query.float()  # [batch, head, q, dim]
-    keys = key_h.float()  # [batch, head, key, dim]
     weight = real[:, None, :, None].float()  # [batch, 1, key, 1]
-    centre = (keys * weight).sum(dim=2, keepdim=True) / lengths.clamp(min=1)[:, None, None, None]  # [b, h, 1, dim]
-    keys = keys - centre  # [batch, head, key, dim]: softmax unchanged, scores and lse smaller
+    key32 = key.float()  # [batch, kv head, key, dim]: the calls repeat it for each head of a group as they copy it
+    centre = (key32 * weight).sum(dim=2, keepdim=True) / lengths.clamp(min=1)[:, None, None, None]  # [b, kv, 1, dim]
+    centred = key32 - centre  # [batch, kv head, key, dim]: softmax unchanged, scores and lse smaller
     additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
         hidden, float("-inf"))  # [batch, 1, 1, key]
     norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]
     biases = (None,) if norms is None else (None, values.log_weights(norms))  # the map; the value-weighted one
-    found, carried = _fused_masses(q, keys, real, additive32, causal, info, scale, biases,
-                                   carry=value_h if together else None)
+    found, carried, keys = _fused_masses(q, centred, real, additive32, causal, info, scale, biases,
+                                         carry=value if together else None)
     masses, lse = found[0]
     if together:  # centring the keys leaves every row's softmax, so the output, as it was
         out = carried  # [batch, head, q, dim]
     if info.tokens is not None:
         masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, info.tokens.ids, lengths, causal,
-                                                                   scale)
+                                                                   scale, info.kept)
     per_row = row_stats(masses, 0, lengths, causal)
     if factors is not None:
         empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]
         per_row.update({name: values_.masked_fill(empty, torch.nan) for name, values_ in value_weighted(
             row_stats(found[1][0], 0, lengths, causal)).items()})
         per_row[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, q]
-    sums = SentenceSums(rows={} if info.keep_rows else None)
+    sums = SentenceSums(rows={} if info.keep_rows else None) if info.tokens is None else ReceivedOnRead(
+        lambda: _fused_received(q, keys, lse, real, causal, scale), rows={} if info.keep_rows else None)
     sums.add(per_row, 0, lengths, info.bins)
-    if info.tokens is not None:
-        sums.received = _fused_received(q, keys, lse, real, causal, scale)  # [batch, head, key]
     output = out.transpose(1, 2) if need_output else None  # [batch, q, head, dim]
     return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
+
+
+class ReceivedOnRead(SentenceSums):
+    """SentenceSums whose `received` [batch, head, key] is computed when first read: the fused path's costs a
+    statistics call of its own, which a run without top_tokens.csv never reads. `forget` (stats_attention, once the
+    layer's callback returned) lets go of what computing it holds; unread, it then stays None."""
+
+    def __init__(self, compute: Callable[[], Tensor], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._compute: Callable[[], Tensor] | None = compute
+
+    @property
+    def received(self) -> Tensor | None:
+        if self._compute is not None:
+            self._received, self._compute = self._compute(), None
+        return self._received
+
+    @received.setter
+    def received(self, value: Tensor | None) -> None:
+        self._received, self._compute = value, None
+
+    def forget(self) -> None:
+        self._compute = None
 
 
 class _FusedSums(NamedTuple):
@@ -622,41 +649,61 @@ class _FusedSums(NamedTuple):
 def _fused_masses(
     q: Tensor, keys: Tensor, real: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
     biases: tuple[Tensor | None, ...] = (None,), carry: Tensor | None = None,
-) -> tuple[list[tuple[RowMasses, Tensor]], Tensor | None]:
+) -> tuple[list[tuple[RowMasses, Tensor]], Tensor | None, Tensor]:
     """Every row's masses from the fused kernel (fused_attend's identities) and the logsumexp [batch, head, q], once
-    per entry of `biases` (None: the map itself); and the attention output of `carry` [batch, head, key, c] (values
-    that ride along in the first call) or None. Each entry costs a statistics call of its own (_fused_call); the
-    scores of the single weights and of the recent window's band are computed once for all of them.
+    per entry of `biases` (None: the map itself); the attention output of `carry` [batch, kv head, key, c] (values
+    that ride along in the first call) or None; and the keys [batch, head, key, dim] as the calls read them (a view
+    of the first call's buffer). `keys` [batch, kv head, key, dim] (centred): each query head of a group reads its
+    KV head's. Each entry costs a statistics call of its own (_fused_call), all from one widened copy of the
+    queries; the scores of the single weights and of the recent window's band are computed once for all of them.
 
     A bias [batch, head, key] is an additive per-key term, ln |f_h(x_j)| for the value-weighted map
     (values.ZERO_NORM where the norm is 0). It joins the mask, the single weights exp(s_ij + b_j - lse_i) and the
     recent window's banded sum, and the entropy loses its mean, -sum_j p_ij b_j, from one more value channel:
     H_i = lse_i - scale q_i . E[k] - E[b]. Special tokens and punctuation are counted without a bias only.
     """
-    batch, heads, n, _ = q.shape
-    calls = [_fused_call(q, keys, additive, causal, info, scale, bias, carry if k == 0 else None)
-             for k, bias in enumerate(biases)]
-    sums, carried = [call_sums for call_sums, _ in calls], calls[0][1]
+    batch, heads, n, dim = q.shape
+    widths = [_head_size(dim + len(_channels(info, bias)) + (carry.shape[-1] if k == 0 and carry is not None else 0))
+              for k, bias in enumerate(biases)]
+    widened = q.new_empty(batch, heads, n, max(widths))  # [batch, head, q, width]: every call reads a prefix
+    widened[..., :dim] = q
+    widened[..., dim:] = 0.0  # zero channels leave the scores alone
+    calls = [_fused_call(widened[..., :width], keys, additive, causal, info, scale, bias, carry if k == 0 else None)
+             for k, (bias, width) in enumerate(zip(biases, widths))]
+    del widened
+    sums, carried, keys = [call_sums for call_sums, _, _ in calls], calls[0][1], calls[0][2]
+
+    views = [(call.lse, call.sinks, bias) for call, bias in zip(sums, biases)]
+    offsets = range(-DIAGONAL_WINDOW, (0 if causal else DIAGONAL_WINDOW) + 1)  # a causal row's later keys: weight 0
+    windows, band, split = _sink_window(q, keys, views, real, causal, info, scale, tuple(offsets))
 
     def weights_at(offset: int) -> list[Tensor]:
         """p[i, i + offset] for every row, one [batch, head, q] per bias, 0 where that key is not allowed (a future
-        key of a causal row)."""
+        key of a causal row). The first view's s_ij + b_j - lse_i comes from the band from row `split` on, from a
+        product of its own before; the other views' from the first's plus their lse and bias differences."""
         found = [torch.zeros(batch, heads, n, device=q.device) for _ in biases]  # [batch, head, q] each
-        if (causal and offset > 0) or abs(offset) >= n:
+        if offset not in offsets or abs(offset) >= n:
             return found
         rows = slice(max(0, -offset), n - max(0, offset))  # the rows whose key i + offset exists
         cols = slice(max(0, offset), n - max(0, -offset))
-        logit = scale * torch.linalg.vecdot(q[:, :, rows], keys[:, :, cols])  # [batch, head, m]
-        for out, bias, call in zip(found, biases, sums):
-            biased = logit if bias is None else logit + bias[:, :, cols]  # [batch, head, m]
-            weight = (biased - call.lse[:, :, rows]).exp()  # [batch, head, m]
-            out[:, :, rows] = torch.where(real[:, None, cols], weight, 0.0)  # a padded key has no weight
+        shifted = band[offset] if offset in band else torch.empty(batch, heads, n, device=q.device)  # [b, h, q]
+        own = slice(rows.start, min(split, rows.stop))  # the rows before the band's
+        if own.start < own.stop:
+            logit = scale * torch.linalg.vecdot(q[:, :, own], keys[:, :, own.start + offset : own.stop + offset])
+            if biases[0] is not None:
+                logit = logit + biases[0][:, :, own.start + offset : own.stop + offset]  # [batch, head, m]
+            shifted[:, :, own] = logit - sums[0].lse[:, :, own]  # [batch, head, m]
+        for k, (out, bias, call) in enumerate(zip(found, biases, sums)):
+            logit = shifted[:, :, rows]  # [batch, head, m]: the first view's s_ij + b_j - lse_i
+            if k:
+                logit = logit + (sums[0].lse - call.lse)[:, :, rows]  # [batch, head, m]
+                if bias is not None or biases[0] is not None:
+                    logit = logit + _bias_difference(bias, biases[0])[:, :, cols]
+            out[:, :, rows] = torch.where(real[:, None, cols], logit.exp(), 0.0)  # a padded key has no weight
         return found
 
     near = {offset: weights_at(offset) for offset in range(-DIAGONAL_WINDOW, DIAGONAL_WINDOW + 1)}
-    first_logit = scale * (q * keys[:, :, :1]).sum(dim=-1)  # [batch, head, q]: key 0 is always allowed
-    windows = _sink_window(q, keys, [(call.lse, call.sinks, bias) for call, bias in zip(sums, biases)], real,
-                           causal, info, scale)
+    first_logit = scale * (q @ keys[:, :, 0, :, None])[..., 0]  # [batch, head, q]: key 0 is always allowed
     found = []
     for k, (bias, call) in enumerate(zip(biases, sums)):
         biased = first_logit if bias is None else first_logit + bias[:, :, :1]  # [batch, head, q]
@@ -666,96 +713,149 @@ def _fused_masses(
             sink_window=windows[k], special=call.special, punctuation=call.punctuation,
         )
         found.append((masses, call.lse))
-    return found, carried
+    return found, carried, keys
+
+
+def _channels(info: Batch, bias: Tensor | None) -> tuple[str, ...]:
+    """The statistics' value channels of a _fused_call after the keys, in order."""
+    return ("position", "sink", *(("special",) if info.special is not None and bias is None else ()),
+            *(("punctuation",) if info.tokens is not None and bias is None else ()),
+            *(("bias",) if bias is not None else ()))
 
 
 def _fused_call(
-    q: Tensor, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
+    widened: Tensor, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
     bias: Tensor | None = None, carry: Tensor | None = None,
-) -> tuple[_FusedSums, Tensor | None]:
+) -> tuple[_FusedSums, Tensor | None, Tensor]:
     """One statistics call of _fused_masses (`bias` [batch, head, key] or None) and the output of `carry`
-    [batch, head, key, c] riding in it, [batch, head, q, c] or None: the keys, centred positions, first-keys,
-    special and punctuation flags and the bias as value channels, written in place."""
-    batch, heads, n, dim = q.shape
+    [batch, kv head, key, c] riding in it, [batch, head, q, c] or None; and the keys [batch, head, key, dim] as the
+    call read them. `widened` [batch, head, q, width]: the queries, zero past their own channels; `keys`
+    [batch, kv head, key, dim].
+
+    One buffer [batch, head, key, width] holds the keys (repeated for each head of a group as they are copied in),
+    the statistics' channels (_channels: the centred position, 1 on the first `sink` keys, special and punctuation
+    flags, the bias), zeros, and the carried values last; it is both the call's keys and its values, since the
+    queries' zero channels leave the scores to the keys'."""
+    batch, heads, n, width = widened.shape
+    kv_heads, dim = keys.shape[1], keys.shape[-1]
     mid = (n - 1) / 2
-    first = 0 if carry is None else carry.shape[-1]  # where the statistics' channels start
-    special = info.special is not None and bias is None
-    punctuation = info.tokens is not None and bias is None
-    at_bias = dim + 2 + special + punctuation  # the bias channel, counted from `first`
-    width = _head_size(first + at_bias + (bias is not None))
-    values_ = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]: written in place, no concatenation
+    names = _channels(info, bias)
+    at = {name: dim + k for k, name in enumerate(names)}
+    first = width - (0 if carry is None else carry.shape[-1])  # where the carried values start
+    buffer = widened.new_empty(batch, heads, n, width)  # [batch, head, key, width]: written in place
+    grouped = buffer.view(batch, kv_heads, heads // kv_heads, n, width)  # [batch, kv head, group, key, width]
+    grouped[..., :dim] = keys[:, :, None]
     if carry is not None:
-        values_[..., :first] = carry
-    values_[..., first : first + dim] = keys
-    values_[..., first + dim] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
-    values_[..., : info.sink, first + dim + 1] = 1.0
-    if special:
-        values_[..., first + dim + 2] = info.special[:, None, :n].float()  # [batch, 1, key]
-    if punctuation:
-        values_[..., first + dim + 2 + special] = info.tokens.punctuation[:, None, :n].float()  # [batch, 1, key]
+        grouped[..., first:] = carry[:, :, None]
+    buffer[..., dim:first] = 0.0
+    buffer[..., at["position"]] = torch.arange(n, device=buffer.device, dtype=torch.float32) - mid  # [key]
+    buffer[..., : info.sink, at["sink"]] = 1.0
+    if "special" in at:
+        buffer[..., at["special"]] = info.special[:, None, :n].float()  # [batch, 1, key]
+    if "punctuation" in at:
+        buffer[..., at["punctuation"]] = info.tokens.punctuation[:, None, :n].float()  # [batch, 1, key]
     if bias is not None:
-        values_[..., first + at_bias] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
+        buffer[..., at["bias"]] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
         additive = bias[:, :, None, :] if additive is None else bias[:, :, None, :] + additive  # [b, h, 1, key]
-    qp, kp = _widened(q, width), _widened(keys, width)  # [batch, head, q or key, width]
-    mean, lse = flash(qp, kp, values_, causal, additive, scale)  # [batch, head, q, width], [batch, head, q]
-    del qp, kp, values_
-    carried = None if carry is None else mean[..., :first].to(carry.dtype)  # [batch, head, q, c]
-    mean = mean[..., first:]  # [batch, head, q, width - first]: the statistics' channels
-    entropy = lse - scale * (q * mean[..., :dim]).sum(dim=-1)  # [batch, head, q]
+    mean, lse = flash(widened, buffer, buffer, causal, additive, scale)  # [batch, head, q, width], [batch, head, q]
+    carried = None if carry is None else mean[..., first:].to(carry.dtype)  # [batch, head, q, c]
+    q = widened[..., :dim]  # [batch, head, q, dim]
+    keys_h = buffer[..., :dim]  # [batch, head, key, dim]
+    entropy = lse - scale * torch.linalg.vecdot(q, mean[..., :dim])  # [batch, head, q]
     if bias is not None:
-        entropy = entropy - mean[..., at_bias]  # [batch, head, q]
-    position = mean[..., dim] + mid  # [batch, head, q]: E[j]
+        entropy = entropy - mean[..., at["bias"]]  # [batch, head, q]
+    position = mean[..., at["position"]] + mid  # [batch, head, q]: E[j]
     if causal:
         distance = torch.arange(n, device=q.device) - position  # [batch, head, q]
     else:
-        distance = _encoder_distance(q, keys, lse, position, additive, scale)
+        distance = _encoder_distance(q, keys_h, lse, position, additive, scale)
     found = _FusedSums(
-        lse=lse, entropy=entropy, distance=distance, sinks=mean[..., dim + 1],
-        special=mean[..., dim + 2] if special else None,
-        punctuation=mean[..., dim + 2 + special] if punctuation else None,
+        lse=lse, entropy=entropy, distance=distance, sinks=mean[..., at["sink"]],
+        special=mean[..., at["special"]] if "special" in at else None,
+        punctuation=mean[..., at["punctuation"]] if "punctuation" in at else None,
     )
-    return found, carried
+    return found, carried, keys_h
 
 
-PAIR_CHUNK = 1 << 16  # duplicate pairs scored at once on the fused path
+TILE_ROWS = 64  # rows of a duplicate tile (positions in token order): tiles pack whole groups up to this many rows
+TILE_KEYS = 2048  # keys of a duplicate tile, at most (a token that repeats more often is cut into several)
+
+
+@dataclass(frozen=True)
+class _SameToken:
+    """Where one sentence's pairs of positions holding the same token lie: its positions sorted by token (stable, so
+    by position within a token), those of tokens that occur once left out, cut into tiles of rows x keys of that
+    order. A tile holds some whole groups of one token each (rows and keys the same span) or part of one large
+    group; within it the pairs are those of the same group, key before row (causal) or any other key."""
+
+    order: Tensor  # [m] positions in token order, only of tokens that occur more than once
+    group: Tensor  # [m] which token (a group number) each holds
+    tiles: tuple[tuple[int, int, int, int], ...]  # (row start, row end, key start, key end) in `order`
+    has: Tensor  # [length] bool: the position has such a key (causal: not its token's first occurrence)
+
+
+def _same_token(ids: Tensor, causal: bool) -> _SameToken:
+    """The pairs plan of one sentence's ids [length] (see _SameToken): the same in every layer."""
+    order = ids.argsort(stable=True)  # [length]: positions grouped by id
+    _, counts = torch.unique_consecutive(ids[order], return_counts=True)  # [groups]
+    repeated = counts.repeat_interleave(counts) > 1  # [length]: in token order
+    order, counts = order[repeated], counts[counts > 1]  # [m], [groups of 2 or more]
+    group = torch.arange(len(counts), device=ids.device).repeat_interleave(counts)  # [m]
+    has = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)  # [length]
+    first = counts.cumsum(0) - counts  # [groups]: where each group starts in `order`
+    has[order] = True
+    if causal:
+        has[order[first]] = False  # a token's first occurrence has no earlier key holding it
+    tiles, pack, begin = [], 0, 0
+    for end in counts.cumsum(0).tolist():  # group [begin, end) of `order`
+        if end - begin > TILE_ROWS:  # a large group: rows by TILE_ROWS, keys up to the row (causal) by TILE_KEYS
+            tiles += [(pack, begin, pack, begin)] if pack < begin else []
+            for r0 in range(begin, end, TILE_ROWS):
+                r1 = min(end, r0 + TILE_ROWS)
+                tiles += [(r0, r1, c0, min(c0 + TILE_KEYS, r1 if causal else end))
+                          for c0 in range(begin, r1 if causal else end, TILE_KEYS)]
+            pack = end
+        elif end - pack > TILE_ROWS:  # the pack is full: close it before this group
+            tiles.append((pack, begin, pack, begin))
+            pack = begin
+        begin = end
+    tiles += [(pack, begin, pack, begin)] if pack < begin else []
+    return _SameToken(order, group, tuple(tiles), has)
 
 
 def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, ids: Tensor, lengths: Tensor, causal: bool,
-                     scale: float) -> tuple[Tensor, Tensor]:
+                     scale: float, cache: dict[Any, Any] | None = None) -> tuple[Tensor, Tensor]:
     """row_duplicate from the fused kernel's logsumexp: exp(s_ij - lse_i) summed over the pairs of positions that
-    hold the same token (found by sorting each sentence's ids, never as an [n, n] mask), scored PAIR_CHUNK at a
-    time; and whether each row has such a key, [batch, 1, q]."""
+    hold the same token, and whether each row has such a key, [batch, 1, q]. The positions are sorted by token
+    (_same_token, never an [n, n] mask): a tile of that order is one product of the rows' queries and the keys.
+    `cache`: the pairs plan is kept there for the batch's other layers."""
     batch, heads, n, _ = q.shape
     mass = torch.zeros(batch, heads, n, device=q.device)  # [batch, head, q]
     has = torch.zeros(batch, 1, n, dtype=torch.bool, device=q.device)  # [batch, 1, q]
     for b in range(batch):
-        for rows, cols in _same_token_pairs(ids[b, : int(lengths[b])], causal):  # [pairs] each
-            logits = scale * (q[b][:, rows] * keys[b][:, cols]).sum(dim=-1)  # [head, pairs]
-            mass[b].index_add_(1, rows, (logits - lse[b][:, rows]).exp())  # [head, q]
-            has[b, 0, rows] = True
+        length = int(lengths[b])
+        key = ("same token", b, length, causal)
+        plan = None if cache is None else cache.get(key)
+        if plan is None:
+            plan = _same_token(ids[b, :length], causal)
+            if cache is not None:
+                cache[key] = plan
+        has[b, 0, :length] = plan.has
+        if not plan.tiles:
+            continue
+        order = plan.order
+        rows_q, rows_k, rows_lse = (x[b].index_select(1, order) for x in (q, keys, lse))  # [head, m, (dim)]
+        found = torch.zeros(heads, len(order), device=q.device)  # [head, m]
+        sorted_at = torch.arange(len(order), device=q.device)  # [m]
+        for r0, r1, c0, c1 in plan.tiles:
+            logits = (rows_q[:, r0:r1] @ rows_k[:, c0:c1].transpose(-1, -2)).mul_(scale)  # [head, r, c]
+            same = plan.group[r0:r1, None] == plan.group[None, c0:c1]  # [r, c]
+            i, j = sorted_at[r0:r1, None], sorted_at[None, c0:c1]  # [r, 1], [1, c]
+            same &= (j < i) if causal else (j != i)  # within a group token order is position order
+            logits.sub_(rows_lse[:, r0:r1, None]).masked_fill_(~same, float("-inf"))
+            found[:, r0:r1] += logits.exp_().sum(dim=-1)  # [head, r]
+        mass[b].index_copy_(1, order, found)  # [head, q]
     return mass, has
-
-
-def _same_token_pairs(ids: Tensor, causal: bool) -> Iterator[tuple[Tensor, Tensor]]:
-    """(query, key) positions i != j holding the same id (j < i when causal), in chunks of about PAIR_CHUNK."""
-    length = ids.shape[0]
-    order = ids.argsort(stable=True)  # [length]: positions grouped by id
-    _, counts = torch.unique_consecutive(ids[order], return_counts=True)  # [groups]
-    size = counts.repeat_interleave(counts)  # [length]: the group size of each sorted position
-    start = (counts.cumsum(0) - counts).repeat_interleave(counts)  # [length]: where its group starts
-    ends = size.cumsum(0)  # [length]: pairs up to and including each sorted position
-    a0 = 0
-    while a0 < length:
-        done = int(ends[a0 - 1]) if a0 else 0
-        a1 = min(length, max(a0 + 1, int(torch.searchsorted(ends, done + PAIR_CHUNK, right=True))))
-        sizes = size[a0:a1]  # [m]
-        a = torch.arange(a0, a1, device=ids.device).repeat_interleave(sizes)  # [pairs]: sorted row
-        within = torch.arange(len(a), device=ids.device) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
-        i, j = order[a], order[start[a] + within]  # [pairs] each
-        keep = (j < i) if causal else (j != i)  # [pairs]
-        if bool(keep.any()):
-            yield i[keep], j[keep]
-        a0 = a1
 
 
 def _fused_received(q: Tensor, keys: Tensor, lse: Tensor, real: Tensor, causal: bool, scale: float) -> Tensor:
@@ -812,36 +912,76 @@ def _encoder_distance(
 
 def _sink_window(
     q: Tensor, keys: Tensor, views: list[tuple[Tensor, Tensor, Tensor | None]], real: Tensor, causal: bool,
-    info: Batch, scale: float,
-) -> list[Tensor]:
+    info: Batch, scale: float, offsets: tuple[int, ...] = (),
+) -> tuple[list[Tensor], dict[int, Tensor], int]:
     """row_sink_window from the fused kernel's logsumexp, one [batch, head, q] for each (lse, mass of the first
     `sink` keys (a value channel), bias or None) in `views`: that mass plus a banded sum over the `window` most
     recent keys, block by block (O(n window) memory); a bias [batch, head, key] is added to the scores (the
-    value-weighted map). The band's scores are computed once for every view."""
-    batch, heads, n, _ = q.shape
-    out = [torch.full((batch, heads, n), torch.nan, device=q.device) for _ in views]  # [batch, head, q] each
+    value-weighted map). The band's scores are one product per block for every view: the first view's s_ij - lse_i
+    straight from it (baddbmm), another's from the first's plus its lse and bias differences.
+
+    Also, per offset o <= 0 in `offsets`, the first view's s_ij + b_j - lse_i at j = i + o, [batch, head, q], read
+    off the band (its diagonals) from the row it returns last on: sink + window (n, and no offsets, when no row
+    has a band)."""
+    batch, heads, n, dim = q.shape
     start, window = info.sink + info.window, info.window
     if not causal or start >= n:
-        return out
-    # a block of r rows computes r + window - 1 logits per row for its window of `window`: r = window / 4 wastes a
-    # fifth (r = window, as many as it keeps)
-    rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), max(16, window // 4)))
+        return [torch.full((batch, heads, n), torch.nan, device=q.device) for _ in views], {}, n  # [b, h, q] each
+    diagonals = {o: torch.empty(batch * heads, n, device=q.device) for o in offsets if -window < o <= 0}  # [b x h, q]
+    # a block of r rows computes r + window - 1 logits per row for its window of `window`: r = window / 8 wastes an
+    # eighth; smaller blocks cost more in calls than they save
+    rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), max(16, window // 8)))
+    outside = _outside_band(rows, window, q.device)  # [r, r + window - 1]: keys outside each row's window
+    padded = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
+    flat_q, flat_k = q.reshape(batch * heads, n, dim), keys.reshape(batch * heads, n, dim)  # [batch x head, n, dim]
+    lse0, _, bias0 = views[0]
+    first = -lse0.reshape(batch * heads, n, 1)  # [batch x head, q, 1]
+    first_bias = None if bias0 is None else bias0.reshape(batch * heads, 1, n)  # [batch x head, 1, key]
+    others = [((lse0 - lse).reshape(batch * heads, n, 1),  # [batch x head, q, 1]: the first view's lse - this one's
+               None if bias is None and bias0 is None else _bias_difference(bias, bias0).reshape(batch * heads, 1, n))
+              for lse, _, bias in views[1:]]
+    recent = [torch.zeros(batch * heads, n, device=q.device) for _ in views]  # [batch x head, q] each
     for q0 in range(start, n, rows):
         q1 = min(n, q0 + rows)
-        k0 = q0 - window + 1  # >= sink: the window keys never reach the sink keys
-        logits = (q[:, :, q0:q1] @ keys[:, :, k0:q1].transpose(-1, -2)).mul_(scale)  # [batch, head, r, keys]
-        i = torch.arange(q0, q1, device=q.device)[:, None]  # [r, 1]
-        j = torch.arange(k0, q1, device=q.device)[None, :]  # [1, keys]
-        band = (j > i - window) & (j <= i)  # [r, keys]
-        hidden = ~(band[None] & real[:, None, k0:q1])[:, None]  # [batch, 1, r, keys]
-        for k, (into, (lse, sink_mass, bias)) in enumerate(zip(out, views)):
-            shifted = logits if k == len(views) - 1 else logits.clone()  # the last view may edit the shared scores
-            if bias is not None:
-                shifted.add_(bias[:, :, None, k0:q1])  # [batch, head, r, keys]
-            shifted.sub_(lse[:, :, q0:q1, None]).masked_fill_(hidden, float("-inf"))
-            recent = shifted.exp_().sum(dim=-1)  # [batch, head, r]: the window's mass
-            into[:, :, q0:q1] = sink_mass[:, :, q0:q1] + recent  # [batch, head, r]
-    return out
+        r, k0 = q1 - q0, q0 - window + 1  # k0 >= sink: the window keys never reach the sink keys
+        added = first[:, q0:q1] if first_bias is None else first[:, q0:q1] + first_bias[:, :, k0:q1]
+        shifted = torch.baddbmm(added, flat_q[:, q0:q1], flat_k[:, k0:q1].transpose(1, 2), alpha=scale)  # [b x h, r,
+        # keys]: s_ij - lse_i of the first view
+        for offset, into in diagonals.items():  # key i + o of row i sits at column (i - q0) + window - 1 + o
+            into[:, q0:q1] = shifted.diagonal(window - 1 + offset, dim1=1, dim2=2)  # [batch x head, r]
+        blocks = []
+        for lse_gap, gap in others:  # [batch x head, r, keys] each
+            blocks.append(shifted + lse_gap[:, q0:q1])
+            if gap is not None:
+                blocks[-1].add_(gap[:, :, k0:q1])
+        for into, block in zip([*recent[1:], recent[0]], [*blocks, shifted]):  # the first view's last: edited in place
+            hidden = outside[:r, : r + window - 1]  # [r, keys]: the band depends on j - i only
+            block[:, :, : r - 1].masked_fill_(hidden[:, : r - 1], float("-inf"))  # the band's lower-left triangle
+            block[:, :, window:].masked_fill_(hidden[:, window:], float("-inf"))  # its upper-right one
+            if padded is not None:
+                block.view(batch, heads, r, -1).masked_fill_(padded[..., k0:q1], float("-inf"))
+            into[:, q0:q1] = block.exp_().sum(dim=-1)  # [batch x head, r]: the window's mass
+    out = []
+    for (_, sink_mass, _), mass in zip(views, recent):
+        found = sink_mass + mass.view(batch, heads, n)  # [batch, head, q]
+        found[..., :start] = torch.nan  # rows whose window and sink keys cover every key
+        out.append(found)
+    return out, {o: into.view(batch, heads, n) for o, into in diagonals.items()}, start
+
+
+def _outside_band(rows: int, window: int, device: torch.device) -> Tensor:
+    """Block coordinates [r, r + window - 1] (row a = q0 + a, key c = q0 - window + 1 + c): True where the key is
+    not among the row's `window` most recent (c < a or c > a + window - 1)."""
+    a = torch.arange(rows, device=device)[:, None]  # [r, 1]
+    c = torch.arange(rows + window - 1, device=device)[None, :]  # [1, keys]
+    return (c < a) | (c > a + window - 1)  # [r, keys]
+
+
+def _bias_difference(bias: Tensor | None, base: Tensor | None) -> Tensor:
+    """bias - base of two per-key biases [batch, head, key] (None: 0)."""
+    if base is None:
+        return bias
+    return -base if bias is None else bias - base
 
 
 def _fused_example(
@@ -964,7 +1104,7 @@ def run_batch(
     projection (values.find_projections), to measure the value-weighted scores and output_norm too. `keep_rows`:
     the sums handed to `on_layer` keep every row's values too (`SentenceSums.rows`).
     `tokens`: the batch's token ids and punctuation flags, for `punctuation`, `duplicate` and the mass each key
-    receives (SentenceSums.received, for top_tokens.csv).
+    receives (SentenceSums.received, for top_tokens.csv; on the fused path computed only if `on_layer` reads it).
     """
     modules = attention_modules(loaded.model)
     info = Batch(

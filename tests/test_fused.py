@@ -8,9 +8,9 @@ import torch
 from conftest import FLOAT32_TOLERANCE, SENTENCES
 from test_blocked import assert_close, corpus_of
 
-from attnprobe import kernel
+from attnprobe import kernel, values
 from attnprobe.analysis import Options, analyze_loaded
-from attnprobe.metrics import bin_count, sentence_stats
+from attnprobe.metrics import VALUE_WEIGHTED, TokenClasses, bin_count, received, sentence_stats
 from attnprobe.model import load_model
 
 
@@ -56,6 +56,74 @@ def test_fused_statistics_equal_a_float64_softmax_with_sharp_heads(causal, n, lo
     np.testing.assert_allclose(example, p[1, :, :12, :12].float(), atol=FLOAT32_TOLERANCE)
     reference = (p.float() @ v.repeat_interleave(2, 1)).transpose(1, 2)  # [batch, query, head, dim]
     assert float((output - reference)[real].abs().max()) < FLOAT32_TOLERANCE * max(1.0, float(reference.abs().max()))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_value_weighted_statistics_equal_a_float64_softmax_with_sharp_heads(causal):
+    """The value-weighted map's statistics (their own call; the single weights and the recent window's band derived
+    from the map's scores with the lse and bias differences) on 700 sharp tokens against the float64 weighted map."""
+    n = 700
+    q, k, v, real = sharp_heads(n, 40.0)
+    torch.manual_seed(1)
+    v = v * torch.randn(*v.shape[:-1], 1).mul(1.5).exp()  # [batch, kv head, key, dim]: norms spread widely
+    v[:, 0, 3] = 0.0  # a key of norm 0 for KV head 0
+    projection = torch.nn.Linear(4 * 16, 24)
+    factors = values.head_factors(projection, 4)  # [head, 16, 16]
+    info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(n),
+                        budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None)
+    sums, _, _ = kernel.fused_attend(q, k, v, real, None, causal, info, factors=factors)
+    p, _ = oracle(q, k, real, causal)
+    slices = projection.weight.detach().double().view(24, 4, 16).transpose(0, 1)  # [head, width, head size]
+    norms = torch.einsum("hwd,bhkd->bhkw", slices, v.double().repeat_interleave(2, 1)).norm(dim=-1)  # [b, h, key]
+    weighted = p * norms[:, :, None, :]  # [batch, head, query, key]
+    weighted = weighted / weighted.sum(dim=-1, keepdim=True)
+    expected = sentence_stats(weighted, real.long(), causal, None, sink=2, window=8)
+    got = sums.means()
+    for name in VALUE_WEIGHTED:
+        assert_close(got[name + "_vw"].double(), expected[name], name + "_vw")
+    assert (got["entropy_vw"] - got["entropy"]).abs().max() > 0.01  # not the map's own under another name
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_token_scores_equal_a_float64_softmax_with_many_repeats(causal, monkeypatch):
+    """duplicate (token-order tiles: small packs and a large group cut by rows and keys), punctuation and the mass
+    each key receives, with few distinct ids so that most positions repeat, against the float64 map."""
+    monkeypatch.setattr(kernel, "TILE_ROWS", 8)
+    monkeypatch.setattr(kernel, "TILE_KEYS", 24)
+    n = 300
+    q, k, v, real = sharp_heads(n, 30.0)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 40, (2, n), generator=generator)  # [batch, seq]: ids under 40 repeat ...
+    ids[:, ::3] = 7  # ... and one id fills a third of the positions
+    tokens = TokenClasses(ids, torch.rand(2, n, generator=generator) < 0.2)
+    info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(n),
+                        budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None, tokens=tokens)
+    sums, _, _ = kernel.fused_attend(q, k, v, real, None, causal, info)
+    p, _ = oracle(q, k, real, causal)
+    expected = sentence_stats(p, real.long(), causal, None, sink=2, window=8, tokens=tokens)
+    for name, value in sums.means().items():
+        assert_close(value.double(), expected[name], name)
+    lengths = real.sum(dim=-1)
+    assert_close(sums.received.double(), received(p, 0, lengths), "received")
+    assert ("same token", 0, n, causal) in info.cache  # the pairs plan is kept for the batch's other layers
+
+
+def test_the_mass_received_is_computed_only_when_top_tokens_reads_it(llama_dir, monkeypatch):
+    """The fused path's received costs a call of its own: without top_tokens.csv no layer makes it, and every other
+    score is the same."""
+    loaded = load_model(str(llama_dir), "cpu")
+    made = []
+    real = kernel._fused_received
+    monkeypatch.setattr(kernel, "_fused_received", lambda *args: made.append(1) or real(*args))
+    runs = {}
+    for top in (True, False):
+        made.clear()
+        runs[top] = analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=4, resamples=5,
+                                   options=Options(attention="fused", top_tokens=top))
+        batches = -(-len(SENTENCES) // 4)
+        assert len(made) == (loaded.num_layers * batches if top else 0)
+    assert runs[True].top_tokens is not None and runs[False].top_tokens is None
+    assert runs[True].heads.equals(runs[False].heads)
 
 
 def test_auto_fuses_batches_from_the_threshold_on(llama_dir, monkeypatch):

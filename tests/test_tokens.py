@@ -146,14 +146,26 @@ def test_planted_previous_token_head_attends_to_the_punctuation_before_it(plante
         assert abs(uniform - np.mean(rows)) > 3 * slack  # and far from the planted head's
 
 
-def test_same_token_pairs_in_small_chunks_equal_the_dense_comparison(monkeypatch):
-    monkeypatch.setattr(kernel, "PAIR_CHUNK", 3)
-    ids = torch.tensor([5, 1, 5, 5, 2, 1, 5, 7, 2, 5])
+@pytest.mark.parametrize(("rows", "keys"), [(2, 3), (4, 2048), (64, 2048)])
+def test_same_token_tiles_hold_the_pairs_of_the_dense_comparison_once_each(monkeypatch, rows, keys):
+    """The fused path's duplicate tiles (small ones too: packs of groups, a large group cut by rows and by keys)
+    hold every pair of positions with the same id exactly once, and `has` marks the rows that have one."""
+    monkeypatch.setattr(kernel, "TILE_ROWS", rows)
+    monkeypatch.setattr(kernel, "TILE_KEYS", keys)
+    ids = torch.tensor([5, 1, 5, 5, 2, 1, 5, 7, 2, 5, 3, 5, 5, 9, 1, 5, 4, 4])
     for causal in (True, False):
-        pairs = [(int(i), int(j)) for rows, cols in kernel._same_token_pairs(ids, causal) for i, j in zip(rows, cols)]
+        plan = kernel._same_token(ids, causal)
+        pairs = []
+        for r0, r1, c0, c1 in plan.tiles:
+            assert r1 - r0 <= rows and c1 - c0 <= max(rows, keys)
+            for a in range(r0, r1):
+                for c in range(c0, c1):
+                    if plan.group[a] == plan.group[c] and (c < a if causal else c != a):
+                        pairs.append((int(plan.order[a]), int(plan.order[c])))
         dense = [(i, j) for i in range(len(ids)) for j in range(len(ids))
                  if ids[i] == ids[j] and (j < i if causal else j != i)]
         assert sorted(pairs) == dense and len(pairs) == len(set(pairs))
+        assert plan.has.tolist() == [any(i == a for a, _ in dense) for i in range(len(ids))]
 
 
 @pytest.mark.parametrize(("causal", "span"), [(True, None), (False, None), (True, 3), (False, 2)])
