@@ -105,7 +105,7 @@ def test_fused_token_scores_equal_a_float64_softmax_with_many_repeats(causal, mo
         assert_close(value.double(), expected[name], name)
     lengths = real.sum(dim=-1)
     assert_close(sums.received.double(), received(p, 0, lengths), "received")
-    assert ("same token", 0, n, causal) in info.cache  # the pairs plan is kept for the batch's other layers
+    assert ("same token", 0, n, causal) in info.kept  # the pairs plan is kept for the batch's other layers
 
 
 def test_the_mass_received_is_computed_only_when_top_tokens_reads_it(llama_dir, monkeypatch):
