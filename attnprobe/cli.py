@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from attnprobe import __version__, defaults, limits
+from attnprobe.allocator import reuse_freed_memory
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import head_name, visible
 from attnprobe.threads import apply as apply_threads
@@ -1284,6 +1285,7 @@ def usage_message(err: BaseException) -> str:
 def main() -> None:
     """Run the CLI; a misspelt option or value is one `Error:` line too (exit 2), not a usage block."""
     limit_numpy_threads()
+    reuse_freed_memory()
     freeze_at_exit()
     try:
         code = app(prog_name="attnprobe", standalone_mode=False)
