@@ -17,7 +17,7 @@ import sys
 
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for its dynamic threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+MMAP_THRESHOLD = 32 * 2**20  # the ceiling of glibc's dynamic threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what glibc sets with it when it raises the threshold itself
 
 
