@@ -44,6 +44,7 @@ class Shape:
 
 
 PENDING_SENTENCES = 64  # sentences held before their resample sums are folded in with one product
+FOLD_RESAMPLES = 256  # resamples whose sums one product of a fold computes (a buffer of 256 x columns)
 PENDING_KEYS = ("pending/fill", "pending/index", "pending/category", "pending/values", "pending/present")
 
 
@@ -65,7 +66,7 @@ class Accumulator:
         self._wsum = _zeroed((r, len(shape.names), *lh))  # [resample, score, layer, head]
         self._wcount = _zeroed((r, len(shape.names), *lh))  # [resample, score, layer, head]
         self._drawn = np.zeros(r)  # [resample]: weights folded in but not yet added to every column of _wcount
-        self._product = np.empty((r, len(shape.names) * lh[0] * lh[1]))  # [resample, columns]: a fold's product
+        self._product = np.empty((min(r, FOLD_RESAMPLES), len(shape.names) * lh[0] * lh[1]))  # [resample, columns]
         for k, name in enumerate(shape.names):
             self._sums[f"sum/{name}"] = np.zeros(lh)  # [layer, head]
             self._sums[f"count/{name}"] = np.zeros(lh)
@@ -218,7 +219,10 @@ class Accumulator:
         weights = poisson_weights(s["pending/index"][:fill].astype(np.int64), r, self.shape.seed)  # [resample, n]
         flat = s["pending/values"][:fill].reshape(fill, -1)  # [n, score x layer x head], 0 where no value
         present = s["pending/present"][:fill].reshape(fill, -1)  # [n, score x layer x head]
-        self._wsum += np.matmul(weights, flat, out=self._product).reshape(self._wsum.shape)  # [r, score, l, h]
+        wsum = self._wsum.reshape(r, -1)  # [resample, columns]: a view
+        for r0 in range(0, r, FOLD_RESAMPLES):  # a few resamples at a time: a small buffer, the same products
+            part = self._product[: min(FOLD_RESAMPLES, r - r0)]  # [resamples, columns]
+            wsum[r0 : r0 + len(part)] += np.matmul(weights[r0 : r0 + len(part)], flat, out=part)
         drawn = weights.sum(axis=1)  # [resample]: the count of a column where every sentence has a value
         self._drawn += drawn  # added to every column by `state`; whole numbers, so the order changes nothing
         gaps = present.min(axis=0) < 1  # [score x layer x head]: some sentence has no value there

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import os
 import re
@@ -19,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from attnprobe import __version__, defaults, limits
+from attnprobe.allocator import reuse_freed_memory
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import head_name, visible
 from attnprobe.threads import apply as apply_threads
@@ -106,18 +108,31 @@ class DeviceChoice(str, Enum):
 
 
 def friendly_errors(command):
-    """Turn the library's errors into one line on stderr and exit code 1 (printed by torchrun's rank 0 alone)."""
+    """Turn the library's errors into one line on stderr and exit code 1 (printed by torchrun's rank 0 alone); and
+    hand what the command froze (`freeze_imports`) back to the garbage collector when it ends."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        ours = gc.get_freeze_count() == 0  # what is frozen from now on was frozen by the command
         try:
             return command(*args, **kwargs)
         except AttnprobeError as err:
             if is_main_process():
                 err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
+        finally:
+            if ours:  # a caller's process (a notebook, the tests) lives on: its garbage is collected again
+                gc.unfreeze()
 
     return wrapper
+
+
+def freeze_imports() -> None:
+    """Leave the objects alive now (the modules a command has just imported: torch's, numpy's, pandas', millions of
+    objects) out of the garbage collector's full collections until the command ends: each full collection while
+    transformers and the model load would walk them all again. Not where the caller froze objects itself."""
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
 
 
 def is_main_process() -> bool:
@@ -239,6 +254,7 @@ def analyze(
     from attnprobe.model import load_model, parse_max_memory
     from attnprobe.resume import Checkpointing, Stopped
 
+    freeze_imports()
     started = time.time()
     options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib,
                       value_weighted=value_weighted, top_tokens=top_tokens, top_tokens_min=top_tokens_min)
@@ -1272,6 +1288,8 @@ def usage_message(err: BaseException) -> str:
 def main() -> None:
     """Run the CLI; a misspelt option or value is one `Error:` line too (exit 2), not a usage block."""
     limit_numpy_threads()
+    reuse_freed_memory()
+    freeze_at_exit()
     try:
         code = app(prog_name="attnprobe", standalone_mode=False)
     except typer.Abort:
@@ -1287,6 +1305,19 @@ def main() -> None:
             err_console.print(f"Error: {usage_message(err)}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def freeze_at_exit() -> None:
+    """At exit, move every object still alive out of the garbage collector's reach (gc.freeze).
+
+    The interpreter's shutdown runs full collections over every object torch, transformers and pandas made, to
+    reclaim memory the process is about to hand back anyway: most of a second of CPU after a short `analyze` has
+    written its results. Objects are still released as their modules are cleared and every other exit hook still
+    runs; only reference cycles left at exit are not collected."""
+    import atexit
+
+    atexit.unregister(gc.freeze)  # once, however often main() runs in one process
+    atexit.register(gc.freeze)
 
 
 if __name__ == "__main__":
