@@ -56,6 +56,7 @@ NAME = "attnprobe_stats"
 DEFAULT_BUDGET_MIB = defaults.BLOCK_MIB
 FUSED_DEVICES = ("cpu",)  # where the fused kernel's logsumexp is read (elsewhere the blocked path runs)
 FUSED_MIN_TOKENS = 512  # --attention auto: the fused kernel from this length on (both paths are exact)
+UNDERFLOW_GAP = 60.0  # _sink_window: ln of the largest factor a view may put on the first view's weights (below 1e-38)
 TEMPORARIES = 6  # float32 tensors of a block's size alive at once: scores, softmax, statistics' temporaries
 
 # Arguments a model may pass to its attention function that change nothing here (when unset, or always).
@@ -917,8 +918,11 @@ def _sink_window(
     """row_sink_window from the fused kernel's logsumexp, one [batch, head, q] for each (lse, mass of the first
     `sink` keys (a value channel), bias or None) in `views`: that mass plus a banded sum over the `window` most
     recent keys, block by block (O(n window) memory); a bias [batch, head, key] is added to the scores (the
-    value-weighted map). The band's scores are one product per block for every view: the first view's s_ij - lse_i
-    straight from it (baddbmm), another's from the first's plus its lse and bias differences.
+    value-weighted map). The band's weights are computed once, for the first view: p_ij = exp(s_ij + b_j - lse_i)
+    straight from one product per block (baddbmm); another view's window mass is sum_j p_ij exp(b'_j - b_j) times
+    exp(lse_i - lse'_i), all the views' sums one product of the block with the per-key factors. A view whose
+    weights that product could lose (first-view weights below float32's range that its factors would lift to a
+    share above 1e-8: UNDERFLOW_GAP) gets its own exponential of s_ij + b'_j - lse'_i instead.
 
     Also, per offset o <= 0 in `offsets`, the first view's s_ij + b_j - lse_i at j = i + o, [batch, head, q], read
     off the band (its diagonals) from the row it returns last on: sink + window (n, and no offsets, when no row
@@ -937,33 +941,50 @@ def _sink_window(
     lse0, _, bias0 = views[0]
     first = -lse0.reshape(batch * heads, n, 1)  # [batch x head, q, 1]
     first_bias = None if bias0 is None else bias0.reshape(batch * heads, 1, n)  # [batch x head, 1, key]
-    others = [((lse0 - lse).reshape(batch * heads, n, 1),  # [batch x head, q, 1]: the first view's lse - this one's
-               None if bias is None and bias0 is None else _bias_difference(bias, bias0).reshape(batch * heads, 1, n))
-              for lse, _, bias in views[1:]]
-    recent = [torch.zeros(batch * heads, n, device=q.device) for _ in views]  # [batch x head, q] each
+    factors = torch.ones(batch * heads, n, len(views), device=q.device)  # [batch x head, key, view]: exp(b'_j - b_j)
+    own = {}  # view -> (lse_i - lse'_i [batch x head, q, 1], b'_j - b_j [batch x head, 1, key] or None): in log space
+    for k, (lse, _, bias) in enumerate(views[1:], start=1):
+        gap = None if bias is None and bias0 is None else _bias_difference(bias, bias0)  # [batch, head, key]
+        defined = lse > values.ZERO_NORM / 2  # [batch, head, q]: not a row with nothing to weigh (NaN anyway)
+        lifted = torch.where(defined, lse0 - lse, 0.0).amax() + (0.0 if gap is None else gap.amax())  # ln of the
+        # largest factor on a weight
+        if bool(lifted > UNDERFLOW_GAP):
+            own[k] = ((lse0 - lse).reshape(batch * heads, n, 1), None if gap is None else gap.reshape(batch * heads,
+                                                                                                     1, n))
+        elif gap is not None:
+            factors[..., k] = gap.reshape(batch * heads, n).exp()
+    recent = torch.zeros(batch * heads, n, len(views), device=q.device)  # [batch x head, q, view]
     for q0 in range(start, n, rows):
         q1 = min(n, q0 + rows)
         r, k0 = q1 - q0, q0 - window + 1  # k0 >= sink: the window keys never reach the sink keys
         added = first[:, q0:q1] if first_bias is None else first[:, q0:q1] + first_bias[:, :, k0:q1]
         shifted = torch.baddbmm(added, flat_q[:, q0:q1], flat_k[:, k0:q1].transpose(1, 2), alpha=scale)  # [b x h, r,
-        # keys]: s_ij - lse_i of the first view
+        # keys]: s_ij + b_j - lse_i of the first view
         for offset, into in diagonals.items():  # key i + o of row i sits at column (i - q0) + window - 1 + o
             into[:, q0:q1] = shifted.diagonal(window - 1 + offset, dim1=1, dim2=2)  # [batch x head, r]
-        blocks = []
-        for lse_gap, gap in others:  # [batch x head, r, keys] each
-            blocks.append(shifted + lse_gap[:, q0:q1])
+        hidden = outside[:r, : r + window - 1]  # [r, keys]: the band depends on j - i only
+        blocks = {}
+        for k, (lse_gap, gap) in own.items():  # [batch x head, r, keys]: s_ij + b'_j - lse'_i
+            blocks[k] = shifted + lse_gap[:, q0:q1]
             if gap is not None:
-                blocks[-1].add_(gap[:, :, k0:q1])
-        for into, block in zip([*recent[1:], recent[0]], [*blocks, shifted]):  # the first view's last: edited in place
-            hidden = outside[:r, : r + window - 1]  # [r, keys]: the band depends on j - i only
+                blocks[k].add_(gap[:, :, k0:q1])
+        for block in (*blocks.values(), shifted):
             block[:, :, : r - 1].masked_fill_(hidden[:, : r - 1], float("-inf"))  # the band's lower-left triangle
             block[:, :, window:].masked_fill_(hidden[:, window:], float("-inf"))  # its upper-right one
             if padded is not None:
                 block.view(batch, heads, r, -1).masked_fill_(padded[..., k0:q1], float("-inf"))
-            into[:, q0:q1] = block.exp_().sum(dim=-1)  # [batch x head, r]: the window's mass
+        if len(views) == 1:  # a sum is cheaper than a product with ones
+            recent[:, q0:q1, 0] = shifted.exp_().sum(dim=-1)  # [batch x head, r]
+        else:
+            torch.bmm(shifted.exp_(), factors[:, k0:q1], out=recent[:, q0:q1])  # [batch x head, r, view]
+        for k, block in blocks.items():
+            recent[:, q0:q1, k] = block.exp_().sum(dim=-1)  # [batch x head, r]
     out = []
-    for (_, sink_mass, _), mass in zip(views, recent):
-        found = sink_mass + mass.view(batch, heads, n)  # [batch, head, q]
+    for k, (lse, sink_mass, _) in enumerate(views):
+        mass = recent[..., k].view(batch, heads, n)  # [batch, head, q]
+        if k and k not in own:
+            mass = mass * (lse0 - lse).exp()  # [batch, head, q]: from the first view's weights to this one's
+        found = sink_mass + mass  # [batch, head, q]
         found[..., :start] = torch.nan  # rows whose window and sink keys cover every key
         out.append(found)
     return out, {o: into.view(batch, heads, n) for o, into in diagonals.items()}, start

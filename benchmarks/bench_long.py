@@ -300,7 +300,8 @@ def main() -> None:
                 *(("blocked+vw", "fused+vw") if args.value_weighted else ()))
         runs = {how: spawn("smollm2", how, args.tokens, work) for how in ways}
         widths, width_cpu = head_size_timing()
-        print(f"aten's CPU flash attention on [1, 9, 4096, d]: d = 64 {widths[64]:.2f} s, d = 67 {widths[67]:.2f} s")
+        print("aten's CPU flash attention on [1, 9, 4096, d]: " + ", ".join(
+            f"d = {d} {seconds:.2f} s ({width_cpu[d]:.2f} s CPU)" for d, seconds in widths.items()))
         measured["smollm2"] = {"tokens": args.tokens, "runs": runs, "targets": {
             "blocked_time": TARGET_TIME, "blocked_memory": TARGET_MEMORY, "fused_time": TARGET_FUSED_TIME,
             "fused_memory": TARGET_FUSED_MEMORY}, "flash_seconds_by_head_size": widths,

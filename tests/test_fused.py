@@ -84,6 +84,33 @@ def test_fused_value_weighted_statistics_equal_a_float64_softmax_with_sharp_head
     assert (got["entropy_vw"] - got["entropy"]).abs().max() > 0.01  # not the map's own under another name
 
 
+def test_a_sink_of_norm_zero_far_above_the_rest_keeps_the_value_weighted_window():
+    """Every row puts all but e^-100 of its weight on key 0, whose value is 0: its value-weighted map is the rest,
+    whose weights underflow float32 in the map (e^-100 < 1e-38). The fused path keeps it in log space: the recent
+    window's value-weighted mass is still the share of the window among the keys of norm above 0."""
+    n, d = 40, 16
+    q = torch.zeros(1, 2, n, d)
+    q[..., 0] = 100.0 * d**0.5  # [batch, head, query, dim]: s_i0 = 100 (scale d^-0.5), every other score 0
+    k = torch.zeros(1, 2, n, d)
+    k[:, :, 0, 0] = 1.0
+    k[:, :, 1:, 1] = 1.0
+    v = torch.randn(1, 2, n, d, generator=torch.Generator().manual_seed(0))
+    v[:, :, 0] = 0.0  # key 0 moves nothing
+    factors = values.head_factors(torch.nn.Linear(2 * d, 8), 2)
+    info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(n),
+                        budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None)
+    real = torch.ones(1, n, dtype=torch.bool)
+    sums, _, _ = kernel.fused_attend(q, k, v, real, None, True, info, factors=factors)
+    p, _ = oracle(q, k, real, True)  # float64: e^-100 is representable
+    norms = values.key_norms(v, factors).double()  # [batch, head, key]
+    weighted = p * norms[:, :, None, :]
+    weighted = weighted / weighted.sum(dim=-1, keepdim=True)  # [batch, head, query, key]; row 0 is 0/0
+    expected = sentence_stats(weighted, real.long(), True, None, sink=2, window=8)["sink_window"]
+    assert float(p[0, 0, 20, 1]) < 1e-40  # the weights the window holds underflow float32
+    assert 0.1 < float(expected.min())  # and the value-weighted window holds a good share
+    assert_close(sums.means()["sink_window_vw"].double(), expected, "sink_window_vw")
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_fused_token_scores_equal_a_float64_softmax_with_many_repeats(causal, monkeypatch):
     """duplicate (token-order tiles: small packs and a large group cut by rows and keys), punctuation and the mass
