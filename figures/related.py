@@ -265,3 +265,18 @@ def _(d: dict) -> str:
         "",
         fmt.source("`make demo` (`heads.csv` and `top_tokens.csv`) and `attnprobe probe --model smollm2-135m`"),
     ])
+
+
+@figure("readme-tokens", runs=("demo", "probe-smollm2"))
+def readme_tokens(out: Outputs) -> dict:
+    return tokens_smollm2.collect(out)
+
+
+@readme_tokens.renderer
+def _(d: dict) -> str:
+    p, u = d["leaders"]["punctuation"][0], d["leaders"]["duplicate_token"][0]
+    return (f"- Token scores of `attnprobe analyze`: SmolLM2's {p['head']} puts {fmt.num(p['value'])} of its attention "
+            f"on punctuation (the median head {fmt.num(d['median']['punctuation'])}), and {u['head']} "
+            f"{fmt.num(u['value'])} on earlier copies of the query's token (median "
+            f"{fmt.num(d['median']['duplicate_token'])}); `top_tokens.csv` lists each head's favourite key tokens "
+            "([results](docs/results.md)).")
