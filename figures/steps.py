@@ -216,42 +216,25 @@ def report_sizes(folder: str, target: str, layers: int = 30, heads: int = 9, tok
 def coverage(target: str, trials: int = 300, n: int = 60, resamples: int = 400) -> None:
     """How often the 95% interval of a mean of `n` exponential values holds the true mean: the simulation of
     tests/test_bootstrap.py's coverage test, with its seeds."""
-    import numpy as np
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_bootstrap import coverage_rate
 
-    from attnprobe.bootstrap import interval, poisson_weights, resampled_means
-
-    rng = np.random.default_rng(11)
-    covered = 0
-    for trial in range(trials):
-        sample = rng.exponential(1.0, size=(n, 1))  # [sentence, 1]
-        weights = poisson_weights(range(trial * n, (trial + 1) * n), resamples, seed=0)
-        low, high = interval(resampled_means(sample, weights))
-        covered += bool(low[0] <= 1.0 <= high[0])
-    write_json(target, {"trials": trials, "values": n, "resamples": resamples, "rate": covered / trials})
+    write_json(target, {"trials": trials, "values": n, "resamples": resamples,
+                        "rate": coverage_rate(trials, n, resamples)})
 
 
 def block_coverage(target: str, trials: int = 300, rows: int = 1000, resamples: int = 400, phi: float = 0.5) -> None:
     """How often the 95% block interval of the mean of an AR(1) series holds the true mean, against resampling
     single rows as if independent: the simulation of tests/test_block_bootstrap.py's coverage test, with its seeds
     and its series."""
-    import numpy as np
-
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_block_bootstrap import ar1
+    from test_block_bootstrap import block_coverage_rates
 
-    from attnprobe.bootstrap import BlockResampler, block_length, interval
+    from attnprobe.bootstrap import block_length
 
-    rng = np.random.default_rng(5)
-    series = ar1(trials, rows, phi, rng)  # [trial, row]
-    covered = naive = 0
-    for trial in range(trials):
-        low, high = interval(BlockResampler.draw(trial, rows, resamples, seed=0).means(series[trial][None, :]))
-        covered += bool(low[0] <= 1.0 <= high[0])
-        single = series[trial][rng.integers(0, rows, size=(resamples, rows))].mean(axis=1)  # [resample]
-        low, high = interval(single)
-        naive += bool(low <= 1.0 <= high)
+    rate, single_rows = block_coverage_rates(trials, rows, resamples, phi)
     write_json(target, {"trials": trials, "rows": rows, "resamples": resamples, "phi": phi,
-                        "block_length": block_length(rows), "rate": covered / trials, "single_rows": naive / trials})
+                        "block_length": block_length(rows), "rate": rate, "single_rows": single_rows})
 
 
 def zoo(work: str, target: str) -> None:

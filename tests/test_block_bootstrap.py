@@ -122,15 +122,12 @@ def ar1(trials: int, rows: int, phi: float, rng: np.random.Generator) -> np.ndar
     return 1.0 + x[:, 200:]
 
 
-def test_95_percent_block_intervals_cover_a_known_mean_of_dependent_rows():
-    """300 series of 1,000 rows, each row correlated with the next (AR(1), phi = 0.5: the mean's variance is 3
-    times that of independent rows). The block intervals (blocks of 10) should hold the true mean in about 95% of
-    them: measured 0.93 (a block bootstrap slightly underestimates the variance at this block length, and the
-    percentile interval runs a little under its level), so the band is 3 binomial sd around 0.95, widened by 0.02
-    below. Resampling single rows as if independent covers only ~0.74 of the time: the test can fail."""
-    trials, rows, resamples = 300, 1000, 400
+def block_coverage_rates(trials: int, rows: int, resamples: int, phi: float) -> tuple[float, float]:
+    """The shares of `trials` AR(1) series of `rows` rows (mean 1, seed 5) whose 95% interval holds 1.0: from the
+    block bootstrap, and from resampling single rows as if independent. `make figures` quotes them
+    (figures/steps.py block-coverage)."""
     rng = np.random.default_rng(5)
-    series = ar1(trials, rows, 0.5, rng)  # [trial, row]
+    series = ar1(trials, rows, phi, rng)  # [trial, row]
     covered = naive = 0
     for trial in range(trials):
         low, high = interval(BlockResampler.draw(trial, rows, resamples, seed=0).means(series[trial][None, :]))
@@ -138,6 +135,17 @@ def test_95_percent_block_intervals_cover_a_known_mean_of_dependent_rows():
         single = series[trial][rng.integers(0, rows, size=(resamples, rows))].mean(axis=1)  # [resample]
         low, high = interval(single)
         naive += bool(low <= 1.0 <= high)
-    rate, sd = covered / trials, math.sqrt(0.95 * 0.05 / trials)
+    return covered / trials, naive / trials
+
+
+def test_95_percent_block_intervals_cover_a_known_mean_of_dependent_rows():
+    """300 series of 1,000 rows, each row correlated with the next (AR(1), phi = 0.5: the mean's variance is 3
+    times that of independent rows). The block intervals (blocks of 10) should hold the true mean in about 95% of
+    them: measured 0.93 (a block bootstrap slightly underestimates the variance at this block length, and the
+    percentile interval runs a little under its level), so the band is 3 binomial sd around 0.95, widened by 0.02
+    below. Resampling single rows as if independent covers only ~0.74 of the time: the test can fail."""
+    trials = 300
+    rate, single_rows = block_coverage_rates(trials, rows=1000, resamples=400, phi=0.5)
+    sd = math.sqrt(0.95 * 0.05 / trials)
     assert 0.95 - 3 * sd - 0.02 <= rate <= 0.95 + 3 * sd, rate
-    assert naive / trials < 0.85, naive / trials
+    assert single_rows < 0.85, single_rows
