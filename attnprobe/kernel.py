@@ -1075,9 +1075,7 @@ def softmax_with_entropy(scores: Tensor, sinks: Tensor | None = None, out: Tenso
         p = p if out is None else out.copy_(p)  # [batch, head, r, keys]
         log_p = torch.log_softmax(scores, dim=-1)  # [batch, head, r, keys]
         return p, -(p * log_p).sum(dim=-1), log_p  # masked keys: 0 * finite
-    top = scores.amax(dim=-1, keepdim=True)  # [batch, head, r, 1]
-    if sinks is not None:
-        top = torch.maximum(top, sinks)  # [batch, head, r, 1]
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)  # [batch, head, r, 1]
     scores.sub_(top)  # [batch, head, r, keys]: <= 0, masked keys hugely negative
     p = scores.exp() if out is None else torch.exp(scores, out=out)  # [batch, head, r, keys]
     total = p.sum(dim=-1, keepdim=True) + (sinks - top).exp()  # [batch, head, r, 1]

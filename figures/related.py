@@ -87,7 +87,7 @@ def sinks_sentence(d: dict, heads: list[str]) -> str:
 
 @related_smollm2.renderer
 def _(d: dict) -> str:
-    top = [h for h in d["probe"]["top"]["induction"]]
+    top = d["probe"]["top"]["induction"]
     named, near = d["named"], d["nearest"]
     mutual = {n: [m for m, _ in near[n] if m in named] for n in named}
     values = [v for rows in near.values() for _, v in rows]
@@ -230,7 +230,7 @@ def top_tokens_of(frame, head: str, n: int = 5) -> list[list]:
 @figure("tokens-smollm2", runs=("demo", "probe-smollm2"))
 def tokens_smollm2(out: Outputs) -> dict:
     heads = out.csv("demo", "heads.csv")
-    tokens = out.csv("demo", "top_tokens.csv", )
+    tokens = out.csv("demo", "top_tokens.csv")
     leaders = {c: token_leaders(heads, c) for c in ("punctuation", "duplicate_token")}
     probe = probe_facts(out, "probe-smollm2")["top"]["duplicate"][0]["head"]
     heads["name"] = [fmt.head(r.layer, r.head) for r in heads.itertuples()]
