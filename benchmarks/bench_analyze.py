@@ -11,18 +11,22 @@ its last statistic:
   1. floor  - the base model, SDPA, no attention output, length-sorted batches of 8;
   2. naive  - the LM-head model, eager, output_attentions, one sentence at a time, and the
               statistics in a Python loop over heads (as the reference study's script does);
-  3. attnprobe - `attnprobe analyze`, exactly as a user runs it.
-Every way runs with the same torch threads (--threads; default: attnprobe's `auto`, torch's own count
-less the CPUs the load average says are busy, decided once for the whole benchmark). With --repeat N
-the ways run N times, interleaved, and the medians are compared. It prints wall time, CPU time, tokens/s
-and peak memory for each, the ratios 3/1 (target <= 1.05) and 2/3 (target >= 2.5), of wall and of CPU
-time. Then what the scores of issue 19 cost: `attnprobe analyze` on --new-scores-model (default smollm2-135m)
-over --new-scores-corpus (default the bundled corpora/sentences.txt), with them (the default) and with
---no-value-weighted --no-top-tokens (which skips the value-weighted scores, output_norm and the per-token sums:
-the run before them; the punctuation and duplicate_token scores run in both, `bench_tokens.py` times them),
-interleaved; the ratios on / off of the process's wall and CPU time and of the analysis alone (run.json's
-wall_seconds, after the model is loaded), target <= 1.15. Then the peak memory of one long sequence:
-attnprobe's blocked statistics attention, the eager hook path (reduce each layer's map, then drop it),
+  3. attnprobe - `attnprobe analyze`, exactly as a user runs it;
+  4. lean   - `attnprobe analyze --no-value-weighted --no-top-tokens`: without the scores of issue 19 (value-weighted
+              scores, output_norm, top_tokens.csv), the statistics issue 18's target was set on.
+Every way runs with the same torch threads (--threads; default: attnprobe's `auto`, torch's own count less the CPUs
+the load average says are busy, decided once for the whole benchmark). With --repeat N the ways run N times,
+interleaved, and the medians are compared. It prints wall time, CPU time, tokens/s and peak memory for each, the
+ratios 3/1 and 4/1 (target <= 1.05) and 2/3 (target >= 2.5), of wall and of CPU time. The floor and the naive way
+run with OMP_NUM_THREADS set to the thread count and OPENBLAS_NUM_THREADS=1 (as attnprobe's CLI sets it), so that
+no way pays for threads that only spin. Then what the scores of issue 19 cost: `attnprobe analyze` on
+--new-scores-model (default smollm2-135m) over --new-scores-corpus (default the bundled corpora/sentences.txt),
+with them (the default) and with --no-value-weighted --no-top-tokens (which skips the value-weighted scores,
+output_norm and the per-token sums: the run before them; the punctuation and duplicate_token scores run in both,
+`bench_tokens.py` times them), interleaved; the ratios on / off of the process's wall and CPU time and of the
+analysis alone (run.json's wall_seconds, after the model is loaded), target <= 1.15. Then the peak memory of one
+long sequence: attnprobe's blocked statistics attention, the eager hook path (reduce each layer's map, then drop
+it),
 holding every layer's maps, and the bare SDPA forward pass.
 """
 
@@ -123,12 +127,16 @@ def child_naive(work: Path) -> dict:
     return {"tokens": sum(map(len, ids))}
 
 
-def child_attnprobe(work: Path) -> dict:
+def child_attnprobe(work: Path, *flags: str) -> dict:
     out = Path(tempfile.mkdtemp(dir=work))
     command = [sys.executable, "-m", "attnprobe", "analyze", "--model", str(work / "model"),
                "--corpus", str(work / "corpus.txt"), "--out", str(out), "--device", "cpu",
-               "--threads", os.environ["BENCH_THREADS"]]
+               "--threads", os.environ["BENCH_THREADS"], *flags]
     os.execv(sys.executable, command)  # become the user's process: its start-up and imports count
+
+
+def child_lean(work: Path) -> dict:
+    return child_attnprobe(work, "--no-value-weighted", "--no-top-tokens")
 
 
 def new_scores_command(model: str, corpus: str, out: Path, new: bool) -> list[str]:
@@ -140,9 +148,12 @@ def new_scores_command(model: str, corpus: str, out: Path, new: bool) -> list[st
 
 def run_child(way: str, work: Path, command: list[str] | None = None) -> dict:
     """Run one way in a fresh process (or `command`); wall time, CPU time and peak RSS of that process."""
+    env = dict(os.environ)
+    if way in ("floor", "naive"):  # as attnprobe's CLI and --threads set them before torch and numpy load
+        env.update(OMP_NUM_THREADS=os.environ["BENCH_THREADS"], OPENBLAS_NUM_THREADS="1")
     started = time.perf_counter()
     process = subprocess.Popen(command or [sys.executable, __file__, "--child", way, "--work", str(work)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
@@ -249,8 +260,8 @@ def main() -> None:
 
 
 def speed(work: Path, tokens: int, repeat: int) -> dict:
-    """The three ways, `repeat` times interleaved: medians and each run, printed and returned."""
-    ways = ("floor", "naive", "attnprobe")
+    """The four ways, `repeat` times interleaved: medians and each run, printed and returned."""
+    ways = ("floor", "naive", "attnprobe", "lean")
     every: dict[str, list[dict]] = {way: [] for way in ways}
     for _ in range(repeat):
         for way in ways:
@@ -262,10 +273,12 @@ def speed(work: Path, tokens: int, repeat: int) -> dict:
         print(f"{way:<10} {r['seconds']:>8.2f} {r['cpu']:>8.2f} {tokens / r['seconds']:>8.0f} {r['peak_mib']:>9.0f}"
               f"   {each}")
     for what, key in (("wall", "seconds"), ("cpu", "cpu")):
-        over_floor = runs["attnprobe"][key] / runs["floor"][key]
+        print()
+        for way in ("attnprobe", "lean"):
+            over_floor = runs[way][key] / runs["floor"][key]
+            print(f"{what}: {way} / floor = {over_floor:.2f}  (target <= {TARGET_FLOOR_RATIO}: "
+                  f"{'met' if over_floor <= TARGET_FLOOR_RATIO else 'MISSED'})")
         naive_over = runs["naive"][key] / runs["attnprobe"][key]
-        print(f"\n{what}: attnprobe / floor = {over_floor:.2f}  (target <= {TARGET_FLOOR_RATIO}: "
-              f"{'met' if over_floor <= TARGET_FLOOR_RATIO else 'MISSED'})")
         print(f"{what}: naive / attnprobe = {naive_over:.2f}  (target >= {TARGET_NAIVE_RATIO}: "
               f"{'met' if naive_over >= TARGET_NAIVE_RATIO else 'MISSED'})")
     return {"runs": every, "medians": runs, "targets": {"floor": TARGET_FLOOR_RATIO, "naive": TARGET_NAIVE_RATIO}}

@@ -115,7 +115,8 @@ def child(args) -> dict:
     run_way(loaded, x[:, :8], mask[:, :8], args.how)  # warm-up: weights are memory-mapped until first used
     started, cpu = time.perf_counter(), time.process_time()
     run_way(loaded, x, mask, args.how)
-    return {"seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu, "peak_mib": peak_mib()}
+    return {"seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu, "peak_mib": peak_mib(),
+            "layers": loaded.model.config.num_hidden_layers}
 
 
 def spawn(part: str, how: str, n: int, work: Path) -> dict:
@@ -193,7 +194,7 @@ def whole_process(work: Path, n: int) -> dict:
     return {"tokens": n, "seconds": time.perf_counter() - started, "peak_mib": usage.ru_maxrss / 1024}
 
 
-def head_size_timing(n: int = 4096, heads: int = 9, repeat: int = 5) -> tuple[dict[int, float], dict[int, float]]:
+def head_size_timing(n: int, heads: int = 9, repeat: int = 5) -> tuple[dict[int, float], dict[int, float]]:
     """Median seconds of aten's CPU flash attention (causal) on [1, heads, n, d], for d = 64 (SmolLM2's own call),
     72 (a statistics call carrying a 64-wide key and 3 channels, rounded up to a multiple of 8) and 136 (one that
     carries a float32 model's 64-wide values too). Wall and CPU seconds."""
@@ -299,13 +300,13 @@ def main() -> None:
         ways = ("sdpa", "blocked", "fused", *(("eager",) if args.eager else ()),
                 *(("blocked+vw", "fused+vw") if args.value_weighted else ()))
         runs = {how: spawn("smollm2", how, args.tokens, work) for how in ways}
-        widths, width_cpu = head_size_timing()
-        print("aten's CPU flash attention on [1, 9, 4096, d]: " + ", ".join(
+        widths, width_cpu = head_size_timing(args.tokens)
+        print(f"aten's CPU flash attention on [1, 9, {args.tokens}, d]: " + ", ".join(
             f"d = {d} {seconds:.2f} s ({width_cpu[d]:.2f} s CPU)" for d, seconds in widths.items()))
         measured["smollm2"] = {"tokens": args.tokens, "runs": runs, "targets": {
             "blocked_time": TARGET_TIME, "blocked_memory": TARGET_MEMORY, "fused_time": TARGET_FUSED_TIME,
             "fused_memory": TARGET_FUSED_MEMORY}, "flash_seconds_by_head_size": widths,
-            "flash_cpu_seconds_by_head_size": width_cpu}
+            "flash_cpu_seconds_by_head_size": width_cpu, "flash_tokens": args.tokens}
         print(f"\nSmolLM2-135M, one document of {args.tokens} tokens (forward time; peak RSS of the process)")
         print(f"{'way':<10} {'seconds':>8} {'peak MiB':>9}")
         for how, r in runs.items():
