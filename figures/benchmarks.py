@@ -560,3 +560,38 @@ def _(d: dict) -> str:
             f"tests, the conversion included; {measured_on(d)}), "
             + ("less on a quiet machine" if is_busy(d) else "more while other jobs share the machine")
             + ". It has grown with every command, so time it again (`make test` prints pytest's total).")
+
+
+@figure("readme-speed", runs=("bench-analyze", "bench-long"))
+def readme_speed(out: Outputs) -> dict:
+    return {"short": bench_analyze_speed.collect(out), "long": bench_long_smollm2.collect(out)}
+
+
+@readme_speed.renderer
+def _(d: dict) -> str:
+    short, long = d["short"], d["long"]
+    med, targets = short["speed"]["medians"], short["speed"]["targets"]
+    key = "cpu" if is_busy(short) else "seconds"
+    over = med["attnprobe"][key] / med["floor"][key]
+    naive = med["naive"][key] / med["attnprobe"][key]
+    lean = med["lean"][key] / med["floor"][key] if "lean" in med else None
+    busy = is_busy(long)
+    runs, t = long["runs"], long["targets"]
+    blocked = seconds_of(runs["blocked"], busy) / seconds_of(runs["sdpa"], busy)
+    fused = seconds_of(runs["fused"], busy) / seconds_of(runs["sdpa"], busy)
+
+    def met(x: float, target: float, most: bool = True) -> str:
+        return f"target {'<=' if most else '>='} {target}: {'met' if (x <= target) == most else 'missed'}"
+
+    return (f"Speed, against the bare SDPA forward pass of the same model ({'CPU' if key == 'cpu' else 'wall'} time, "
+            f"1 thread): on {short['sentences']} short sentences `attnprobe analyze` takes {fmt.ratio(over)} x "
+            f"the forward pass ({met(over, targets['floor'])}"
+            + (f"; {fmt.ratio(lean)} x without the value-weighted and token scores, "
+               f"`--no-value-weighted --no-top-tokens`" if lean is not None else "")
+            + f") and is {fmt.ratio(naive)} x faster than eager maps read in a Python loop "
+            f"({met(naive, targets['naive'], most=False)}; `benchmarks/bench_analyze.py`). On a "
+            f"{fmt.whole(long['tokens'])}-token document SmolLM2's blocked statistics take {fmt.ratio(blocked)} x the "
+            f"SDPA forward ({met(blocked, t['blocked_time'])}) and the fused ones {fmt.ratio(fused)} x "
+            f"({met(fused, t['fused_time'])}, [why](docs/long-documents.md#speed-and-memory-measured); "
+            "`benchmarks/bench_long.py`). "
+            "The full tables: [Performance](docs/performance.md).")
