@@ -266,8 +266,7 @@ def head_size_sentence(flash: dict[int, float], key: str, tokens: int = 4096) ->
         return "The statistics need a second pass over every score."
     return ("The statistics need a second pass over every score: for a float32 model one flash call whose head size "
             f"is 64 (the key) + 64 (the values) + 3 channels, rounded up to 136. On [1, 9, {tokens}, d] here one call "
-            "of "
-            f"head size 136 took {fmt.num(flash[136], 2)} s{' of CPU' if 'cpu' in key else ''}, a call of 64 (the "
+            f"of head size 136 took {fmt.num(flash[136], 2)} s{' of CPU' if 'cpu' in key else ''}, a call of 64 (the "
             f"model's own) {fmt.num(flash[64], 2)} s and one of 72 {fmt.num(flash[72], 2)} s: one wide call costs "
             f"{fmt.ratio(flash[136] / flash[64])} calls of 64"
             f"{', less than two' if flash[136] < 2 * flash[64] else ''}.")
@@ -379,7 +378,7 @@ def _(d: dict) -> str:
     over_floor = {way: [med[way][k] / med["floor"][k] for k in ("seconds", "cpu")]
                   for way in ("attnprobe", "lean") if way in med}
     naive_over = [med["naive"][k] / med["attnprobe"][k] for k in ("seconds", "cpu")]
-    busy = d["load"] is not None and d["load"] >= d["machine"]["cores"]
+    busy = is_busy(d)
     judged = 1 if busy else 0  # the ratio the target is judged on: CPU time when the machine was busy
 
     def cells(pair: list[float]) -> list[str]:
