@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from attnprobe.allocator import sparse_zeros
 from attnprobe.bootstrap import POISSON, interval, poisson_weights
 from attnprobe.metrics import bin_range
 
@@ -84,9 +85,9 @@ class Accumulator:
                 self._sums[f"catn/{name}/{category}"] = np.zeros(shape.layers)  # [layer]
                 self._sums[f"catwsum/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
                 self._sums[f"catwn/{name}/{category}"] = np.zeros((r, shape.layers))  # [resample, layer]
-        if shape.vocab:  # layers x heads x vocab x 8 bytes: independent of the corpus
-            self._sums["tokmass"] = _zeroed((*lh, shape.vocab))  # [layer, head, vocab]
-            self._sums["tokuniform"] = _zeroed((shape.layers, shape.vocab))  # [layer, vocab]
+        if shape.vocab:  # by token id: a corpus maps in the rows of the tokens it holds (allocator.sparse_zeros)
+            self._sums["tokmass"] = sparse_zeros((shape.vocab, *lh))  # [vocab, layer, head]
+            self._sums["tokuniform"] = sparse_zeros((shape.vocab, shape.layers))  # [vocab, layer]
             self._sums["tokcount"] = np.zeros(shape.vocab)  # [vocab]: key positions holding the token
         self._empty_buffer()
 
@@ -261,9 +262,10 @@ class Accumulator:
 
         ids = ids.cpu()  # [position]
         s = self._sums  # these sums wait for nothing: no fold of the buffer needed
-        mass = torch.from_numpy(s["tokmass"]).view(-1, self.shape.vocab)  # [layer x head, vocab]: shares memory
-        mass.index_add_(1, ids, received.cpu().double().reshape(mass.shape[0], -1))
-        torch.from_numpy(s["tokuniform"]).index_add_(1, ids, uniform.cpu().double())  # [layer, vocab]
+        mass = torch.from_numpy(s["tokmass"]).view(self.shape.vocab, -1)  # [vocab, layer x head]: shares memory
+        by_position = received.cpu().double().reshape(mass.shape[1], -1).t().contiguous()  # [position, layer x head]
+        mass.index_add_(0, ids, by_position)
+        torch.from_numpy(s["tokuniform"]).index_add_(0, ids, uniform.cpu().double().t().contiguous())  # [vocab, layer]
         s["tokcount"] += np.bincount(ids.numpy(), minlength=self.shape.vocab)[: self.shape.vocab]
 
     def merge(self, other: Accumulator) -> None:
@@ -329,9 +331,8 @@ class Accumulator:
 
 
 def _zeroed(shape: tuple[int, ...]) -> np.ndarray:
-    """Zeros written out at once: np.zeros leaves the pages to be mapped on first write, and the scattered writes
-    of a batch's token ids into [layer x head, vocab] then fault the 58 MB of GPT-2's sums in one page at a time
-    (130 ms of a 300-sentence run; writing them at once costs 15 ms)."""
+    """Zeros written out at once, for sums that every fold writes whole (the resample sums): np.zeros leaves the
+    pages to be mapped in on first write, one fault at a time."""
     out = np.empty(shape)
     out.fill(0.0)
     return out

@@ -8,17 +8,24 @@ on what the process happened to free: on 300 short sentences of a GPT-2-small-sh
 faulted in 130 thousand pages in one version and 450 thousand in the next, for the same work. `reuse_freed_memory`
 sets the thresholds glibc's own rule reaches at its ceiling, from the start: blocks up to 32 MiB come from the
 heap and are reused, and the heap's free top is handed back only above 64 MiB.
+
+`sparse_zeros` is the other way round: a large table of sums indexed by token id, of which a corpus writes a few
+rows, mapped in only where written.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
+
+import numpy as np
 
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2**20  # the ceiling of glibc's dynamic threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what glibc sets with it when it raises the threshold itself
+MADV_NOHUGEPAGE = 15  # madvise's advice number (mman.h)
 
 
 def reuse_freed_memory() -> bool:
@@ -32,3 +39,22 @@ def reuse_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def sparse_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """Float64 zeros whose memory is mapped in 4 KiB page by page as rows are first written, for sums indexed by
+    token id ([vocabulary, ...]: a corpus writes the rows of the tokens it holds, often a few thousand of 50k to
+    250k). np.zeros of a large array already maps nothing until written, but numpy asks Linux for transparent
+    huge pages on it, and then one row written maps and zeroes the 2 MiB around it: every part of the table. This
+    asks the kernel not to (MADV_NOHUGEPAGE) before anything is written; elsewhere it is np.zeros."""
+    out = np.zeros(shape)  # [shape]: calloc, so a large one is fresh pages that nothing has touched
+    if not sys.platform.startswith("linux") or out.nbytes < 2 * 2**20:
+        return out
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return out
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    start = out.ctypes.data - out.ctypes.data % mmap.PAGESIZE  # the page the array starts in
+    madvise(start, out.ctypes.data + out.nbytes - start, MADV_NOHUGEPAGE)  # advice only: a refusal changes nothing
+    return out

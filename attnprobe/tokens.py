@@ -95,20 +95,24 @@ def top_tokens(mass: np.ndarray, uniform: np.ndarray, occurrences: np.ndarray, l
     """top_tokens.csv: per layer and head, the `top` tokens with the highest lift among those that occur at least
     `min_occurrences` times as keys.
 
-    `mass` [layer, head, vocab]: the attention mass the token's key positions received, summed over every real
-    query row of the corpus; `uniform` [layer, vocab]: the mass a uniform row over the same visible keys would
+    `mass` [vocab, layer, head]: the attention mass the token's key positions received, summed over every real
+    query row of the corpus; `uniform` [vocab, layer]: the mass a uniform row over the same visible keys would
     have given them; `occurrences` [vocab]: key positions holding the token. lift = mass / uniform;
-    mass_share = mass / the head's total mass. `labels(ids)` gives each token's readable text.
+    mass_share = mass / the head's total mass. `labels(ids)` gives each token's readable text. Only the rows of
+    ids that occur are read (the others are 0, and untouched pages stay unmapped).
     """
-    layers, heads, _ = mass.shape
+    _, layers, heads = mass.shape
     eligible = np.flatnonzero(occurrences >= max(min_occurrences, 1))  # [tokens]
     columns = ["layer", "head", "rank", "token_id", "token", "occurrences", "mass_share", "lift"]
     if not len(eligible):
         return pd.DataFrame(columns=columns)
+    total = mass[np.flatnonzero(occurrences > 0)].sum(axis=0)  # [layer, head]: every id that received mass
+    picked = np.moveaxis(mass[eligible], 0, -1)  # [layer, head, tokens]
+    visible = uniform[eligible].T[:, None, :]  # [layer, 1, tokens]
     with np.errstate(invalid="ignore", divide="ignore"):
-        lift = mass[:, :, eligible] / uniform[:, None, eligible]  # [layer, head, tokens]
-        share = mass[:, :, eligible] / mass.sum(axis=-1, keepdims=True)  # [layer, head, tokens]
-    lift = np.where(uniform[:, None, eligible] > 0, lift, np.nan)
+        lift = picked / visible  # [layer, head, tokens]
+        share = picked / total[..., None]  # [layer, head, tokens]
+    lift = np.where(visible > 0, lift, np.nan)
     k = min(top, len(eligible))
     order = np.argsort(-np.nan_to_num(lift, nan=-np.inf), axis=-1, kind="stable")[..., :k]  # [layer, head, k]
     chosen = eligible[order]  # [layer, head, k]: token ids

@@ -197,7 +197,7 @@ def test_token_sums_merge_by_adding(tmp_path):
     for key in ("tokmass", "tokuniform", "tokcount"):
         assert np.allclose(parts[0].sums[key], parts[1].sums[key])
     assert parts[0].sums["tokcount"].tolist() == [0, 2, 2, 0, 0, 1]
-    assert np.isclose(parts[0].sums["tokmass"][0, 0, 2], float(batches[0][1][0, 0, 1:].sum()))
+    assert np.isclose(parts[0].sums["tokmass"][2, 0, 0], float(batches[0][1][0, 0, 1:].sum()))
 
 
 def test_top_tokens_min_and_off(gpt2_dir, tmp_path):
@@ -210,7 +210,7 @@ def test_top_tokens_min_and_off(gpt2_dir, tmp_path):
     assert off.top_tokens is None and "top_tokens" not in off.run
     with pytest.raises(AttnprobeError, match="--top-tokens-min 0"):
         analyze_loaded(loaded, corpus_of(TEXTS), options=Options(top_tokens_min=0))
-    too_rare = tokens.top_tokens(np.ones((1, 1, 3)), np.ones((1, 3)), np.array([1, 1, 1]), str, min_occurrences=2)
+    too_rare = tokens.top_tokens(np.ones((3, 1, 1)), np.ones((3, 1)), np.array([1, 1, 1]), str, min_occurrences=2)
     assert too_rare.empty and "lift" in too_rare.columns
 
 
