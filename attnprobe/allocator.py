@@ -18,8 +18,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -47,6 +49,8 @@ def sparse_zeros(shape: tuple[int, ...]) -> np.ndarray:
     250k). np.zeros of a large array already maps nothing until written, but numpy asks Linux for transparent
     huge pages on it, and then one row written maps and zeroes the 2 MiB around it: every part of the table. This
     asks the kernel not to (MADV_NOHUGEPAGE) before anything is written; elsewhere it is np.zeros."""
+    import numpy as np  # not at import: the CLI imports this module before it limits numpy's threads
+
     out = np.zeros(shape)  # [shape]: calloc, so a large one is fresh pages that nothing has touched
     if not sys.platform.startswith("linux") or out.nbytes < 2 * 2**20:
         return out

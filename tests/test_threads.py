@@ -109,7 +109,9 @@ def test_the_command_line_limits_numpy_before_importing_it(tmp_path):
     import sys
 
     code = ("import os, sys; os.environ.pop('OPENBLAS_NUM_THREADS', None); sys.argv = ['attnprobe', '--version']\n"
-            "from attnprobe.cli import main\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+            "from attnprobe.cli import main\n"
+            "assert 'numpy' not in sys.modules, 'imported with the CLI, before its threads are limited'\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
             "assert 'numpy' not in sys.modules or os.environ['OPENBLAS_NUM_THREADS'] == '1'\n"
             "print(os.environ['OPENBLAS_NUM_THREADS'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
