@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,16 +31,25 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what glibc sets with it when it raises th
 MADV_NOHUGEPAGE = 15  # madvise's advice number (mman.h)
 
 
+def _libc(name: str, *argtypes: type) -> Callable[..., int] | None:
+    """The C library's function `name` (taking `argtypes`, returning an int) on Linux; None elsewhere or where the
+    C library has no such function."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = list(argtypes), ctypes.c_int
+    return function
+
+
 def reuse_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds (see the module's docstring); whether they were set. Elsewhere (macOS,
     Windows, a C library without mallopt) nothing changes. Call it before the model loads."""
-    if not sys.platform.startswith("linux"):
+    mallopt = _libc("mallopt", ctypes.c_int, ctypes.c_int)
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
@@ -52,13 +62,9 @@ def sparse_zeros(shape: tuple[int, ...]) -> np.ndarray:
     import numpy as np  # not at import: the CLI imports this module before it limits numpy's threads
 
     out = np.zeros(shape)  # [shape]: calloc, so a large one is fresh pages that nothing has touched
-    if not sys.platform.startswith("linux") or out.nbytes < 2 * 2**20:
+    madvise = _libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if madvise is None or out.nbytes < 2 * 2**20:
         return out
-    try:
-        madvise = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):
-        return out
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     start = out.ctypes.data - out.ctypes.data % mmap.PAGESIZE  # the page the array starts in
     madvise(start, out.ctypes.data + out.nbytes - start, MADV_NOHUGEPAGE)  # advice only: a refusal changes nothing
     return out
