@@ -17,6 +17,8 @@ under another name (`attnprobe_eager`) that also keeps each layer's values for t
 
 from __future__ import annotations
 
+import inspect
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -164,19 +166,41 @@ def weighted_map(p: Tensor, norms: Tensor) -> Tensor:
 _CAPTURED: ContextVar[dict[int, Tensor] | None] = ContextVar("attnprobe_values", default=None)
 
 
+EAGER_FUNCTION = "eager_attention_forward"  # the name every transformers 5 modeling file gives its eager attention
+
+
 def eager_function(module: nn.Module) -> Callable | None:
-    """The eager attention function the module's forward calls (its modeling file's `eager_attention_forward`)."""
-    forward = getattr(type(module), "forward", None)
-    return getattr(forward, "__globals__", {}).get("eager_attention_forward")
+    """The eager attention function the module's forward calls: `eager_attention_forward` of the modeling file that
+    defines the forward, or else of the module's own modeling file; None when neither has one.
+
+    The forward may be wrapped (transformers 5.24 wraps attention forwards in `deprecate_kwarg`), so its own
+    `__globals__` can be the decorator's module: the function is looked up through `inspect.unwrap` and through the
+    defining class's module in `sys.modules`, never through the wrapper."""
+    for owner in type(module).__mro__:
+        forward = owner.__dict__.get("forward")
+        if forward is None:
+            continue
+        found = getattr(inspect.unwrap(forward), "__globals__", {}).get(EAGER_FUNCTION)
+        if found is None:
+            found = getattr(sys.modules.get(owner.__module__), EAGER_FUNCTION, None)
+        if callable(found):
+            return found
+        break  # the forward that runs is this class's: another class's function would not be the one it calls
+    found = getattr(sys.modules.get(type(module).__module__), EAGER_FUNCTION, None)
+    return found if callable(found) else None
 
 
 def eager_with_values(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       *args: Any, **kwargs: Any) -> Any:
     """The module's own eager attention, unchanged; its values [batch, kv head, key, head size] are kept."""
+    function = eager_function(module)
+    if function is None:
+        raise AttnprobeError(f"{type(module).__name__} has no {EAGER_FUNCTION} attnprobe can call, so the eager path "
+                             "cannot read its values: pass --no-value-weighted")
     captured = _CAPTURED.get()
     if captured is not None:
         captured[id(module)] = value
-    return eager_function(module)(module, query, key, value, attention_mask, *args, **kwargs)
+    return function(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def take_values(module: nn.Module) -> Tensor:
