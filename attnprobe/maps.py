@@ -66,3 +66,22 @@ def attention_maps(model: Any, text: str, *, device: str = "auto", max_tokens: i
     stream_attention(loaded, input_ids, torch.ones_like(input_ids),
                      lambda _layer, p: layers.append(p[0].float().cpu().numpy()))
     return AttentionMaps(maps=np.stack(layers), tokens=token_labels(loaded.tokenizer, ids, text))
+
+
+def map_problem(maps: np.ndarray) -> str | None:
+    """Why `maps` [layer, head, query, key] are not attention maps (None when they are): every entry a finite
+    probability and every row summing to at most 1 (exactly 1 but for a learned sink's share), to float16's
+    error since the files may store float16."""
+    maps = np.asarray(maps, dtype=np.float32)
+    if maps.size == 0:
+        return None
+    if not np.isfinite(maps).all():
+        return f"{int((~np.isfinite(maps)).sum())} of its {maps.size} weights are not finite numbers (NaN or inf)"
+    slack = 4 * float(np.finfo(np.float16).eps) * max(1, maps.shape[-1])  # float16 rounding, summed over a row
+    low, high = float(maps.min()), float(maps.max())
+    if low < 0 or high > 1 + slack:
+        return f"its weights run from {low:.3g} to {high:.3g}, not probabilities in [0, 1]"
+    most = float(maps.sum(axis=-1).max())
+    if most > 1 + slack:
+        return f"a row of its weights sums to {most:.3g}, more than 1"
+    return None

@@ -4,14 +4,20 @@ torch starts one thread per physical core. On a machine whose cores are busy wit
 threads wait on each other at every operation (a thread that lost its core holds the rest), and a run
 stalls: `attnprobe ablate` on SmolLM2 took over 15 minutes with 2 threads on a loaded 2-core machine and
 193 s with 1. So the default, `auto`, takes torch's thread count and leaves out the cores that the
-system's load average says are busy, keeping at least one. Threads change results only by float32
-rounding (the tests run with 1 and with 2).
+system says are busy *now*, keeping at least one. Threads change results only by float32 rounding (the tests run
+with 1 and with 2).
+
+"Busy now" is a short sample of the CPU counters in /proc/stat (SAMPLE_SECONDS), less this process's own CPU time
+over the same interval: the 1-minute load average, used before, still counts processes that have ended (right after
+a benchmark's previous run it read 1.2-1.6 on an idle 2-core machine, and auto chose 1 thread, halving the speed).
+Where /proc/stat is missing (not Linux), the load average is the fallback.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 from attnprobe.errors import AttnprobeError
@@ -50,8 +56,66 @@ def load() -> float | None:
         return None
 
 
+SAMPLE_SECONDS = 0.1  # how long `busy_now` watches the CPU counters (10 ms ticks: 20 ticks on 2 CPUs)
+PROC_STAT = "/proc/stat"
+
+
+def cpu_ticks(text: str) -> tuple[int, int, int] | None:
+    """(busy ticks, all ticks, CPUs) summed over the CPUs of a /proc/stat text; None if it has no `cpu` line.
+
+    Idle time is `idle` + `iowait` (the 4th and 5th numbers); steal and guest time count as busy."""
+    total = busy = None
+    cpus_seen = 0
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        if fields[0] == "cpu":
+            ticks = [int(x) for x in fields[1:]]
+            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+            total, busy = sum(ticks[:8]), sum(ticks[:8]) - idle  # guest time is already inside user time
+        elif fields[0].startswith("cpu") and fields[0][3:].isdigit():
+            cpus_seen += 1
+    if total is None:
+        return None
+    return busy, total, max(1, cpus_seen)
+
+
+def busy_cpus(before: tuple[int, int, int], after: tuple[int, int, int], own_seconds: float,
+              elapsed: float) -> float:
+    """CPUs kept busy by other work between two `cpu_ticks` samples: the busy share of all ticks times the CPUs,
+    less the CPUs this process used (`own_seconds` of CPU time over `elapsed` seconds); never below 0."""
+    busy, total, count = after[0] - before[0], after[1] - before[1], after[2]
+    if total <= 0:
+        return 0.0
+    own = own_seconds / elapsed if elapsed > 0 else 0.0
+    return max(0.0, busy / total * count - own)
+
+
+def _read_ticks() -> tuple[int, int, int] | None:
+    try:
+        with open(PROC_STAT) as stat:
+            return cpu_ticks(stat.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def busy_now(seconds: float = SAMPLE_SECONDS) -> float | None:
+    """How many CPUs other processes keep busy right now: a `seconds` sample of /proc/stat, less this process's own
+    CPU time; None where /proc/stat cannot be read. Work that has ended does not count (unlike the load average)."""
+    before = _read_ticks()
+    if before is None:
+        return None
+    own0, start = time.process_time(), time.monotonic()
+    time.sleep(seconds)
+    after = _read_ticks()
+    if after is None:
+        return None
+    return busy_cpus(before, after, time.process_time() - own0, time.monotonic() - start)
+
+
 def auto(cores: int, available: int, busy: float | None) -> int:
-    """torch's `cores`, less the CPUs the load keeps busy (rounded to the nearest), at least 1."""
+    """torch's `cores`, less the CPUs other work keeps busy (rounded to the nearest), at least 1."""
     if busy is None:
         return max(1, cores)
     free = math.floor(available - busy + 0.5)
@@ -74,9 +138,13 @@ def apply(requested: int | str = AUTO) -> dict[str, Any]:
     import torch
 
     requested = parse(requested)
-    busy = load()
     if not _cores:
         _cores.append(torch.get_num_threads())
+    busy, source = (None, None)
+    if requested == AUTO:
+        busy, source = busy_now(), f"{PROC_STAT} over {SAMPLE_SECONDS} s"
+        if busy is None:
+            busy, source = load(), "load average"
     threads = auto(_cores[0], cpus(), busy) if requested == AUTO else requested
     torch.set_num_threads(threads)
     try:
@@ -85,4 +153,9 @@ def apply(requested: int | str = AUTO) -> dict[str, Any]:
         pass
     return {"requested": requested, "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(), "cpus": cpus(),
-            "load_average": None if busy is None else round(busy, 2)}
+            "busy_cpus": _rounded(busy),
+            "busy_from": source if busy is not None else None, "load_average": _rounded(load())}
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)

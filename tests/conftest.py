@@ -19,6 +19,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FLOAT32_TOLERANCE = 1e-5
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "corpora" / "sentences.txt"
+LOCK_PATH = Path(__file__).resolve().parent.parent / "constraints.txt"
+
+
+def locked_version(package: str) -> str | None:
+    """The version of `package` that constraints.txt (the lock `make setup` installs from) pins, or None."""
+    for line in LOCK_PATH.read_text(encoding="utf-8").splitlines():
+        name, _, version = line.partition("==")
+        if name.strip().lower().replace("_", "-") == package.lower().replace("_", "-"):
+            return version.strip()
+    return None
+
+
+def at_locked_transformers() -> bool:
+    import transformers
+
+    return transformers.__version__ == locked_version("transformers")
+
+
+# What the docs say of architectures and files was measured with the locked transformers (make figures): tests that
+# compare the docs with what the installed transformers does run there; `make test-latest`/`test-lowest` skip them.
+locked_transformers_only = pytest.mark.skipif(
+    not at_locked_transformers(), reason=f"the docs were made with transformers {locked_version('transformers')} "
+    "(constraints.txt); this run tests another version of the declared range")
 
 SENTENCES = [
     "The cat sat on the mat.",

@@ -442,3 +442,23 @@ def test_a_model_too_large_for_every_example_keeps_fewer(copy_of, monkeypatch):
     page = build_report(copy_of)
     assert page.examples == 1
     assert any("only 1 of 3 example sentences" in note for note in page.notes)
+
+
+@pytest.mark.parametrize(("bad", "words"), [(np.nan, "not finite"), (7.0, "not probabilities"),
+                                            (-0.5, "not probabilities")])
+def test_maps_that_are_not_probabilities_are_refused_by_name(copy_of, bad, words):
+    """A NaN, 7.0 or negative weight in a stored example map is never drawn as a map: report and plot name the file."""
+    examples = io.read_examples(copy_of)
+    examples[-1]["maps"] = examples[-1]["maps"].copy()
+    examples[-1]["maps"][0, 0, -1, 0] = bad
+    io.write_files(copy_of, {io.EXAMPLES_FILE: io.examples_writer(examples)})
+    last = f"maps_{len(examples) - 1}"
+    assert_one_line_error(run("report", "--out", copy_of), "examples.npz is unreadable", last, words)
+    assert_one_line_error(run("plot", "--out", copy_of, "--example", str(len(examples) - 1)), "examples.npz", words)
+    with np.load(copy_of / io.EXAMPLE_FILE) as data:
+        single = {key: data[key] for key in data.files}
+    single["maps"] = single["maps"].copy()
+    single["maps"][0, 0, 0, 0] = bad
+    np.savez(copy_of / io.EXAMPLE_FILE, **single)
+    (copy_of / io.EXAMPLES_FILE).unlink()
+    assert_one_line_error(run("plot", "--out", copy_of), "example_attention.npz", words)

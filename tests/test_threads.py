@@ -117,3 +117,75 @@ def test_the_command_line_limits_numpy_before_importing_it(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "1"
+
+
+STAT = """cpu  {user} 0 {system} {idle} {iowait} 0 0 0 0 0
+cpu0 1 0 1 1 0 0 0 0 0 0
+cpu1 1 0 1 1 0 0 0 0 0 0
+intr 1
+"""
+
+
+def test_cpu_ticks_reads_proc_stat():
+    ticks = threads.cpu_ticks(STAT.format(user=70, system=30, idle=180, iowait=20))
+    assert ticks == (100, 300, 2)  # busy = user + system; idle and iowait are idle; two cpuN lines
+    assert threads.cpu_ticks("intr 1\n") is None
+
+
+@pytest.mark.parametrize(("busy", "total", "own", "expected"), [
+    (0, 20, 0.0, 0.0),  # an idle machine: nothing busy, whatever ran a minute ago
+    (10, 20, 0.0, 1.0),  # half of 2 CPUs busy: one CPU
+    (10, 20, 1.0, 0.0),  # ... and it was this process itself: nothing busy
+    (2, 20, 1.0, 0.0),  # never below 0
+])
+def test_busy_cpus_leaves_out_this_process(busy, total, own, expected):
+    before = (1000, 5000, 2)
+    after = (1000 + busy, 5000 + total, 2)
+    assert threads.busy_cpus(before, after, own_seconds=own * 0.1, elapsed=0.1) == pytest.approx(expected)
+
+
+def test_auto_counts_what_runs_now_not_the_load_average(monkeypatch):
+    """The load average of work that has ended (1.6 on 2 idle cores) must not cost a thread: auto reads the CPUs
+    busy now, and falls back to the load average only where /proc/stat is missing."""
+    monkeypatch.setattr(threads, "load", lambda: 1.6)
+    monkeypatch.setattr(threads, "busy_now", lambda seconds=threads.SAMPLE_SECONDS: 0.05)
+    monkeypatch.setattr(threads, "cpus", lambda: 2)
+    monkeypatch.setattr(threads, "_cores", [2])
+    used = threads.apply("auto")
+    assert used["threads"] == 2 and used["busy_cpus"] == 0.05 and "/proc/stat" in used["busy_from"]
+    assert used["load_average"] == 1.6
+    monkeypatch.setattr(threads, "busy_now", lambda seconds=threads.SAMPLE_SECONDS: None)
+    used = threads.apply("auto")
+    assert used["threads"] == 1 and used["busy_from"] == "load average"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or threads.cpus() < 2, reason="needs Linux and 2 CPUs")
+def test_busy_now_sees_another_process_spinning_and_not_itself():
+    """A real sample: another process spinning on a CPU counts about 1; this process spinning does not count."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        other = threads.busy_now(0.3)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        own = threads.busy_now(0.3)
+    finally:
+        stop.set()
+        worker.join()
+    assert other is not None and other >= 0.6, other  # one CPU, less what else the sample missed
+    assert own is not None and own < other - 0.4, (own, other)

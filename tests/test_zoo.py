@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FLOAT32_TOLERANCE, SENTENCES
+from conftest import FLOAT32_TOLERANCE, SENTENCES, locked_transformers_only
 from test_blocked import assert_close, corpus_of
 from zoo import OWN_ATTENTION, WINDOW, ZOO, architecture_row, make
 
@@ -61,6 +61,27 @@ def assert_same_statistics(got, eager, what):
     for column in eager.positions.columns:
         assert_close(got.positions[column], eager.positions[column], f"{what} positions {column}")
     np.testing.assert_allclose(got.example["maps"], eager.example["maps"], atol=FLOAT32_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION))
+def test_the_eager_path_finds_the_model_s_own_eager_function(eager_of, name):
+    """The eager path calls the model's own eager attention (found through wrappers such as transformers 5.24's
+    deprecate_kwarg, whose globals are not the model's) and so measures the value-weighted scores."""
+    import inspect
+    import sys
+
+    from attnprobe import values
+    from attnprobe.model import attention_modules
+
+    loaded, eager = eager_of(name)
+    for module, _ in attention_modules(loaded.model):
+        defining = next(c for c in type(module).__mro__ if "forward" in c.__dict__)
+        expected = inspect.unwrap(defining.forward).__globals__["eager_attention_forward"]
+        assert values.eager_function(module) is expected
+        assert expected is sys.modules[defining.__module__].eager_attention_forward
+    assert eager.run["value_weighted"]["measured"] is True, eager.run["value_weighted"]
+    assert set(VW_METRICS) <= set(eager.heads.columns)
+    assert eager.heads[["entropy_vw", "output_norm"]].notna().all().all()  # others are undefined for some models
 
 
 @pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION))
@@ -162,6 +183,7 @@ def architecture_table() -> dict[str, tuple[str, str]]:
     return rows
 
 
+@locked_transformers_only
 def test_the_architecture_table_is_the_discovery_s_own_list(zoo_dir):
     table = architecture_table()
     assert set(table) == set(ZOO)

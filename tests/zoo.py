@@ -79,7 +79,17 @@ def make(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-OWN_ATTENTION = {"gptj", "falcon", "falcon (alibi)", "bloom", "mpt"}  # compute attention themselves in 5.23
+def computes_own_attention(name: str) -> bool:
+    """Whether the installed transformers' model class of the zoo's `name` computes its attention itself instead of
+    through AttentionInterface (transformers' own test, `_can_set_attn_implementation`): GPT-J, Falcon, BLOOM and MPT
+    did in 5.23; GPT-J uses the interface from 5.24 on."""
+    import transformers
+
+    config_class = getattr(transformers, ZOO[name][0])
+    return not transformers.AutoModel._model_mapping[config_class]._can_set_attn_implementation()
+
+
+OWN_ATTENTION = {name for name in ZOO if computes_own_attention(name)}
 
 
 def architecture_row(name: str, loaded) -> tuple[str, str]:
