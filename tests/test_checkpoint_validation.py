@@ -337,3 +337,24 @@ def test_a_plain_run_still_refuses_the_checkpoint_an_overwrite_left(gpt2_dir, co
     assert_one_line_error(analyze(gpt2_dir, corpus, out), "holds a stopped run", "--resume")
     assert (out / "checkpoint-overwrite.npz").read_bytes() == b"progress"
     assert io.is_result_name("checkpoint-overwrite.npz") and io.is_result_name("checkpoint-rank1-of-2-overwrite.npz")
+
+
+# ---- the checks know every batching: windows cut in the middle, the block bootstrap of few sentences -----------
+
+
+@pytest.mark.parametrize(("sentences", "window", "batches"), [(24, 5, 4), (24, 5, 6), (3, 4096, 1)])
+def test_checkpoints_of_other_batchings_resume_to_the_uninterrupted_results(gpt2_dir, tmp_path, monkeypatch,
+                                                                          sentences, window, batches):
+    from attnprobe import analysis
+
+    monkeypatch.setattr(analysis, "WINDOW_SENTENCES", window)  # windows of 5: batches of 2, 2, 1 each
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join((SENTENCES * 3)[:sentences]) + "\n", encoding="utf-8")
+    assert analyze(gpt2_dir, corpus, tmp_path / "whole").exit_code == 0
+    out = stop(gpt2_dir, corpus, tmp_path / "out", batches)
+    result = analyze(gpt2_dir, corpus, out, "--resume")
+    assert result.exit_code == 0, result.output
+    for name in ("heads.csv", "layers.csv", "positions.csv"):
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    if sentences < 5:
+        assert json.loads((out / "run.json").read_text(encoding="utf-8"))["bootstrap"]["method"] == "block"
