@@ -49,6 +49,20 @@ FOLD_RESAMPLES = 256  # resamples whose sums one product of a fold computes (a b
 PENDING_KEYS = ("pending/fill", "pending/index", "pending/category", "pending/values", "pending/present")
 
 
+def pending_after(batch_sizes: Sequence[int], method: str = POISSON) -> int:
+    """How many sentences wait in the buffer after batches of these sizes (`Accumulator._wait`'s rule: a batch
+    larger than the buffer goes in slices; a slice that would not fit folds the buffer in first). The block
+    bootstrap keeps no buffer. A checkpoint's pending/fill must be this."""
+    if method != POISSON:
+        return 0
+    fill = 0
+    for n in batch_sizes:
+        for start in range(0, n, PENDING_SENTENCES):
+            part = min(PENDING_SENTENCES, n - start)
+            fill = (0 if fill + part > PENDING_SENTENCES else fill) + part
+    return fill
+
+
 class Accumulator:
     """Sums over sentences of every per-sentence statistic; `add` a batch, `merge` another.
 

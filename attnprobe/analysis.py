@@ -18,7 +18,7 @@ import torch
 
 from attnprobe import __version__, defaults, distributed, kernel, limits, values
 from attnprobe import tokens as token_classes
-from attnprobe.accumulate import Accumulator, Shape
+from attnprobe.accumulate import Accumulator, Shape, pending_after
 from attnprobe.bootstrap import (
     BLOCK,
     CONFIDENCE,
@@ -48,9 +48,9 @@ from attnprobe.metrics import (
     value_weighted,
 )
 from attnprobe.model import LoadedModel, as_loaded, attention_modules, quiet_transformers, stream_attention
-from attnprobe.resume import Checkpointing, State, Stopped, check_fingerprint
+from attnprobe.resume import Checkpointing, Expected, State, Stopped, check_example_maps, check_fingerprint
 from attnprobe.scores import OUTPUT_NORM, VW_METRICS, VW_POSITION_METRICS
-from attnprobe.sources import weights_fingerprint
+from attnprobe.sources import tokenizer_fingerprint, weights_fingerprint
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
 EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
@@ -253,6 +253,7 @@ def run_fingerprint(
     `weights`: fingerprint the model's weights too (model_sha256; see `model_weights`), which reads them."""
     return {
         "model": loaded.source, "model_sha256": model_weights(loaded) if weights else None, "dtype": loaded.dtype,
+        "tokenizer_sha256": model_tokenizer(loaded) if weights else None,
         "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
         "window": options.window, "block_mib": options.budget_mib, "value_weighted": options.value_weighted,
@@ -272,6 +273,14 @@ def model_weights(loaded: LoadedModel) -> str | None:
     if Path(loaded.source).is_dir():
         return weights_fingerprint(loaded.source)
     return f"revision:{loaded.revision}" if loaded.revision else None
+
+
+def model_tokenizer(loaded: LoadedModel) -> str | None:
+    """What identifies the tokenizer: a local folder's `sources.tokenizer_fingerprint`; None where `model_weights`
+    already covers it (a GGUF file holds its tokenizer, a hub commit its files) or cannot tell (a caller's)."""
+    if loaded.origin.get("gguf_sha256") or loaded.origin.get("loaded_by") == "caller":
+        return None
+    return tokenizer_fingerprint(loaded.source) if Path(loaded.source).is_dir() else None
 
 
 def sentence_categories(corpus: Corpus, sentences: list[Sentence]) -> list[str] | None:
@@ -411,13 +420,19 @@ def measure(
     other_maps: dict[int, torch.Tensor] = {}  # corpus index -> [layer, head, query, key]
     slots = batch_size if path == "eager" else 1  # the statistics attention (fused or blocked) hands back one map
     start = 0
-    if checkpointing is not None and checkpointing.resume_from is not None:
-        state = checkpointing.resume_from
-        state.check_fits(totals.state(), total, tuple(example_maps.shape))
+    state = checkpointing.resume_from if checkpointing is not None else None
+    if state is not None:
+        state.check_fits(totals.state(), resume_expected(state, scanned, batch_size, world, total, shape))
         start = state.batches_done
         totals.sums = {key: value.copy() for key, value in state.sums.items()}
-        if state.example_maps is not None:
+        if state.example_maps is not None and state.example_maps.shape == tuple(example_maps.shape):
             example_maps = torch.from_numpy(state.example_maps).to(loaded.device)
+    example_done = False  # whether the example's batch is among those the checkpoint holds
+
+    def reached_start() -> None:
+        """At the last batch the checkpoint holds: its example maps must be there exactly when that batch was."""
+        if state is not None and number == start:
+            check_resumed_example(loaded, state, example_done, scanned, tuple(example_maps.shape))
 
     def save(done: int) -> None:
         maps = example_maps.cpu().numpy()
@@ -467,6 +482,9 @@ def measure(
             count = -(-len(mine) // batch_size)
             if number + count <= start:  # done before the checkpoint: skip without tokenizing
                 number += count
+                example_done |= first <= scanned.example_index < first + len(window) \
+                    and scanned.example_index % world.size == world.rank
+                reached_start()
                 if progress:
                     progress(len(mine) * world.size)
                 continue
@@ -478,10 +496,14 @@ def measure(
             del cached
             for local in length_batches(tokens.ids, batch_size):
                 number += 1
+                batch = [first + mine[k] for k in local]
                 if number > start:
-                    run([first + mine[k] for k in local], [window[mine[k]] for k in local], tokens.take(local))
-                elif progress:
-                    progress(len(local) * world.size)  # done before the checkpoint
+                    run(batch, [window[mine[k]] for k in local], tokens.take(local))
+                else:  # done before the checkpoint
+                    example_done |= scanned.example_index in batch
+                    reached_start()
+                    if progress:
+                        progress(len(local) * world.size)
                 if checkpointing is not None and start < number < total:
                     if checkpointing.should_stop():
                         save(number)
@@ -709,6 +731,39 @@ def batch_count(sentences: int, batch_size: int, world: distributed.World) -> in
         end = min(first + WINDOW_SENTENCES, sentences)
         total += -(-len(world.shard(end, first)) // batch_size)
     return total
+
+
+def batch_sizes(sentences: int, batch_size: int, world: distributed.World, batches: int) -> tuple[list[int], int]:
+    """The sizes of this rank's first `batches` batches, in the order they run, and the corpus index after the
+    window the last of them is in: each window's shard is cut into batches of `batch_size`, the last one shorter
+    (length_batches), so this needs no tokenizing."""
+    sizes: list[int] = []
+    end = 0
+    for first in range(0, sentences, WINDOW_SENTENCES):
+        if len(sizes) >= batches:
+            break
+        end = min(first + WINDOW_SENTENCES, sentences)
+        mine = len(world.shard(end, first))
+        sizes += [min(batch_size, mine - k) for k in range(0, mine, batch_size)][: batches - len(sizes)]
+    return sizes, end
+
+
+def resume_expected(state: State, scanned: Scan, batch_size: int, world: distributed.World, total: int,
+                    shape: Shape) -> Expected:
+    """What the run's own batches say a checkpoint of `state.batches_done` batches holds (resume.Expected)."""
+    sizes, reached = batch_sizes(scanned.sentences, batch_size, world, state.batches_done)
+    return Expected(batches=total, sentences=sum(sizes), pending=pending_after(sizes, shape.method),
+                    corpus=scanned.sentences, reached=reached, rank=world.rank, size=world.size)
+
+
+def check_resumed_example(loaded: LoadedModel, state: State, done: bool, scanned: Scan, shape: tuple[int, ...]) -> None:
+    """The checkpoint's example maps, once the run knows whether the example's batch was among those done: every
+    row sums to 1 unless the sentence's later keys were cut (an encoder) or the model has sink logits."""
+    dtype = getattr(torch, str(loaded.dtype), torch.float32)
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    sinks = any(f.sinks for f in kernel.discover(loaded).features)
+    whole = (loaded.causal or len(scanned.example_ids) <= shape[-1]) and not sinks
+    check_example_maps(state, done, shape, eps, whole)
 
 
 def check_options(

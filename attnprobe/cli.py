@@ -270,7 +270,11 @@ def analyze(
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     if world.size == 1:  # under torchrun another rank may be writing already: rank 0 cleans at the end
         io.remove_stale_temps(out, started)  # what a killed run left (a half-written checkpoint, rows)
-    saved = io.checkpoint_name(world.rank, world.size)  # under torchrun every rank saves its own
+    io.check_checkpoint_slots(out)  # a folder named checkpoint.npz: refused now, not at the first save
+    # under torchrun every rank saves its own; under --overwrite under another name, so that the stopped run's
+    # checkpoint stays until this run completes (and --resume continues the replacing run where it left one)
+    saved = io.resumed_name(out, world.rank, world.size) if resume else \
+        io.checkpoint_name(world.rank, world.size, replacing=overwrite)
     waiting = io.checkpoint_files(out)  # of this process count or any other
     if waiting and not resume and not overwrite:
         raise AttnprobeError(f"{Path(out) / waiting[0]} holds a stopped run: add --resume to continue it (with as "
@@ -308,8 +312,9 @@ def analyze(
                 parquet = [io.join_sentence_parts(out, world.size)] if world.is_main else []
     except Stopped as err:
         if world.is_main:
-            err_console.print(f"Interrupted: {err}. Continue with the same command and --resume.", markup=False,
-                              soft_wrap=True)
+            how = "the same command with --resume in place of --overwrite (the stopped run it replaces is kept " \
+                "until this one completes)" if overwrite else "the same command and --resume"
+            err_console.print(f"Interrupted: {err}. Continue with {how}.", markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
     finally:
         distributed.leave(world)

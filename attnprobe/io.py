@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnprobe.errors import AttnprobeError
+from attnprobe.errors import AttnprobeError, plain
 
 HEADS_FILE = "heads.csv"
 LAYERS_FILE = "layers.csv"
@@ -409,7 +409,7 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
             bad = ~(np.isfinite(values) & (values >= 0) & (values == np.round(values)))
             if bad.any():
                 raise AttnprobeError(f"{path} has a {column} that is not a whole number of 0 or more "
-                                     f"({frame[column].iloc[int(np.argmax(bad))]!r}): run `{made_by}` again")
+                                     f"({plain(frame[column].iloc[int(np.argmax(bad))])}): run `{made_by}` again")
             frame[column] = frame[column].astype(np.int64)
     key = [c for c in ("category", "layer", "head", "bin") if c in columns]
     if key and frame.duplicated(key).any():
@@ -552,20 +552,51 @@ def read_run(out: str | Path) -> dict[str, Any]:
     return run
 
 
-def checkpoint_name(rank: int = 0, size: int = 1) -> str:
-    """A process's checkpoint: checkpoint.npz, or under torchrun one per rank (checkpoint-rank1-of-2.npz)."""
-    return CHECKPOINT_FILE if size == 1 else f"checkpoint-rank{rank}-of-{size}.npz"
+def checkpoint_name(rank: int = 0, size: int = 1, replacing: bool = False) -> str:
+    """A process's checkpoint: checkpoint.npz, or under torchrun one per rank (checkpoint-rank1-of-2.npz).
+
+    `replacing`: the name of a run started with --overwrite (checkpoint-overwrite.npz, ...-of-2-overwrite.npz):
+    the stopped run's checkpoint it replaces stays in place until this run completes, so a kill before then
+    loses neither."""
+    name = "checkpoint" if size == 1 else f"checkpoint-rank{rank}-of-{size}"
+    return f"{name}{REPLACING_SUFFIX if replacing else ''}.npz"
 
 
-_CHECKPOINT_NAME = re.compile(r"checkpoint(-rank\d+-of-\d+)?\.npz")  # checkpoint_name's: no one else's files
+REPLACING_SUFFIX = "-overwrite"
+_CHECKPOINT_NAME = re.compile(r"checkpoint(-rank\d+-of-\d+)?(-overwrite)?\.npz")  # checkpoint_name's only
 
 
 def checkpoint_files(out: str | Path) -> list[str]:
-    """Every checkpoint in `out`, of one process or of every rank."""
+    """Every checkpoint in `out`, of one process or of every rank, of a stopped run or of one that replaces it
+    (files only: check_checkpoint_slots refuses anything else under such a name)."""
     folder = Path(out)
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.glob("checkpoint*.npz") if _CHECKPOINT_NAME.fullmatch(p.name))
+    return sorted(p.name for p in folder.glob("checkpoint*.npz")
+                  if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_file())
+
+
+def check_checkpoint_slots(out: str | Path) -> None:
+    """Refuse a folder (or anything but a file) under a checkpoint's name in `out`: analyze saves there."""
+    folder = Path(out)
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.glob("checkpoint*.npz")):
+        if _CHECKPOINT_NAME.fullmatch(path.name) and not path.is_file():
+            raise _not_a_checkpoint_file(path)
+
+
+def _not_a_checkpoint_file(path: Path) -> AttnprobeError:
+    what = "a folder" if path.is_dir() else "not a file"
+    return AttnprobeError(f"{path} is {what}, not a checkpoint: move or rename it (analyze keeps a stopped run's "
+                          "progress under that name), then run again")
+
+
+def resumed_name(out: str | Path, rank: int = 0, size: int = 1) -> str:
+    """The checkpoint --resume continues: the run that was replacing a stopped one (`checkpoint_name(...,
+    replacing=True)`) where it left one, as it is the later; else the stopped run's."""
+    replacing = checkpoint_name(rank, size, replacing=True)
+    return replacing if (Path(out) / replacing).is_file() else checkpoint_name(rank, size)
 
 
 def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
@@ -573,6 +604,8 @@ def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
     from attnprobe.resume import State
 
     path = Path(out) / name
+    if path.exists() and not path.is_file():
+        raise _not_a_checkpoint_file(path)
     if not path.is_file():
         others = checkpoint_files(out)
         if others:
@@ -587,7 +620,7 @@ def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
             raise ValueError("not an .npz archive")
         with data:
             return State.from_arrays({key: data[key] for key in data.files}, str(path))
-    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as err:
+    except (OSError, EOFError, KeyError, ValueError, RecursionError, zipfile.BadZipFile) as err:
         reason = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
         raise AttnprobeError(f"{path} is unreadable or damaged ({reason}): delete it and run without --resume") \
             from err

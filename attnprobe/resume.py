@@ -1,10 +1,14 @@
 """Checkpoints of a long `analyze` run, and resuming from one (pure: io.py writes and reads the file).
 
 A checkpoint holds the accumulator's sums, how many batches were done, the example maps, and a
-fingerprint of everything that decides the results (model, corpus hash, batch size, resamples,
+fingerprint of everything that decides the results (model, tokenizer, corpus hash, batch size, resamples,
 seed, attention options, dtype). Batches run in a fixed order and the sums are added in that order,
 so a resumed run gives results identical to an uninterrupted one. A checkpoint whose fingerprint
 differs from the run being started is refused, naming what differs.
+
+Nothing in the file is trusted: every field is checked against the others and against the run being
+resumed (`check_fits`, one function per check), and a checkpoint that fails one is refused in one line
+that names the value, before anything is measured or written.
 """
 
 from __future__ import annotations
@@ -17,9 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from attnprobe.errors import AttnprobeError
+from attnprobe.errors import AttnprobeError, plain
 
 DEFAULT_EVERY_SECONDS = 300.0  # a checkpoint every five minutes
+FIX = "delete it and run without --resume"  # what to do with a checkpoint that cannot be resumed
+
+# sums that count something (sentences, rows, resample draws, tokens): whole numbers of 0 or more
+COUNT_PREFIXES = ("count/", "bincount/", "wcount/", "catcount/", "catn/", "catwn/")
+COUNT_KEYS = ("rows", "tokcount", "pending/fill", "pending/index", "pending/category", "pending/present")
+# (sum, its count): a sum over no sentence is 0
+SUM_COUNTS = (("sum/", "count/"), ("sumsq/", "count/"), ("wsum/", "wcount/"), ("binsum/", "bincount/"),
+              ("catsum/", "catn/"), ("catwsum/", "catwn/"))
+SCALARS = (str, int, float, bool, type(None))  # what a fingerprint's values are (run_fingerprint)
 
 
 @dataclass
@@ -44,13 +57,15 @@ class State:
             raise ValueError("no meta record")
         try:
             meta = json.loads(str(arrays["meta"]))
-        except json.JSONDecodeError:
-            raise ValueError("its meta record is not JSON") from None
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; a deeply nested record recurses
+            raise ValueError("its meta record is not the JSON attnprobe writes") from None
         if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint"), dict):
             raise ValueError("its meta record holds no fingerprint")
+        if not all(isinstance(value, SCALARS) for value in meta["fingerprint"].values()):
+            raise ValueError("its fingerprint holds a value that is not a number or a text")
         done = meta.get("batches_done")
         if not isinstance(done, int) or isinstance(done, bool) or done < 1:
-            raise ValueError(f"batches_done = {done!r} is not a whole number of at least 1")
+            raise ValueError(f"batches_done = {plain(done)} is not a whole number of at least 1")
         sums = {key[4:]: value for key, value in arrays.items() if key.startswith("sum:")}
         if not sums:
             raise ValueError("it holds no sums")
@@ -58,30 +73,188 @@ class State:
             if value.dtype.kind != "f" or not np.isfinite(value).all():
                 raise ValueError(f"sum {key} holds values that are not finite numbers")
         maps = arrays.get("example_maps")
-        if maps is not None and (maps.dtype.kind != "f" or maps.ndim != 4 or np.isinf(maps).any()):
+        if maps is not None and (maps.dtype.kind != "f" or maps.ndim != 4):
             raise ValueError("example_maps is not a [layer, head, query, key] array of numbers")
         unknown = sorted(set(arrays) - {"meta", "example_maps"} - {f"sum:{key}" for key in sums})
         if unknown:
-            raise ValueError(f"it holds an unknown array {unknown[0]!r}")
+            raise ValueError(f"it holds an unknown array {unknown[0]}")
         return cls(meta["fingerprint"], done, sums, maps, path)
 
-    def check_fits(self, sums: dict[str, np.ndarray], batches: int, example_shape: tuple[int, ...]) -> None:
-        """Refuse a state whose sums, batch count or example maps do not fit this run (`sums`: a fresh
-        accumulator's, of the right keys and shapes; `batches`: the run's batch count)."""
-        where = self.path or "the checkpoint"
-        problem = None
-        if set(self.sums) != set(sums):
-            missing = sorted(set(sums) - set(self.sums)) or sorted(set(self.sums) - set(sums))
-            problem = f"its sums do not fit this run ({missing[0]})"
-        elif any(self.sums[key].shape != value.shape for key, value in sums.items()):
-            key = next(key for key, value in sums.items() if self.sums[key].shape != value.shape)
-            problem = f"sum {key} has shape {self.sums[key].shape}, this run {sums[key].shape}"
-        elif self.batches_done > batches:
-            problem = f"batches_done = {self.batches_done}, but the run has {batches} batches"
-        elif self.example_maps is not None and self.example_maps.shape != tuple(example_shape):
-            problem = f"example_maps has shape {self.example_maps.shape}, this run {tuple(example_shape)}"
-        if problem:
-            raise AttnprobeError(f"{where} is damaged ({problem}): delete it and run without --resume")
+    @property
+    def where(self) -> str:
+        return self.path or "the checkpoint"
+
+    def refuse(self, problem: str) -> AttnprobeError:
+        """The one line for a checkpoint that cannot be resumed: where, what, and the fix."""
+        return AttnprobeError(f"{self.where}: {problem}: {FIX}")
+
+    def check_fits(self, sums: dict[str, np.ndarray], expected: Expected) -> None:
+        """Refuse a state whose fields disagree with each other or with this run (`sums`: a fresh accumulator's,
+        of the right keys, shapes and dtypes; `expected`: what the run's own batches say the state must hold)."""
+        check_keys(self, sums)
+        check_dtypes(self, sums)
+        check_batches_done(self, expected)
+        check_whole_counts(self)
+        check_sentences(self, expected)
+        check_empty_sums(self)
+        check_pending(self, expected)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the run being resumed says the checkpoint must hold, from its own batch plan, not from the file."""
+
+    batches: int  # this process's batches in the whole run
+    sentences: int  # sentences in its first `batches_done` batches
+    pending: int  # of those, how many wait in the accumulator's buffer (accumulate.pending_after; 0: none kept)
+    corpus: int  # sentences in the corpus
+    reached: int  # the corpus index after the last window the first `batches_done` batches reach into
+    rank: int = 0  # this process's shard: the corpus indices i with i % size == rank
+    size: int = 1
+
+
+def _first(bad: np.ndarray, values: np.ndarray) -> str:
+    """The first offending value of `values` where `bad`, written plainly."""
+    return plain(values[bad].ravel()[0])
+
+
+def check_keys(state: State, sums: dict[str, np.ndarray]) -> None:
+    """The same sums as this run's accumulator, of the same shapes."""
+    if set(state.sums) != set(sums):
+        missing = sorted(set(sums) - set(state.sums)) or sorted(set(state.sums) - set(sums))
+        raise state.refuse(f"its sums do not fit this run ({missing[0]})")
+    for key, value in sums.items():
+        if state.sums[key].shape != value.shape:
+            raise state.refuse(f"sum {key} has shape {plain(state.sums[key].shape)}, this run "
+                               f"{plain(value.shape)}")
+
+
+def check_dtypes(state: State, sums: dict[str, np.ndarray]) -> None:
+    """The dtypes the run writes (float64 sums): a float16 copy would shift the results by its rounding."""
+    for key, value in sums.items():
+        if state.sums[key].dtype != value.dtype:
+            raise state.refuse(f"sum {key} is {state.sums[key].dtype}, but attnprobe writes {value.dtype}")
+    if state.example_maps is not None and state.example_maps.dtype != np.float32:
+        raise state.refuse(f"example_maps is {state.example_maps.dtype}, but attnprobe writes float32")
+
+
+def check_batches_done(state: State, expected: Expected) -> None:
+    """No more batches done than the run has."""
+    if state.batches_done > expected.batches:
+        raise state.refuse(f"batches_done = {state.batches_done}, but the run has {expected.batches} batches")
+
+
+def check_whole_counts(state: State) -> None:
+    """Every count (sentences, rows, resample draws, tokens, the buffer's fill, index and flags) a whole number
+    of 0 or more: a negative or fractional count makes means and intervals of nothing."""
+    for key, value in state.sums.items():
+        if not (key.startswith(COUNT_PREFIXES) or key in COUNT_KEYS):
+            continue
+        bad = (value < 0) | (value != np.round(value))
+        if bad.any():
+            raise state.refuse(f"{key} holds {_first(bad, value)}, but a count is a whole number of 0 or more")
+    present = state.sums.get("pending/present")
+    if present is not None and (present > 1).any():
+        raise state.refuse(f"pending/present holds {_first(present > 1, present)}, but it is 0 or 1")
+
+
+def check_sentences(state: State, expected: Expected) -> None:
+    """The sentences the sums hold agree with batches_done: every sentence has one query row at position 0
+    (`rows`' first bin), no head counts more sentences than that, and every sentence has one category."""
+    held = state.sums["rows"][0]  # the position-0 bin: one row per sentence
+    if held != expected.sentences:
+        raise state.refuse(f"batches_done = {state.batches_done} (in this run {expected.sentences} sentences), but "
+                           f"its sums hold {plain(held)} sentences")
+    for key, value in state.sums.items():
+        if key.startswith(("count/", "bincount/")) and (value > held).any():
+            raise state.refuse(f"{key} counts {_first(value > held, value)} sentences, but its sums hold "
+                               f"{plain(held)}")
+    categories = [value for key, value in state.sums.items() if key.startswith("catcount/")]
+    if categories and not (sum(categories) == held).all():
+        raise state.refuse(f"its categories count {plain(sum(categories).min())} sentences, but its sums hold "
+                           f"{plain(held)}")
+    if "tokcount" in state.sums and state.sums["tokcount"].sum() != state.sums["rows"].sum():
+        raise state.refuse(f"tokcount counts {plain(state.sums['tokcount'].sum())} tokens, but rows "
+                           f"{plain(state.sums['rows'].sum())}")
+
+
+def check_empty_sums(state: State) -> None:
+    """A sum over no sentence is 0: a value where its count is 0 was not added by attnprobe."""
+    for total_prefix, count_prefix in SUM_COUNTS:
+        for key, total in state.sums.items():
+            if not key.startswith(total_prefix):
+                continue
+            count = state.sums[count_prefix + key[len(total_prefix):]]
+            bad = (count == 0) & (total != 0)
+            if bad.any():
+                raise state.refuse(f"{key} holds {_first(bad, total)} where {count_prefix + key[len(total_prefix):]} "
+                                   "counts no sentence")
+
+
+def check_pending(state: State, expected: Expected) -> None:
+    """The buffer of sentences waiting to be folded in: as many as the run's batches leave there, each a sentence
+    of this process's shard in the part of the corpus done, none twice; the empty slots all zero."""
+    if "pending/fill" not in state.sums:
+        return
+    s = state.sums
+    fill = s["pending/fill"][0]
+    if fill != expected.pending:
+        raise state.refuse(f"pending/fill = {plain(fill)}, but after {state.batches_done} batches this run leaves "
+                           f"{expected.pending} sentences waiting")
+    n = int(fill)
+    index = s["pending/index"][:n]
+    outside = (index >= expected.reached) | (index % expected.size != expected.rank)
+    if outside.any():
+        raise state.refuse(f"pending/index holds {_first(outside, index)}, not a sentence of the "
+                           f"{expected.reached} this process had reached (of {expected.corpus})")
+    if len(np.unique(index)) != n:
+        raise state.refuse("pending/index holds a sentence twice")
+    for key in ("pending/index", "pending/category", "pending/values", "pending/present"):
+        rest = s[key][n:]
+        if (rest != 0).any():
+            raise state.refuse(f"{key} holds {_first(rest != 0, rest)} past pending/fill = {n}")
+    categories = len([key for key in s if key.startswith("catcount/")])
+    category = s["pending/category"][:n]
+    wrong = (category > categories) | ((category == 0) if categories else (category != 0))
+    if wrong.any():
+        raise state.refuse(f"pending/category holds {_first(wrong, category)}, but the run has {categories} "
+                           "categories")
+    absent = (s["pending/present"][:n] == 0) & (s["pending/values"][:n] != 0)
+    if absent.any():
+        raise state.refuse(f"pending/values holds {_first(absent, s['pending/values'][:n])} where pending/present "
+                           "says there is no value")
+
+
+def row_tolerance(eps: float, keys: int) -> float:
+    """How far a row of attention maps may sum from 1: each probability rounded once to the model's dtype
+    (relative error eps / 2, so at most eps / 2 over a row summing to 1), plus the float32 rounding of the
+    softmax's sum over `keys` terms and of exp(score - logsumexp) (a few float32 epsilons per term)."""
+    return eps / 2 + 4 * keys * float(np.finfo(np.float32).eps)
+
+
+def check_example_maps(state: State, done: bool, shape: tuple[int, ...], eps: float, whole_rows: bool) -> None:
+    """The example sentence's maps: present (and probabilities) exactly when its batch is among those done.
+    `eps`: the model dtype's epsilon; `whole_rows`: every key of the sentence is kept (a causal model, or a
+    sentence no longer than the maps), so each row sums to 1; else (an encoder's cut rows) to at most 1."""
+    maps = state.example_maps
+    if not done:
+        if maps is not None:
+            raise state.refuse(f"it holds example_maps, but batches_done = {state.batches_done} does not reach the "
+                               "example sentence's batch")
+        return
+    if maps is None:
+        raise state.refuse(f"batches_done = {state.batches_done} covers the example sentence's batch, but it holds "
+                           "no example_maps")
+    if maps.shape != tuple(shape):
+        raise state.refuse(f"example_maps has shape {plain(maps.shape)}, this run {plain(tuple(shape))}")
+    bad = ~np.isfinite(maps) | (maps < 0) | (maps > 1)
+    if bad.any():
+        raise state.refuse(f"example_maps holds {_first(bad, maps)}, not a probability in [0, 1]")
+    rows = maps.astype(np.float64).sum(axis=-1)  # [layer, head, query]
+    tolerance = row_tolerance(eps, maps.shape[-1])
+    off = (np.abs(rows - 1) > tolerance) if whole_rows else (rows > 1 + tolerance)
+    if off.any():
+        raise state.refuse(f"a row of example_maps sums to {_first(off, rows)}, not to 1 (within {tolerance:.1g})")
 
 
 @dataclass
@@ -103,16 +276,30 @@ class Stopped(AttnprobeError):
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint made with another model, corpus or settings."""
+    """Refuse to resume a checkpoint made with another model, tokenizer, corpus or settings."""
     differs = [key for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
     if "model_sha256" in differs and "model" not in differs:
         raise AttnprobeError(
             f"the model's weights at {current.get('model')} changed since the checkpoint was made (their fingerprint "
             "differs): resume with the weights it was made with, or run without --resume to start again"
         )
+    if "tokenizer_sha256" in differs and "model" not in differs:
+        raise AttnprobeError(
+            f"the model's tokenizer at {current.get('model')} changed since the checkpoint was made (the fingerprint "
+            "of its tokenizer files differs): resume with the tokenizer it was made with, or run without --resume "
+            "to start again"
+        )
     if differs:
         key = differs[0]
         raise AttnprobeError(
-            f"the checkpoint was made with {key} = {saved.get(key)!r}, this run has {current.get(key)!r}: "
-            "run with the same model, corpus and settings, or without --resume to start again"
+            f"the checkpoint was made with {key} = {_setting(saved.get(key))}, this run has "
+            f"{_setting(current.get(key))}: run with the same model, corpus and settings, or without --resume to "
+            "start again"
         )
+
+
+def _setting(value: Any) -> str:
+    """A fingerprint value for a message: a text quoted, a number plain, an absent one as `none`."""
+    if value is None:
+        return "none"
+    return repr(value) if isinstance(value, str) else plain(value)

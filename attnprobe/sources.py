@@ -182,6 +182,23 @@ def weights_fingerprint(folder: str | Path) -> str:
     return f"stat:{digest.hexdigest()}"
 
 
+TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                      "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "vocab.*")
+
+
+def tokenizer_fingerprint(folder: str | Path) -> str:
+    """A fingerprint of a model folder's tokenizer files ("sha256:..."), which a resumed run must find unchanged:
+    a tokenizer changed between a stop and --resume would measure the rest of the corpus in other tokens. The
+    files are small (a few MB), so they are hashed whole (file_sha256 remembers each one's hash)."""
+    folder = Path(folder)
+    files = sorted({p for pattern in TOKENIZER_PATTERNS for p in folder.glob(pattern) if p.is_file()})
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0".encode())
+        digest.update(file_sha256(path).encode())
+    return f"sha256:{digest.hexdigest()}"
+
+
 def gguf_folder(path: Path, digest: str, on_status: Status | None = None) -> Path:
     """A normal save_pretrained folder converted from the GGUF file, made once and cached by its hash.
 
