@@ -15,19 +15,21 @@ its last statistic:
   4. lean   - `attnprobe analyze --no-value-weighted --no-top-tokens`: without the scores of issue 19 (value-weighted
               scores, output_norm, top_tokens.csv), the statistics issue 18's target was set on.
 Every way runs with the same torch threads (--threads; default: attnprobe's `auto`, torch's own count less the CPUs
-the load average says are busy, decided once for the whole benchmark). With --repeat N the ways run N times,
-interleaved, and the medians are compared. It prints wall time, CPU time, tokens/s and peak memory for each, the
-ratios 3/1 and 4/1 (target <= 1.05) and 2/3 (target >= 2.5), of wall and of CPU time. The floor and the naive way
-run with OMP_NUM_THREADS set to the thread count and OPENBLAS_NUM_THREADS=1 (as attnprobe's CLI sets it), so that
-no way pays for threads that only spin. Then what the scores of issue 19 cost: `attnprobe analyze` on
---new-scores-model (default smollm2-135m) over --new-scores-corpus (default the bundled corpora/sentences.txt),
-with them (the default) and with --no-value-weighted --no-top-tokens (which skips the value-weighted scores,
-output_norm and the per-token sums: the run before them; the punctuation and duplicate_token scores run in both,
-`bench_tokens.py` times them), interleaved; the ratios on / off of the process's wall and CPU time and of the
-analysis alone (run.json's wall_seconds, after the model is loaded), target <= 1.15. Then the peak memory of one
-long sequence: attnprobe's blocked statistics attention, the eager hook path (reduce each layer's map, then drop
-it),
-holding every layer's maps, and the bare SDPA forward pass.
+busy at the start, decided once for the whole benchmark). Then, as a user runs them (--no-user skips these):
+  5. floor-default - the floor with torch's default threads (no OMP_NUM_THREADS, no set_num_threads);
+  6. defaults - `attnprobe analyze` with every default, `--threads auto` included, decided by each run itself;
+and the ratio 6/5 (target <= 1.05), which is what a user sees on an idle machine, run after run.
+With --repeat N the ways run N times, interleaved, and the medians are compared. It prints wall time, CPU time,
+tokens/s and peak memory for each, the ratios 3/1 and 4/1 (target <= 1.05) and 2/3 (target >= 2.5), of wall and of
+CPU time. The floor and the naive way run with OMP_NUM_THREADS set to the thread count and OPENBLAS_NUM_THREADS=1
+(as attnprobe's CLI sets it), so that no way pays for threads that only spin. Then what the scores of issue 19 cost:
+`attnprobe analyze` on --new-scores-model (default smollm2-135m) over --new-scores-corpus (default the bundled
+corpora/sentences.txt), with them (the default) and with --no-value-weighted --no-top-tokens (which skips the value-
+weighted scores, output_norm and the per-token sums: the run before them; the punctuation and duplicate_token scores
+run in both, `bench_tokens.py` times them), interleaved; the ratios on / off of the process's wall and CPU time and
+of the analysis alone (run.json's wall_seconds, after the model is loaded), target <= 1.15. Then the peak memory of
+one long sequence: attnprobe's blocked statistics attention, the eager hook path (reduce each layer's map, then drop
+it), holding every layer's maps, and the bare SDPA forward pass.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ VOCAB = 50257
 BATCH = 8
 TARGET_FLOOR_RATIO = 1.05  # attnprobe / floor, at most (issue 18: short sentences back at the floor)
 TARGET_NAIVE_RATIO = 2.5  # naive / attnprobe, at least
+USER_WAYS = ("floor-default", "defaults")  # run as a user runs them: torch's and attnprobe's default threads
 TARGET_NEW_SCORES_RATIO = 1.15  # analyze with the new scores (value-weighted, top tokens) / without, at most (issue 19)
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,10 +79,12 @@ def build(work: Path, sentences: int, seed: int = 0) -> None:
 # ---- the three ways, each run in a child process ------------------------------------------------
 
 def set_threads() -> None:
-    """The benchmark's thread count (BENCH_THREADS), for the floor and the naive way."""
+    """The benchmark's thread count (BENCH_THREADS), for the floor and the naive way; torch's own where the way runs
+    as a user runs it (floor-default)."""
     import torch
 
-    torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+    if os.environ.get("BENCH_THREADS", "default") != "default":
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
 
 
 def child_floor(work: Path) -> dict:
@@ -139,6 +144,17 @@ def child_lean(work: Path) -> dict:
     return child_attnprobe(work, "--no-value-weighted", "--no-top-tokens")
 
 
+def child_floor_default(work: Path) -> dict:
+    return child_floor(work)  # run_child leaves BENCH_THREADS and OMP_NUM_THREADS out: torch's own threads
+
+
+def child_defaults(work: Path) -> dict:
+    """`attnprobe analyze` exactly as a user types it: no --threads (auto decides in this process)."""
+    command = [sys.executable, "-m", "attnprobe", "analyze", "--model", str(work / "model"),
+               "--corpus", str(work / "corpus.txt"), "--out", os.environ["BENCH_OUT"], "--device", "cpu"]
+    os.execv(sys.executable, command)
+
+
 def new_scores_command(model: str, corpus: str, out: Path, new: bool) -> list[str]:
     """`attnprobe analyze` as a user runs it, with or without the value-weighted scores and top_tokens.csv."""
     return [sys.executable, "-m", "attnprobe", "analyze", "--model", model, "--corpus", corpus, "--out", str(out),
@@ -151,14 +167,23 @@ def run_child(way: str, work: Path, command: list[str] | None = None) -> dict:
     env = dict(os.environ)
     if way in ("floor", "naive"):  # as attnprobe's CLI and --threads set them before torch and numpy load
         env.update(OMP_NUM_THREADS=os.environ["BENCH_THREADS"], OPENBLAS_NUM_THREADS="1")
+    if way in USER_WAYS:  # as a user's shell has it: no thread settings at all
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.pop(name, None)
+        env["BENCH_THREADS"] = "default"
+        env["BENCH_OUT"] = tempfile.mkdtemp(dir=work)
     started = time.perf_counter()
-    process = subprocess.Popen(command or [sys.executable, __file__, "--child", way, "--work", str(work)],
+    process = subprocess.Popen(command or [sys.executable, __file__, "--child", way.replace("-", "_"), "--work",
+                                           str(work)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{way} failed: {process.stderr.read().decode()[-2000:]}")
-    return {"seconds": seconds, "cpu": usage.ru_utime + usage.ru_stime, "peak_mib": usage.ru_maxrss / 1024}
+    result = {"seconds": seconds, "cpu": usage.ru_utime + usage.ru_stime, "peak_mib": usage.ru_maxrss / 1024}
+    if way == "defaults":  # the threads `auto` chose in that run
+        result["threads"] = json.loads((Path(env["BENCH_OUT"]) / "run.json").read_text())["threads"]["threads"]
+    return result
 
 
 # ---- memory: one long sequence ----------------------------------------------------------------
@@ -214,6 +239,7 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=300)
     parser.add_argument("--work", type=Path, help="folder for the model and corpus (default: a temp folder)")
     parser.add_argument("--no-memory", action="store_true", help="skip the long-sequence memory table")
+    parser.add_argument("--no-user", action="store_true", help="skip the ways run as a user runs them (defaults)")
     parser.add_argument("--threads", default="auto", help="torch threads for every way (default: attnprobe's auto)")
     parser.add_argument("--repeat", type=int, default=1, help="run the ways this many times, interleaved; medians")
     parser.add_argument("--new-scores-model", default="smollm2-135m", help="model of the new scores' cost")
@@ -243,13 +269,14 @@ def main() -> None:
     chosen = threads.apply(args.threads)
     os.environ["BENCH_THREADS"] = str(chosen["threads"])
     print(f"GPT-2-small shape, random weights; {args.sentences} sentences, {tokens} tokens; "
-          f"{os.cpu_count()} cores; torch threads {chosen['threads']} (--threads {args.threads}, load average "
-          f"{chosen['load_average']}); {args.repeat} run(s) each, interleaved; work folder {work}\n")
+          f"{os.cpu_count()} cores; torch threads {chosen['threads']} (--threads {args.threads}, busy CPUs "
+          f"{chosen['busy_cpus']}, load average {chosen['load_average']}); {args.repeat} run(s) each, interleaved; "
+          f"work folder {work}\n")
     measured: dict = {"sentences": args.sentences, "tokens": tokens, "cores": os.cpu_count(),
                       "threads": chosen["threads"], "threads_option": args.threads,
                       "load_average": chosen["load_average"], "repeat": args.repeat}
     if not (args.memory_only or args.only_new_scores):
-        measured["speed"] = speed(work, tokens, args.repeat)
+        measured["speed"] = speed(work, tokens, args.repeat, user=not args.no_user)
     if not (args.memory_only or args.no_new_scores):
         measured["new_scores"] = new_scores_cost(work, args.new_scores_model, args.new_scores_corpus, args.repeat)
     if not (args.no_memory or args.only_new_scores):
@@ -259,14 +286,17 @@ def main() -> None:
         args.json.write_text(json.dumps(measured, indent=1), encoding="utf-8")
 
 
-def speed(work: Path, tokens: int, repeat: int) -> dict:
-    """The four ways, `repeat` times interleaved: medians and each run, printed and returned."""
-    ways = ("floor", "naive", "attnprobe", "lean")
+def speed(work: Path, tokens: int, repeat: int, user: bool = True) -> dict:
+    """The ways, `repeat` times interleaved: medians and each run, printed and returned."""
+    ways = ("floor", "naive", "attnprobe", "lean", *(USER_WAYS if user else ()))
     every: dict[str, list[dict]] = {way: [] for way in ways}
     for _ in range(repeat):
         for way in ways:
             every[way].append(run_child(way, work))
     runs = {way: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for way, rs in every.items()}
+    if user:
+        print(f"defaults: --threads auto chose {', '.join(str(r['threads']) for r in every['defaults'])} thread(s) "
+              "in its runs")
     print(f"{'way':<10} {'wall s':>8} {'cpu s':>8} {'tok/s':>8} {'peak MiB':>9}   (medians; wall of each run)")
     for way, r in runs.items():
         each = " ".join(f"{x['seconds']:.1f}" for x in every[way])
@@ -281,6 +311,10 @@ def speed(work: Path, tokens: int, repeat: int) -> dict:
         naive_over = runs["naive"][key] / runs["attnprobe"][key]
         print(f"{what}: naive / attnprobe = {naive_over:.2f}  (target >= {TARGET_NAIVE_RATIO}: "
               f"{'met' if naive_over >= TARGET_NAIVE_RATIO else 'MISSED'})")
+        if user:
+            as_user = runs["defaults"][key] / runs["floor-default"][key]
+            print(f"{what}: as a user runs them, defaults / floor-default = {as_user:.2f}  (target <= "
+                  f"{TARGET_FLOOR_RATIO}: {'met' if as_user <= TARGET_FLOOR_RATIO else 'MISSED'})")
     return {"runs": every, "medians": runs, "targets": {"floor": TARGET_FLOOR_RATIO, "naive": TARGET_NAIVE_RATIO}}
 
 

@@ -17,6 +17,13 @@ in its own process, which loads the model, warms it up on 8 tokens, then runs th
 It prints the forward time and the peak resident memory of each process, and the ratios blocked/sdpa
 (targets: time <= 2x, peak memory <= 1.3x) and fused/sdpa (targets: time <= 1.3x, peak memory <= 1.1x).
 
+Part `user` (--part user), SmolLM2-135M on one document of --user-tokens tokens (default 8,000; its context is
+8,192), as a user runs it: whole processes with torch's default threads (no OMP_NUM_THREADS, no --threads):
+  floor    - load the model as attnprobe does, tokenize the document, one SDPA forward pass;
+  defaults - `attnprobe analyze --split file` with every default (`--threads auto`, value-weighted and token scores).
+--repeat N runs them N times interleaved; it prints the medians and defaults/floor of wall and CPU time (target
+<= 1.3), and the threads `auto` chose in each run (run.json).
+
 Part 2, a tiny random Llama (4 layers, 4 query heads, 2 KV heads, 64 wide, room for 40k positions)
 on one random sequence of 1k ... 32k tokens: time and peak memory of the blocked run, so that O(n)
 memory and O(n^2) time are visible, and a check that the positions.csv bins that lie inside a 2,048-token
@@ -90,6 +97,79 @@ def run_way(loaded, x, mask, way: str, sink: int = 4, window: int = 256) -> None
                                  fused=0 if way.startswith("fused") else None, projections=projections)
         else:
             stream_attention(loaded, x, mask, lambda _l, p: sentence_sums(p, mask, True, None, sink, window, bins))
+
+
+TARGET_USER = 1.3  # user part: attnprobe analyze (defaults) / the floor process, at most
+
+
+def user_document(work: Path, tokens: int) -> Path:
+    """A text file of about `tokens` SmolLM2 tokens of licence text (decoded from the ids, so it tokenizes back to
+    nearly the same count)."""
+    from transformers import AutoTokenizer
+
+    from attnprobe.sources import resolve
+
+    path = work / f"user-document-{tokens}.txt"
+    if not path.exists():
+        tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m").location)
+        path.write_text(tokenizer.decode(document_ids(tokenizer, tokens)) + "\n", encoding="utf-8")
+    return path
+
+
+def child_user_floor(document: Path) -> None:
+    """The floor as a user would write it: attnprobe's loader, torch's default threads, one SDPA forward."""
+    import torch
+
+    from attnprobe.model import load_model
+
+    loaded = load_model("smollm2-135m", "cpu")
+    loaded.model.set_attn_implementation("sdpa")
+    ids = loaded.tokenizer(document.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+
+
+def user_part(work: Path, tokens: int, repeat: int) -> dict:
+    """The floor process and `attnprobe analyze` with its defaults, interleaved `repeat` times, torch's and
+    attnprobe's own thread choices: medians, each run, and defaults / floor."""
+    import statistics
+
+    document = user_document(work, tokens)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                            "MKL_NUM_THREADS", "BENCH_THREADS")}
+    commands = {
+        "floor": [sys.executable, __file__, "--child-user-floor", str(document)],
+        "defaults": [sys.executable, "-m", "attnprobe", "analyze", "--model", "smollm2-135m", "--corpus",
+                     str(document), "--split", "file", "--out", str(work / "user-out"), "--device", "cpu"],
+    }
+    runs: dict[str, list[dict]] = {way: [] for way in commands}
+    for _ in range(repeat):
+        for way, command in commands.items():
+            started = time.perf_counter()
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+            _, status, usage = os.wait4(process.pid, 0)
+            if os.waitstatus_to_exitcode(status) != 0:
+                raise SystemExit(f"user/{way} failed: {process.stderr.read().decode()[-2000:]}")
+            run = {"seconds": time.perf_counter() - started, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+                   "peak_mib": usage.ru_maxrss / 1024}
+            if way == "defaults":
+                record = json.loads((work / "user-out" / "run.json").read_text(encoding="utf-8"))
+                run.update(threads=record["threads"]["threads"], tokens=record["tokens"],
+                           path=record["attention"]["path"])
+            runs[way].append(run)
+    medians = {way: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "cpu_seconds", "peak_mib")}
+               for way, rs in runs.items()}
+    ratios = {k: medians["defaults"][k] / medians["floor"][k] for k in ("seconds", "cpu_seconds")}
+    print(f"\nAs a user runs it: SmolLM2-135M, one document of {runs['defaults'][0]['tokens']} tokens, whole "
+          f"processes, torch's default threads; {repeat} run(s) each, interleaved (medians)")
+    for way, m in medians.items():
+        print(f"{way:<10} {m['seconds']:>8.1f} s wall {m['cpu_seconds']:>8.1f} s CPU {m['peak_mib']:>7.0f} MiB")
+    print(f"--threads auto chose {', '.join(str(r['threads']) for r in runs['defaults'])} thread(s)")
+    for what, key in (("wall", "seconds"), ("cpu", "cpu_seconds")):
+        print(f"{what}: defaults / floor = {ratios[key]:.2f} (target <= {TARGET_USER}: "
+              f"{'met' if ratios[key] <= TARGET_USER else 'MISSED'})")
+    return {"tokens": runs["defaults"][0]["tokens"], "runs": runs, "medians": medians, "ratios": ratios,
+            "target": TARGET_USER, "repeat": repeat}
 
 
 def child(args) -> dict:
@@ -272,8 +352,11 @@ def prefix_check(work: Path, n: int) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("smollm2", "tiny", "zoo", "both"), default="both",
-                        help="both: smollm2 and tiny; zoo: the other architectures")
+    parser.add_argument("--part", choices=("smollm2", "tiny", "zoo", "user", "both"), default="both",
+                        help="both: smollm2 and tiny; zoo: the other architectures; user: as a user runs it")
+    parser.add_argument("--user-tokens", type=int, default=8000, help="the user part's document length")
+    parser.add_argument("--repeat", type=int, default=1, help="the user part: runs of each way, interleaved")
+    parser.add_argument("--child-user-floor", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=3600, help="SmolLM2 document length")
     parser.add_argument("--eager", action="store_true", help="also time the eager hook path on SmolLM2 (slow)")
     parser.add_argument("--value-weighted", action="store_true",
@@ -289,6 +372,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)))
+        return
+    if args.child_user_floor:
+        child_user_floor(args.child_user_floor)
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="attnprobe-long-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -326,6 +412,8 @@ def main() -> None:
               f"{TARGET_FUSED_MEMORY}: {'met' if m <= TARGET_FUSED_MEMORY else 'MISSED'})")
     if args.part == "zoo":
         measured["zoo"] = zoo(work, [int(n) for n in args.lengths.split(",")])
+    if args.part == "user":
+        measured["user"] = user_part(work, args.user_tokens, args.repeat)
     if args.part in ("tiny", "both"):
         build_tiny(work)
         lengths = [int(n) for n in args.lengths.split(",")]
