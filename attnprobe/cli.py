@@ -22,6 +22,7 @@ from rich.text import Text
 from attnprobe import __version__, defaults, limits
 from attnprobe.allocator import reuse_freed_memory
 from attnprobe.errors import AttnprobeError
+from attnprobe.help_panels import in_panel, panel_command
 from attnprobe.naming import head_name, visible
 from attnprobe.threads import apply as apply_threads
 from attnprobe.threads import limit_numpy_threads
@@ -35,7 +36,24 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},  # subcommands inherit it
 )
-out_console = Console()
+PIPE_WIDTH = 120  # columns of stdout's tables when it is a pipe or a file and COLUMNS does not say
+
+
+def stdout_width() -> int | None:
+    """The width of stdout's tables: the terminal's (None: Rich measures it) when stdout is one; else COLUMNS when
+    set, or PIPE_WIDTH. Rich would otherwise take the size of whichever of stdin, stdout, stderr is a terminal, so
+    `attnprobe analyze ... | tee log` from a narrow terminal (or an editor's 50-column pane) wrapped every table
+    row in the log."""
+    try:
+        if sys.stdout.isatty():
+            return None
+    except (AttributeError, ValueError):  # no stdout (pythonw), or a closed one
+        pass
+    columns = os.environ.get("COLUMNS", "").strip()
+    return int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
+
+
+out_console = Console(width=stdout_width())
 err_console = Console(stderr=True)
 
 
@@ -53,7 +71,9 @@ OutOption = Annotated[
 ]
 ModelOption = Annotated[str, typer.Option("--model", "-m", help="Hub id, folder, .gguf file or a short name.")]
 CorpusOption = Annotated[
-    Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line; '#' lines skipped.")
+    Path, typer.Option("--corpus", "-c", help="UTF-8 text, one sentence per line ('#' lines skipped; a '# category: "
+                       "NAME' line tags the lines below it), or a .jsonl / .parquet file: one row per sequence, a "
+                       "'text' field and an optional 'category'.")
 ]
 
 
@@ -171,72 +191,100 @@ def main_options(
     """attnprobe: per-head attention entropy, diagonal score and head types, layer by layer."""
 
 
-@app.command()
+# analyze's --help groups its options under these headings (help_panels.PanelCommand)
+INPUT, SCORES, RUN, OUTPUT = "Input", "Scores", "Run control", "Output"
+AnalyzeModel = in_panel(ModelOption, INPUT)
+AnalyzeCorpus = in_panel(CorpusOption, INPUT)
+AnalyzeOut = in_panel(OutOption, OUTPUT)
+AnalyzeLimit = in_panel(LimitOption, INPUT)
+AnalyzeThreads = in_panel(ThreadsOption, RUN)
+
+
+@app.command(cls=panel_command(INPUT, SCORES, RUN, OUTPUT))
 @friendly_errors
 def analyze(
-    model: ModelOption,
-    corpus: CorpusOption,
-    out: OutOption = DEFAULT_OUT,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
-    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    model: AnalyzeModel,
+    corpus: AnalyzeCorpus,
+    out: AnalyzeOut = DEFAULT_OUT,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.", rich_help_panel=RUN)
+    ] = 8,
+    device: Annotated[
+        DeviceChoice, typer.Option("--device", help="Where to run the model.", rich_help_panel=RUN)
+    ] = DeviceChoice.auto,
     dtype: Annotated[
-        DTypeChoice, typer.Option("--dtype", help="Model precision; statistics are kept in float32.")
+        DTypeChoice,
+        typer.Option("--dtype", help="Model precision; statistics are kept in float32.", rich_help_panel=RUN),
     ] = DTypeChoice.float32,
     resamples: Annotated[
         int, typer.Option("--resamples", help="Bootstrap resamples for the 95% intervals: of the sentences, or below "
-                          "10 sequences of blocks of query rows within each.")
+                          "10 sequences of blocks of query rows within each.", rich_help_panel=SCORES)
     ] = 1000,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap (same seed, same intervals).")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the bootstrap (same seed, same intervals).", rich_help_panel=SCORES)
+    ] = 0,
     split: Annotated[
-        SplitChoice, typer.Option("--split", help="One sequence per line, per blank-line paragraph, or the whole file.")
+        SplitChoice, typer.Option("--split", help="One sequence per line, per blank-line paragraph, or the whole file.",
+                                  rich_help_panel=INPUT)
     ] = SplitChoice.lines,
     attention: Annotated[
         AttentionChoice,
         typer.Option("--attention", help="fused: statistics from the fused kernel's logsumexp; blocked: "
                      "statistics inside attnprobe's attention, O(n) memory; eager: hooks on full maps; auto: fused "
-                     "from 512 tokens and blocked below, where the architecture allows, else eager."),
+                     "from 512 tokens and blocked below, where the architecture allows, else eager.",
+                     rich_help_panel=RUN),
     ] = AttentionChoice.auto,
     block_mib: Annotated[
-        float, typer.Option("--block-mib", help="Memory budget (MiB) for one block of attention rows (blocked).")
+        float, typer.Option("--block-mib", help="Memory budget (MiB) for one block of attention rows (blocked).",
+                            rich_help_panel=RUN)
     ] = defaults.BLOCK_MIB,
     sink_tokens: Annotated[
-        int, typer.Option("--sink-tokens", help="sink_window: the first S keys count as sinks.")
+        int, typer.Option("--sink-tokens", help="sink_window: the first S keys count as sinks.", rich_help_panel=SCORES)
     ] = defaults.SINK_TOKENS,
-    window: Annotated[int, typer.Option("--window", help="sink_window: the W most recent keys.")] = defaults.WINDOW,
+    window: Annotated[
+        int, typer.Option("--window", help="sink_window: the W most recent keys.", rich_help_panel=SCORES)
+    ] = defaults.WINDOW,
     value_weighted: Annotated[
         bool, typer.Option("--value-weighted/--no-value-weighted",
                            help="Also the value-weighted scores (<score>_vw) and output_norm, where the model's output "
-                                "projection is found.")
+                                "projection is found.", rich_help_panel=SCORES)
     ] = True,
     top_tokens: Annotated[
         bool, typer.Option("--top-tokens/--no-top-tokens",
                            help="Also write top_tokens.csv: per head, the key tokens that receive the most attention "
-                                "for their frequency (keeps layers x heads x vocabulary sums in memory).")
+                                "for their frequency (keeps layers x heads x vocabulary sums in memory).",
+                           rich_help_panel=SCORES)
     ] = True,
     top_tokens_min: Annotated[
-        int, typer.Option("--top-tokens-min", help="top_tokens.csv: only tokens that occur at least this often.")
+        int, typer.Option("--top-tokens-min", help="top_tokens.csv: only tokens that occur at least this often.",
+                          rich_help_panel=SCORES)
     ] = 5,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue the run whose checkpoint.npz is in --out (same settings).")
+        bool, typer.Option("--resume", help="Continue the run whose checkpoint.npz is in --out (same settings).",
+                           rich_help_panel=RUN)
     ] = False,
     checkpoint_every: Annotated[
-        float, typer.Option("--checkpoint-every", help="Seconds between checkpoints of a long run.")
+        float,
+        typer.Option("--checkpoint-every", help="Seconds between checkpoints of a long run.", rich_help_panel=RUN),
     ] = 300.0,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Start afresh even where --out holds a stopped run's checkpoint "
-                           "(it is discarded once this run completes).")
+                           "(it is discarded once this run completes).", rich_help_panel=RUN)
     ] = False,
     per_sentence: Annotated[
-        bool, typer.Option("--per-sentence", help="Also write sentences.parquet: every (sentence, layer, head).")
+        bool, typer.Option("--per-sentence", help="Also write sentences.parquet: every (sentence, layer, head).",
+                           rich_help_panel=OUTPUT)
     ] = False,
     device_map: Annotated[
-        str | None, typer.Option("--device-map", help="'auto': spread a large model over GPUs, CPU and disk.")
+        str | None, typer.Option("--device-map", help="'auto': spread a large model over GPUs, CPU and disk.",
+                                 rich_help_panel=RUN)
     ] = None,
     max_memory: Annotated[
-        str | None, typer.Option("--max-memory", help="With --device-map: limits per device, e.g. 0=20GiB,cpu=60GiB.")
+        str | None, typer.Option("--max-memory", help="With --device-map: limits per device, e.g. 0=20GiB,cpu=60GiB.",
+                                 rich_help_panel=RUN)
     ] = None,
-    limit: LimitOption = None,
-    threads: ThreadsOption = "auto",
+    limit: AnalyzeLimit = None,
+    threads: AnalyzeThreads = "auto",
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
     from rich.progress import (

@@ -16,6 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
@@ -35,6 +36,7 @@ PICK_BY = {  # the clearest head of each type: (column, largest?)
 }
 MISSING_COLOR = "#e0e0e0"  # a head grid's cell without a value (a head ablate did not ablate)
 MAX_ANNOTATED_CELLS = 400  # beyond this many heads the heatmap drops its per-cell numbers
+HEADROOM = 0.08  # share of the highest value left free above it on a y axis from 0
 MEAN_COLOR = "#08306b"  # the mean over heads: darker than any head-type or category colour
 CATEGORY_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                    "#bcbd22", "#17becf")  # matplotlib's tab10, one per sentence category
@@ -49,6 +51,10 @@ FALLBACK_FONTS = (
 LABEL_MAX_CHARS = 12  # a longer token label is cut, with an ellipsis
 CONTINUATION = "\u00b7"  # the label of a token that only carries more bytes of the character before it
 MIN_LABEL_PT = 6.0  # smaller tick labels are thinned out instead
+PANEL_TITLE_PT = 9.0  # a pattern panel's title (head, type, scores)
+TITLE_MARGIN = 0.9  # inches of a pattern panel's nominal side its title leaves free (the map is drawn narrower)
+TITLE_WIDTH = 3.4  # inches a pattern panel's title may take at least: two scores a line
+TITLE_GAP_IN = 0.4  # inches between two pattern panels' titles side by side, at least
 
 
 @functools.cache
@@ -198,9 +204,18 @@ def draw_layer_entropy(ax: Axes, heads: pd.DataFrame, layers: pd.DataFrame) -> N
     ax.set_title("Entropy by depth")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean attention entropy (nats)")
-    ax.set_ylim(bottom=0.0)
+    from_zero(ax, [heads["entropy"], high, layers["entropy"]])
     layer_ticks(ax, layers["layer"])
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the axes: it covers no head
+
+
+def from_zero(ax: Axes, values: list[Any]) -> None:
+    """The y axis from 0 to HEADROOM above the largest of `values`: autoscaling put the top right at the largest
+    value, so where every value is about the same (all near 1) the lines and dots lay on the top spine."""
+    finite = np.concatenate([np.asarray(v, dtype=float).ravel() for v in values])
+    finite = finite[np.isfinite(finite)]
+    top = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+    ax.set_ylim(0.0, top * (1.0 + HEADROOM))
 
 
 def category_score(categories: pd.DataFrame) -> str:
@@ -228,7 +243,8 @@ def draw_category_lines(ax: Axes, categories: pd.DataFrame, layers: pd.DataFrame
         ax.set_title("By sentence category (bands: 95% intervals)\n"
                      "raw entropy: longer sentences sit higher", fontsize=10)
     ax.set_xlabel("layer")
-    ax.set_ylim(bottom=0.0)
+    drawn = [categories[c] for c in (score, f"{score}_ci_high") if c in categories.columns]
+    from_zero(ax, [*drawn, layers[score] if score in layers.columns else []])
     layer_ticks(ax, categories["layer"])
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="category (sentences)")
 
@@ -286,7 +302,7 @@ def draw_pattern(ax: Axes, attention: np.ndarray, tokens: list[str], title: str,
     thinned = f", every {step}th token labelled" if step > 1 else ""
     ax.set_xlabel(f"key (attended to){thinned}", fontsize=9)
     ax.set_ylabel("query", fontsize=9)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=PANEL_TITLE_PT)
     return image
 
 
@@ -356,9 +372,37 @@ def layer_gradient_figure(
     return figure
 
 
-def head_scores(row: pd.Series) -> str:
-    """The scores that decide a head's type, as two short lines for its pattern panel, each under its heads.csv
-    column name (`entropy_unforced`, not "entropy"): they are the head's means over the corpus, not the example's."""
+def text_inches(text: str, size: float) -> float:
+    """The width of one line of `text` at `size` pt, in inches, in the current font, as Agg draws it."""
+    from matplotlib.backends.backend_agg import RendererAgg
+
+    width, _, _ = RendererAgg(1, 1, 72).get_text_width_height_descent(text, FontProperties(size=size), ismath=False)
+    return width / 72.0  # at 72 dpi a pixel is a point
+
+
+def fit_lines(pieces: list[str], width: float, size: float, sep: str) -> list[str]:
+    """`pieces` joined by `sep` into lines no wider than `width` inches at `size` pt (a piece wider than that
+    alone gets a line of its own): a panel's title stays above its panel, clear of its neighbours and the colour
+    bar (side by side, 70-character lines of scores ran into each other)."""
+    lines: list[str] = []
+    for piece in pieces:
+        if lines and text_inches(lines[-1] + sep + piece, size) <= width:
+            lines[-1] += sep + piece
+        else:
+            lines.append(piece)
+    return lines
+
+
+def panel_title(heading: str, scores: list[str], width: float) -> str:
+    """A pattern panel's title: the heading (head, type, note) broken between words and the scores between
+    scores, each line no wider than `width` inches."""
+    lines = fit_lines(heading.split(" "), width, PANEL_TITLE_PT, " ")
+    return "\n".join(lines + fit_lines(scores, width, PANEL_TITLE_PT, ", "))
+
+
+def head_scores(row: pd.Series) -> list[str]:
+    """The scores that decide a head's type, for its pattern panel's title, each under its heads.csv column name
+    (`entropy_unforced`, not "entropy"): they are the head's means over the corpus, not the example's."""
     def value(*columns: str) -> tuple[str, float] | None:
         found = [(c, float(row[c])) for c in columns if c in row.index and pd.notna(row[c])]
         return found[0] if found else None
@@ -370,8 +414,7 @@ def head_scores(row: pd.Series) -> str:
     def shown(name: str, score: float) -> str:
         return f"{name} {score:.2f}" + (" nats" if name.startswith("entropy") and name != "entropy_norm" else "")
 
-    lines = [", ".join(shown(*found) for found in part if found) for part in (first, second)]
-    return "\n".join(line for line in lines if line)
+    return [shown(*found) for found in (*first, *second) if found]
 
 
 SCORES_NOTE = "panel scores: the head's means over the corpus (heads.csv), not this sentence's"
@@ -419,6 +462,17 @@ def panel_grid(count: int) -> tuple[int, int]:
     return math.ceil(count / columns), columns
 
 
+def pattern_caption(kind: str, layer: int, head: int, table: pd.DataFrame, chosen: bool, width: float) -> str:
+    """A pattern panel's title: the head's name, its type (and whether a copy head is a first-token sink), and the
+    scores that decide the type, in lines no wider than `width` inches."""
+    row = table.loc[(layer, head)] if (layer, head) in table.index else pd.Series(dtype=float)
+    note = ""
+    if kind == "copy" and "first_token_unforced" in row.index and is_first_token_sink(row):
+        note = ": a first-token sink" + ("" if chosen else ", like every copy head here")
+    heading = f"{head_name(layer, head)}" + (f" {kind}" if kind else "") + note
+    return panel_title(heading, head_scores(row) if not row.empty else [], width)
+
+
 @any_script_figure
 def head_patterns_figure(
     example: dict[str, Any], types: pd.DataFrame, heads: pd.DataFrame | None = None,
@@ -439,20 +493,18 @@ def head_patterns_figure(
     n = len(tokens)
     side = pattern_side(n)
     labels_in = label_room(tokens, side)
+    captions = [pattern_caption(kind, layer, head, table, chosen is not None, max(side - TITLE_MARGIN, TITLE_WIDTH))
+                for kind, (layer, head) in panels]
+    widest = max(text_inches(line, PANEL_TITLE_PT) for caption in captions for line in caption.split("\n"))
+    lines = max(caption.count("\n") + 1 for caption in captions)
     rows, columns = panel_grid(len(panels))
-    figure = Figure(figsize=(columns * (side + labels_in + 0.35) + 1.1, rows * (side + labels_in + 0.75) + 0.7),
-                    layout="constrained")
+    column = max(side, widest + TITLE_GAP_IN) + labels_in + 0.35  # a title never wider than its column
+    row = side + labels_in + 0.35 + lines * PANEL_TITLE_PT * 1.3 / 72.0
+    figure = Figure(figsize=(columns * column + 1.1, rows * row + 0.7), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     image = None
-    for ax, (kind, (layer, head)) in zip(axes, panels):
-        row = table.loc[(layer, head)] if (layer, head) in table.index else pd.Series(dtype=float)
-        note = ""
-        if kind == "copy" and "first_token_unforced" in row.index and is_first_token_sink(row):
-            note = ": a first-token sink" + ("" if chosen else ", like every copy head here")
-        heading = f"{head_name(layer, head)}" + (f" {kind}" if kind else "") + note
-        scores = head_scores(row) if not row.empty else ""
-        image = draw_pattern(ax, example["maps"][layer, head], tokens, heading + ("\n" + scores if scores else ""),
-                             side)
+    for ax, caption, (_, (layer, head)) in zip(axes, captions, panels):
+        image = draw_pattern(ax, example["maps"][layer, head], tokens, caption, side)
     spare = axes[len(panels):]
     if len(spare):  # the colour bar goes into the first free slot of the grid, the rest stay empty
         for ax in spare:
@@ -462,7 +514,7 @@ def head_patterns_figure(
         figure.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8 if rows == 1 else 0.5)
     what = "The chosen heads" if chosen else "One head of each type"
     heading = f"{what} on {example_caption(example)}\n{SCORES_NOTE}"
-    figure.suptitle(f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
+    spaced_suptitle(figure, f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
     return figure
 
 
@@ -976,7 +1028,7 @@ def head_similarity_figure(
         figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize=8,
                       title="head type (left strip)", frameon=False)
     heading = "How alike heads attend: JS divergence of every pair, clustered (dark blocks: groups of alike heads)"
-    figure.suptitle(f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
+    spaced_suptitle(figure, f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
     return figure
 
 
@@ -1028,5 +1080,5 @@ def head_map_figure(
     ax.set_title("Distance between dots approximates sqrt(JS): close = attend alike (circled: named heads)",
                  fontsize=9)
     heading = "Heads by how alike they attend (classical multidimensional scaling)"
-    figure.suptitle(f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
+    spaced_suptitle(figure, f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
     return figure

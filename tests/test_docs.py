@@ -53,7 +53,16 @@ def test_the_site_builds_with_every_link_and_page(tmp_path):
                "--site-dir", str(tmp_path / "site")]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert (tmp_path / "site" / "guides" / "analyze" / "index.html").is_file()
+    site = tmp_path / "site"
+    assert (site / "guides" / "analyze.html").is_file()
+    # The site opens from disk (file://, no server): every link of index.html names a page, never a folder (which
+    # a browser shows as a directory listing), and the page is there.
+    links = re.findall(r'href="([^"#?]*)[^"]*"', (site / "index.html").read_text(encoding="utf-8"))
+    local = [link for link in links if link and "://" not in link and not link.startswith(("assets/", "//"))]
+    assert "guides/analyze.html" in local and "commands.html" in local, local
+    for link in local:
+        assert not link.endswith("/") and link.endswith(".html"), link
+        assert (site / link).is_file(), link
 
 
 def test_the_architecture_table_and_the_python_block_live_in_the_docs():

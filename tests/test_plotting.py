@@ -326,3 +326,81 @@ def test_a_long_documents_line_breaks_do_not_show_as_backslash_n():
     caption = plotting.example_caption(example)
     assert "\\n" not in caption and '"Chapter 1 It was a dark night."' in caption
     assert "first 5 of 7657 tokens" in caption
+
+
+# ---- issue 27: newcomer frictions ---------------------------------------------------------------------------
+
+
+def drawn(figure):
+    """The figure drawn on an Agg canvas, and its renderer (text extents need one)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize(("tokens", "chosen"), [
+    (list("abcdefghijkl"), [(0, 0), (1, 1)]),  # two panels side by side: their score lines ran into each other
+    (list("abc"), [(0, 0), (1, 1), (2, 2)]),  # one-character tokens: the narrowest panels
+    ([f"token{k}" for k in range(12)], None),  # one head of each type (extended scheme: six panels, two rows)
+    ([f"t{k}" for k in range(40)], [(0, 1), (2, 3), (1, 2), (0, 3)]),  # 40 tokens, 2 x 2
+    (list("abcde"), [(2, 3)]),  # one panel beside the colour bar
+])
+def test_pattern_titles_clear_each_other_and_the_colour_bar(tokens, chosen):
+    heads = fake_heads(3, 4).assign(previous_token=0.3, sink_window=0.4)
+    types = classify(heads, scheme="extended")
+    types["head_type"] = ["local", "copy", "broad", "mixed", "previous", "sink"] * 2
+    heads.loc[heads.index[1], "first_token_unforced"] = 0.99  # a copy head that is a first-token sink: a longer title
+    n = len(tokens)
+    example = {"maps": np.tile(np.eye(n), (3, 4, 1, 1)), "tokens": tokens, "sentence": " ".join(tokens)}
+    figure = plotting.head_patterns_figure(example, types, heads, chosen, "Attention patterns: gpt2 on corpus.txt")
+    renderer = drawn(figure)
+    panels = [ax for ax in figure.axes if ax.images]
+    assert len(panels) == (len(chosen) if chosen else 6)
+    titles = [ax.title.get_window_extent(renderer) for ax in panels]
+    bar = [ax for ax in figure.axes if ax.get_ylabel() == "attention weight"][0].get_tightbbox(renderer)
+    for k, box in enumerate(titles):
+        assert not overlap(box, bar), (k, box, bar)
+        for other in titles[k + 1:]:
+            assert not overlap(box, other), (box, other)
+    assert all("\n" in ax.get_title() and "entropy_unforced" in ax.get_title() for ax in panels)
+
+
+def test_layer_gradient_shows_values_all_near_1_below_the_top_and_clear_of_the_legend():
+    """Every head at 1.000 +- 0.004 nats (and every category at about 1): the autoscaled top sat at the largest
+    value, so line and dots lay on the top spine, under the legend."""
+    heads = fake_heads(6, 4)
+    rng = np.random.default_rng(1)
+    heads["entropy"] = 1.0 + rng.uniform(-0.004, 0.004, len(heads))
+    layers = fake_layers(heads).assign(entropy_norm=0.999)
+    categories = pd.DataFrame([{"category": c, "layer": layer, "entropy": 1.0, "entropy_norm": 0.999,
+                                "entropy_norm_ci_low": 0.998, "entropy_norm_ci_high": 1.0, "sentences": 3}
+                               for c in "ab" for layer in range(6)])
+    figure = plotting.layer_gradient_figure(heads, layers, classify(heads), categories, "title")
+    renderer = drawn(figure)
+    left, middle = figure.axes[:2]
+    for ax in (left, middle):
+        points = np.concatenate([np.column_stack(line.get_data()) for line in ax.lines]
+                                + [c.get_offsets() for c in ax.collections if len(c.get_offsets()) > 1])
+        top = ax.get_ylim()[1]
+        assert ax.get_ylim()[0] == 0.0 and points[:, 1].max() <= top / (1 + 0.05)  # room above the highest
+        legend = ax.get_legend().get_window_extent(renderer)
+        inside = [legend.contains(x, y) for x, y in ax.transData.transform(points)]
+        assert not any(inside), "the legend covers a point"
+    dots = left.collections[0].get_offsets()
+    assert len(dots) == len(heads)  # every head drawn as a dot
+
+
+def test_the_y_axis_from_zero_leaves_room_above_any_values():
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    plotting.from_zero(ax, [[0.0, 0.0]])
+    assert ax.get_ylim() == (0.0, pytest.approx(1.0 + plotting.HEADROOM))  # nothing above 0: still a range
+    plotting.from_zero(ax, [[2.0, np.nan], pd.Series([1.0])])
+    assert ax.get_ylim() == (0.0, pytest.approx(2.0 * (1 + plotting.HEADROOM)))
