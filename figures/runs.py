@@ -159,6 +159,10 @@ RUNS: dict[str, Run] = {run.name: run for run in (
     Run("batch-sizes", "bench", (helper("batch-sizes", "{work}/bench-work", "{out}/batch-sizes.json"),),
         about="`attnprobe analyze` on bench_analyze.py's model and corpus with batches of 4, 8, 16 and 32",
         minutes=2),
+    Run("bench-long-user", "bench", (
+        bench("bench_long.py", "--part", "user", "--repeat", "3", "--work", "{work}/bench-work", "--json",
+              "{out}/user.json"),),
+        about="benchmarks/bench_long.py --part user: SmolLM2 on an 8k-token document as a user runs it", minutes=8),
     Run("bench-long", "bench", (
         bench("bench_long.py", "--part", "smollm2", "--tokens", "3600", "--eager", "--threads", "1", "--work",
               "{work}/bench-work", "--json", "{out}/smollm2.json"),
