@@ -648,3 +648,52 @@ def as_a_user(short: dict, user: dict | None) -> str:
             f"{target}: {'met' if over <= target else 'missed'})"
             f" and {fmt.ratio(long)} x on a {fmt.whole(user['tokens'])}-token document (target <= {user['target']}: "
             f"{'met' if long <= user['target'] else 'missed'}). ")
+
+
+# ---- sizes researchers study: benchmarks/bench_scale.py -----------------------------------------------------------
+
+SCALE_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen2.5-1.5b": "Qwen2.5-1.5B", "gemma-2-2b": "Gemma-2-2B",
+               "phi-3-mini": "Phi-3-mini"}
+
+
+@figure("bench-scale", runs=("bench-scale",))
+def bench_scale(out: Outputs) -> dict:
+    return {**out.json("bench-scale", "scale.json"), **timed(out, "bench-scale")}
+
+
+@bench_scale.renderer
+def _(d: dict) -> str:
+    rows = []
+    for name, r in d["models"].items():
+        shape = r["shape"]
+        heads = shape["num_hidden_layers"] * shape["num_attention_heads"]
+        document = r.get("document")
+        related = (r.get("related") or {}).get("seconds")
+        rows.append([
+            SCALE_NAMES.get(name, name),
+            f"{shape['num_hidden_layers']} x {shape['num_attention_heads']} ({fmt.whole(heads)} heads, "
+            f"{shape.get('num_key_value_heads', shape['num_attention_heads'])} KV)",
+            fmt.ratio(r["short"]["cpu_ratio"]), fmt.ratio(document["cpu_ratio"]) if document else "-",
+            fmt.whole(r["short"]["forward"]["peak_mib"]), fmt.whole(r["short"]["analyze"]["peak_mib"]),
+            fmt.whole(r["checkpoint"]["checkpoint_mib"]),
+            fmt.num(related, 0) if related is not None else "-",
+        ])
+    llama = d["models"].get("llama-3.2-1b", {})
+    verdicts = []
+    for label, key, target in (("short sentences", "short", d["targets"]["short"]),
+                               (f"{fmt.whole(d['document_tokens'])} tokens", "document", d["targets"]["long"])):
+        if key in llama:
+            ratio = llama[key]["cpu_ratio"]
+            verdict = "met" if ratio <= target else "missed"
+            verdicts.append(f"{label} {fmt.ratio(ratio)} (target <= {target}: {verdict})")
+    return "\n".join([
+        fmt.table(["model (random weights, bf16)", "layers x heads", f"analyze / forward, {d['sentences']} sentences",
+                   f"the same, {fmt.whole(d['document_tokens'])}-token document", "forward peak RSS MiB",
+                   "analyze peak RSS MiB", "checkpoint MiB (first batch)", "related s"], rows),
+        "",
+        "Ratios are of CPU time, the model loaded before the clock starts; both ways run attnprobe's own length-sorted "
+        "batches of 8, the forward under SDPA with no attention output. The Llama-3.2-1B shape, against its targets: "
+        + "; ".join(verdicts) + ".",
+        "",
+        fmt.source(f"`.venv/bin/python benchmarks/bench_scale.py{threads_flag(d)}` ({measured_on(d)})"),
+    ])

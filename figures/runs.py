@@ -159,6 +159,9 @@ RUNS: dict[str, Run] = {run.name: run for run in (
     Run("batch-sizes", "bench", (helper("batch-sizes", "{work}/bench-work", "{out}/batch-sizes.json"),),
         about="`attnprobe analyze` on bench_analyze.py's model and corpus with batches of 4, 8, 16 and 32",
         minutes=2),
+    Run("bench-scale", "bench", (
+        bench("bench_scale.py", "--threads", "1", "--work", "{work}/scale-work", "--json", "{out}/scale.json"),),
+        about="benchmarks/bench_scale.py: random-weight 1-4B shapes in bf16 (builds ~18 GB of models)", minutes=45),
     Run("bench-long-user", "bench", (
         bench("bench_long.py", "--part", "user", "--repeat", "3", "--work", "{work}/bench-work", "--json",
               "{out}/user.json"),),
