@@ -1240,6 +1240,59 @@ def related(
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False, soft_wrap=True)
 
 
+class ExportFormat(str, Enum):
+    duo_attention = "duo-attention"
+    retrieval_head = "retrieval-head"
+
+
+class ExportScores(str, Enum):
+    auto = "auto"
+    retrieval = "retrieval"
+    kv = "kv"
+
+
+@app.command()
+@friendly_errors
+def export(
+    to: Annotated[
+        Path, typer.Option("--to", parser=folder, metavar="PATH", help="Folder to write the exported files into "
+                           "(created if missing).")
+    ],
+    out: ResultsOption = DEFAULT_OUT,
+    format: Annotated[
+        ExportFormat, typer.Option("--format", help="duo-attention: full_attention_heads.tsv [layer, KV head] and "
+                                   "config.json, as DuoAttention and kvpress's DuoAttentionPress load them; "
+                                   "retrieval-head: Wu et al.'s {\"L-H\": [scores]} JSON (HeadKV reads it too).")
+    ] = ExportFormat.duo_attention,
+    scores: Annotated[
+        ExportScores, typer.Option("--scores", help="Per-head scores: retrieval (from `attnprobe retrieval`), kv "
+                                   "(1 - sink_window from `attnprobe analyze`), or auto: retrieval where it ran "
+                                   "into --out, else kv.")
+    ] = ExportScores.auto,
+    sink_size: Annotated[
+        int | None, typer.Option("--sink-size", metavar="S", help="config.json's sink_size (default: run.json's "
+                                 "--sink-tokens).")
+    ] = None,
+    recent_size: Annotated[
+        int | None, typer.Option("--recent-size", metavar="W", help="config.json's recent_size (default: run.json's "
+                                 "--window).")
+    ] = None,
+) -> None:
+    """Write the heads that need a full KV cache in the files KV-cache compression tools load."""
+    from attnprobe import export as exporting
+    from attnprobe import io
+
+    head_scores = exporting.load_scores(out, scores.value, sink_size, recent_size)
+    io.check_out_dir(to)
+    written = io.write_files(to, exporting.export_files(head_scores, format.value))
+    model = head_scores.model
+    what = "1 - sink_window (analyze)" if head_scores.source == "kv" else "retrieval scores (retrieval)"
+    out_console.print(f"{model['spec']}: {model['layers']} layers x {model['kv_heads']} KV heads "
+                      f"({model['heads']} query heads) from {what}; sink {head_scores.sink}, recent "
+                      f"{head_scores.recent}", markup=False, highlight=False)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
 def similarity_table(result) -> Table:
     """The ten most alike pairs of different heads, and the mean over all pairs."""
     import numpy as np
