@@ -76,6 +76,15 @@ LimitOption = Annotated[
     int | None, typer.Option("--limit", metavar="N", help="Use only the corpus's first N sequences (a quick look "
                              "at a large corpus); recorded in the results.")
 ]
+class BosChoice(str, Enum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+BOS_HELP = ("BOS token: auto does what the tokenizer does; always puts one first where the tokenizer adds none "
+            "(as TransformerLens does by default); never removes the one the tokenizer adds.")
+BosOption = Annotated[BosChoice, typer.Option("--bos", help=BOS_HELP)]
 DEFAULT_OUT = Path("outputs")
 DEFAULT_PROBE_OUT = DEFAULT_OUT / "probe"  # its own folder: a probe's files never mix with an analysis's
 POSITION_FIGURE = "position_profile.png"
@@ -236,6 +245,7 @@ def analyze(
         str | None, typer.Option("--max-memory", help="With --device-map: limits per device, e.g. 0=20GiB,cpu=60GiB.")
     ] = None,
     limit: LimitOption = None,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
@@ -290,6 +300,7 @@ def analyze(
     with loading(model, world.is_main) as on_status:
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
                             device_map=device_map, max_memory=parse_max_memory(max_memory), on_status=on_status)
+    set_bos(loaded, bos.value)
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(), TextColumn("ETA"),
                TimeRemainingColumn())  # advances layer by layer: a single long document moves too
     try:
@@ -711,6 +722,7 @@ def verify(
     ] = None,
     sentences: Annotated[int, typer.Option("--sentences", "-n", help="How many sentences to use (first n).")] = 4,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Check that the maps attnprobe reads are the model's true attention; exit 1 if any check fails."""
@@ -729,6 +741,7 @@ def verify(
     threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
+    set_bos(loaded, bos.value)
     checks = run_verify(loaded, texts)
     shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
     table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}, "
@@ -774,6 +787,7 @@ def probe(
         int | None, typer.Option("--limit", metavar="N", help="Score only the first N of each length's --sequences "
                                  "(the same random tokens as without it); recorded in probe.json.")
     ] = None,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
@@ -796,6 +810,7 @@ def probe(
     threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
+    set_bos(loaded, bos.value)
     with err_console.status("Probing"):
         result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
                            resamples=resamples, batch_size=batch_size, limit=limit)
@@ -967,6 +982,7 @@ def ablate(
     ] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap and the random pruning order.")] = 0,
     limit: LimitOption = None,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Ablate each head: loss change and KL (decoders) or embedding change (encoders), gradient importance, pruning."""
@@ -983,6 +999,7 @@ def ablate(
     threads_used = apply_threads(threads)
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value, dtype.value, lm_head=True)
+    set_bos(loaded, bos.value)
     with stage_progress() as progress:
         result = ablate_loaded(loaded, sentences, method=method.value, heads=chosen, layers=layers,
                                batch_size=batch_size, resamples=resamples, seed=seed, pruning=pruning,
@@ -1096,6 +1113,24 @@ def similarity_figures(out: Path, heads, types, chosen: list[tuple[int, int]] | 
             "head_map": plotting.head_map_figure(*arrays, types, labelled, title)}
 
 
+def set_bos(loaded, policy: str) -> None:
+    """tokens.set_bos, imported when a command has loaded its model (tokens.py needs numpy and pandas)."""
+    from attnprobe.tokens import set_bos as set_policy
+
+    set_policy(loaded, policy)
+
+
+def run_bos(run: dict) -> str:
+    """The --bos a run.json records (auto for a run made before --bos existed)."""
+    from attnprobe.tokens import BOS_POLICIES
+
+    bos = run.get("bos", "auto")
+    if bos not in BOS_POLICIES:
+        raise AttnprobeError(f"run.json holds bos {bos!r}, not one of {', '.join(BOS_POLICIES)}: run `attnprobe "
+                             "analyze` again, or pass --bos")
+    return bos
+
+
 def run_model_spec(out: Path) -> str | None:
     """The model run.json in `out` names (its spec), or None when it cannot be read."""
     import json
@@ -1146,6 +1181,7 @@ def rollout(
         int | None, typer.Option("--limit", metavar="N", help="Treat the corpus as its first N sentences: the "
                                  "example and --index are chosen among them.")
     ] = None,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
@@ -1166,6 +1202,7 @@ def rollout(
     threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, dtype.value, on_status=on_status)
+    set_bos(loaded, bos.value)
     texts, indices = choose_sentences(loaded, sentences, index, example)
     result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
     result.info["limit"] = limit
@@ -1200,6 +1237,9 @@ def related(
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    bos: Annotated[
+        BosChoice | None, typer.Option("--bos", help="BOS token, as for analyze (default: the run's, from run.json).")
+    ] = None,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Jensen-Shannon divergence between every pair of heads' attention on a sample of the run's corpus; write
@@ -1218,6 +1258,7 @@ def related(
     threads_used = apply_threads(threads)
     with loading(spec) as on_status:
         loaded = load_model(spec, device.value, run.get("dtype", "float32"), on_status=on_status)
+    set_bos(loaded, bos.value if bos is not None else run_bos(run))
     if (loaded.num_layers, loaded.num_heads) != (run["model"]["layers"], run["model"]["heads"]):
         raise AttnprobeError(f"{spec} has {loaded.num_layers} x {loaded.num_heads} heads, but run.json in {out} "
                              f"records {run['model']['layers']} x {run['model']['heads']}: run `attnprobe analyze "
