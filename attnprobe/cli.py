@@ -1016,7 +1016,7 @@ def ablate(
 
 
 @contextmanager
-def stage_progress():
+def stage_progress(unit: str = "sentences"):
     """A progress bar per stage (mean, ablate, gradient, pruning), fed with (stage, done, total); where stderr is
     no terminal (a log file, a job scheduler) a bar shows nothing, so each step is one plain line on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -1025,7 +1025,7 @@ def stage_progress():
         started = time.monotonic()
 
         def log(stage: str, done: int, total: int) -> None:
-            err_console.print(f"{stage}: {done}/{total} sentences ({time.monotonic() - started:.1f} s)",
+            err_console.print(f"{stage}: {done}/{total} {unit} ({time.monotonic() - started:.1f} s)",
                               markup=False, highlight=False, soft_wrap=True)
 
         yield log
@@ -1279,6 +1279,96 @@ def related(
     out_console.print(f"{result.sentences} sentences{cut}, {result.rows} query rows, {seconds:.1f} s", markup=False,
                       highlight=False)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False, soft_wrap=True)
+
+
+class DecodeChoice(str, Enum):
+    greedy = "greedy"
+    forced = "forced"
+
+
+def number_list(text: str, kind: type, option: str) -> list:
+    """A comma-separated list of numbers (--lengths 1000,2000; --depths 0,50,100)."""
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise AttnprobeError(f"{option} {text!r}: give numbers separated by commas, e.g. {option} "
+                             f"{'1000,2000' if kind is int else '0,50,100'}") from None
+
+
+@app.command()
+@friendly_errors
+def retrieval(
+    model: ModelOption,
+    haystack: Annotated[
+        Path, typer.Option("--haystack", metavar="FILE", help="Long UTF-8 text the needle is hidden in (repeated "
+                           "when shorter than a context).")
+    ],
+    out: OutOption = DEFAULT_OUT,
+    lengths: Annotated[
+        str | None, typer.Option("--lengths", metavar="N,N", help="Prompt lengths in tokens [default: 1000,2000,"
+                                 "4000,8000, those that fit the model's context].", show_default=False)
+    ] = None,
+    depths: Annotated[
+        str, typer.Option("--depths", metavar="P,P", help="Where the needle goes: percent of the context before it.")
+    ] = "0,25,50,75,100",
+    needle: Annotated[
+        str | None, typer.Option("--needle", metavar="TEXT", help="The sentence hidden in the haystack [default: "
+                                 "Wu et al.'s San Francisco sentence].", show_default=False)
+    ] = None,
+    question: Annotated[
+        str | None, typer.Option("--question", metavar="TEXT", help="The question asked after the context [default: "
+                                 "What is the best thing to do in San Francisco?].", show_default=False)
+    ] = None,
+    decode: Annotated[
+        DecodeChoice, typer.Option("--decode", help="greedy: the model's own answer, trials that copy the needle "
+                                   "count (Wu et al.); forced: the needle's tokens fed as the answer, every trial "
+                                   "counts (deterministic; for models too small to copy).")
+    ] = DecodeChoice.greedy,
+    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+    resamples: Annotated[int, typer.Option("--resamples", help="Bootstrap resamples of the trials.")] = 1000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap.")] = 0,
+    bos: BosOption = BosChoice.auto,
+    threads: ThreadsOption = "auto",
+) -> None:
+    """Retrieval heads (Wu et al. 2024): which heads copy a needle from a long context; write retrieval_heads.csv,
+    head_score.json and retrieval.json."""
+    from attnprobe import io
+    from attnprobe import retrieval as finding
+    from attnprobe.model import load_model
+
+    length_list = number_list(lengths, int, "--lengths") if lengths is not None else None
+    depth_list = number_list(depths, float, "--depths")
+    finding.check_settings(length_list or list(finding.DEFAULT_LENGTHS), depth_list, decode.value, resamples)
+    text = finding.read_haystack(haystack)
+    io.check_out_dir(out)
+    io.check_inputs_apart(out, {"--haystack": haystack, "--model": model})
+    threads_used = apply_threads(threads)
+    with loading(model) as on_status:
+        loaded = load_model(model, device.value, dtype.value, lm_head=True, on_status=on_status)
+    set_bos(loaded, bos.value)
+    with stage_progress("trials") as progress:
+        result = finding.retrieval(
+            loaded, text, lengths=length_list, depths=depth_list, needle=needle or finding.DEFAULT_NEEDLE,
+            question=question or finding.DEFAULT_QUESTION, decode=decode.value, resamples=resamples, seed=seed,
+            haystack_name=str(haystack), progress=lambda done, total: progress("retrieval", done, total))
+    result.info["threads"] = threads_used["threads"]
+    written = io.write_retrieval(out, result)
+    info = result.info
+    out_console.print(f"{model}: {info['trials_total']} trials ({decode.value}), the needle copied in "
+                      f"{info['trials_copied']}; {info['trials_scored']} scored", markup=False, highlight=False)
+    if not result.heads.empty:
+        top = result.heads.sort_values("mean", ascending=False, kind="stable").head(10)
+        table = Table(title="Top retrieval heads (mean score over the scored trials)")
+        for column in ("head", "kv head", "mean", "95% interval"):
+            table.add_column(column, justify="right")
+        for row in top.itertuples():
+            table.add_row(head_name(int(row.layer), int(row.head)), str(int(row.kv_head)), f"{row.mean:.3f}",
+                          f"[{row.ci_low:.3f}, {row.ci_high:.3f}]")
+        out_console.print(table)
+    for note in info["notes"]:
+        err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
 class ExportFormat(str, Enum):

@@ -782,6 +782,19 @@ def write_ablation(out: str | Path, ablation: Any, figures: dict[str, Any]) -> l
     return write_files(out, files, remove=stale)
 
 
+def write_retrieval(out: str | Path, retrieval: Any) -> list[Path]:
+    """retrieval.json, and where any trial counted retrieval_heads.csv and head_score.json (else those of an
+    earlier run go: they are not this run's)."""
+    files: dict[str, Writer] = {RETRIEVAL_RUN_FILE: json_writer(retrieval.info)}
+    stale: list[str] = []
+    if retrieval.per_trial:
+        files[RETRIEVAL_FILE] = csv_writer(retrieval.heads)
+        files[RETRIEVAL_SCORES_FILE] = compact_json_writer(retrieval.per_trial)
+    else:
+        stale = [RETRIEVAL_FILE, RETRIEVAL_SCORES_FILE]
+    return write_files(out, files, remove=stale)
+
+
 def write_rollout(out: str | Path, rollout: Any, figure: Any) -> list[Path]:
     """rollout.npz and rollout.png for `attnprobe rollout` (a rollout.Rollout), each to a temporary name, then renamed.
 

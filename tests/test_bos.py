@@ -6,6 +6,7 @@ import shutil
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import FLOAT32_TOLERANCE, SENTENCES, make_bert, make_gpt2, save_tokenizer
 from typer.testing import CliRunner
 
 from attnprobe.analysis import token_labels
@@ -13,7 +14,6 @@ from attnprobe.cli import app
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import load_model
 from attnprobe.tokens import encode, set_bos
-from tests.conftest import FLOAT32_TOLERANCE, SENTENCES, make_bert, make_gpt2, save_tokenizer
 
 runner = CliRunner()
 BOS = 0  # <|endoftext|>, the tiny tokenizers' BOS (and the GPT-2 config's bos_token_id)

@@ -6,13 +6,13 @@ import shutil
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import make_llama
 from typer.testing import CliRunner
 
 from attnprobe import io
 from attnprobe.cli import app
 from attnprobe.errors import AttnprobeError
 from attnprobe.export import HeadScores, duo_attention, kv_scores, load_scores, pool_kv_heads
-from tests.conftest import make_llama
 
 runner = CliRunner()
 
