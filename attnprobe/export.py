@@ -126,6 +126,10 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
     if source == "retrieval":
         retrieval = io.read_json(out, io.RETRIEVAL_RUN_FILE, "attnprobe retrieval")
         model = _shape(retrieval.get("model"), str(out / io.RETRIEVAL_RUN_FILE))
+        if retrieval.get("trials_scored") == 0:
+            raise AttnprobeError(f"{out / io.RETRIEVAL_RUN_FILE} scored no trial (the model never copied the "
+                                 "needle): run `attnprobe retrieval --decode forced`, or export the sink_window "
+                                 "scores with --scores kv")
         if run is not None:
             _check_same_model(model, _shape(run["model"], str(out / io.RUN_FILE)))
     else:

@@ -118,6 +118,12 @@ def _cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def _cache_of(output: Any) -> Any:
+    """The KV cache a forward returned: `cache` from transformers 5.24 (reading `past_key_values` there logs a
+    deprecation), `past_key_values` before."""
+    return output["cache"] if "cache" in output else output.past_key_values
+
+
 def prefill(loaded: LoadedModel, ids: list[int]) -> tuple[Any, str]:
     """The KV cache of `ids`, computed with SDPA where the model allows it (no n x n map), else eager; returns
     (cache, the attention that ran)."""
@@ -135,7 +141,7 @@ def prefill(loaded: LoadedModel, ids: list[int]) -> tuple[Any, str]:
             out = model(input_ids=input_ids, use_cache=True)
     finally:
         model.set_attn_implementation(before)
-    return out.past_key_values, path
+    return _cache_of(out), path
 
 
 def decode_step(loaded: LoadedModel, cache: Any, token: int, keys: int) -> tuple[Tensor, Tensor, Any]:
@@ -154,7 +160,7 @@ def decode_step(loaded: LoadedModel, cache: Any, token: int, keys: int) -> tuple
                                       dtype=torch.float32)  # [layer, head, keys]: -1 where a layer kept no key
     for layer, weights in enumerate(out.attentions):
         rows[layer, :, keys - weights.shape[-1]:] = weights[0, :, -1, :].float()  # its cache holds the last keys
-    return rows, out.last_hidden_state[0, -1], out.past_key_values
+    return rows, out.last_hidden_state[0, -1], _cache_of(out)
 
 
 @torch.inference_mode()

@@ -183,7 +183,7 @@ def test_a_model_that_never_copies_gets_a_note_not_a_table(models, tmp_path):
     if info["trials_copied"] == 0:  # a random tiny model: it does not copy
         assert "copied the needle in none" in result.output and "--decode forced" in result.output
         assert not (out / io.RETRIEVAL_FILE).exists() and not (out / io.RETRIEVAL_SCORES_FILE).exists()
-        with pytest.raises(AttnprobeError, match="no retrieval_heads.csv"):
+        with pytest.raises(AttnprobeError, match="scored no trial"):
             load_scores(out, sink=4, recent=16)
 
 
