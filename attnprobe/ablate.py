@@ -785,6 +785,7 @@ def run_info(
         },
         "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256},
         "sentences": len(ids),
+        "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never
         "limit": corpus.limit,  # --limit: only the corpus's first N sentences (None: all)
         "tokens": int(sum(len(t) for t in ids)),
         "method": method,

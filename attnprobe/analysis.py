@@ -253,6 +253,7 @@ def run_fingerprint(
     `weights`: fingerprint the model's weights too (model_sha256; see `model_weights`), which reads them."""
     return {
         "model": loaded.source, "model_sha256": model_weights(loaded) if weights else None, "dtype": loaded.dtype,
+        "bos": loaded.bos,
         "tokenizer_sha256": model_tokenizer(loaded) if weights else None,
         "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
         "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
@@ -831,14 +832,12 @@ def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens
         chunk = sentences[start : start + TOKENIZE_CHUNK]
         texts = [clip_text(s.text, loaded.max_length) for s in chunk]  # a huge line: only what can be kept
         with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
-            kept = loaded.tokenizer(
-                texts, add_special_tokens=True, truncation=True, max_length=loaded.max_length,
-                return_special_tokens_mask=True,
-            )
+            kept = token_classes.encode(loaded, texts, truncation=True, max_length=loaded.max_length,
+                                        return_special_tokens_mask=True)
             # only a sentence that reaches the limit can have been cut: count its full length
             long = [k for k, tokens in enumerate(kept["input_ids"]) if len(tokens) >= loaded.max_length]
-            full = dict(zip(long, loaded.tokenizer([texts[k] for k in long], add_special_tokens=True,
-                                                   truncation=False)["input_ids"])) if long else {}
+            full = dict(zip(long, token_classes.encode(loaded, [texts[k] for k in long],
+                                                       truncation=False)["input_ids"])) if long else {}
         for k, (tokens, flags) in enumerate(zip(kept["input_ids"], kept["special_tokens_mask"])):
             if not tokens:
                 raise AttnprobeError(f"corpus line {chunk[k].line} gives no tokens: remove or fix it")
@@ -984,8 +983,15 @@ def _offset_labels(tokenizer: Any, ids: list[int], text: str) -> list[str] | Non
                                 return_special_tokens_mask=True)
     except (NotImplementedError, ValueError, TypeError, KeyError):
         return None
-    if list(encoded["input_ids"][: len(ids)]) != ids:
-        return None
+    encoded_ids = list(encoded["input_ids"])
+    if encoded_ids[: len(ids)] != ids:  # --bos prepended a BOS the tokenizer does not add, or stripped the one it adds
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        if ids and ids[0] in special and encoded_ids[: len(ids) - 1] == ids[1:]:
+            rest = _offset_labels(tokenizer, ids[1:], text)
+            return None if rest is None else [str(tokenizer.convert_ids_to_tokens(ids[0])), *rest]
+        if list(encoded["special_tokens_mask"][:1]) != [1] or encoded_ids[1 : len(ids) + 1] != ids:
+            return None  # ids of another text
+        encoded = {key: list(encoded[key])[1:] for key in ("input_ids", "offset_mapping", "special_tokens_mask")}
     labels, done = [], 0  # done: where the text labelled so far ends
     for token, (start, end), special in zip(ids, encoded["offset_mapping"], encoded["special_tokens_mask"]):
         if special and start == end:  # added by the tokenizer, not in the text
@@ -1156,6 +1162,7 @@ def run_info(
         "truncated_lines": [{"line": line, "tokens_cut": cut} for line, cut in scanned.cut],
         "device": str(loaded.device),
         "dtype": loaded.dtype,
+        "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never
         "batch_size": batch_size,
         "wall_seconds": round(seconds, 3),
         "versions": versions(),

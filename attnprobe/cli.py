@@ -96,6 +96,15 @@ LimitOption = Annotated[
     int | None, typer.Option("--limit", metavar="N", help="Use only the corpus's first N sequences (a quick look "
                              "at a large corpus); recorded in the results.")
 ]
+class BosChoice(str, Enum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+BOS_HELP = ("BOS token: auto does what the tokenizer does; always puts one first where the tokenizer adds none "
+            "(as TransformerLens does by default); never removes the one the tokenizer adds.")
+BosOption = Annotated[BosChoice, typer.Option("--bos", help=BOS_HELP)]
 DEFAULT_OUT = Path("outputs")
 DEFAULT_PROBE_OUT = DEFAULT_OUT / "probe"  # its own folder: a probe's files never mix with an analysis's
 POSITION_FIGURE = "position_profile.png"
@@ -198,6 +207,7 @@ AnalyzeCorpus = in_panel(CorpusOption, INPUT)
 AnalyzeOut = in_panel(OutOption, OUTPUT)
 AnalyzeLimit = in_panel(LimitOption, INPUT)
 AnalyzeThreads = in_panel(ThreadsOption, RUN)
+AnalyzeBos = in_panel(BosOption, INPUT)
 
 
 @app.command(cls=panel_command(INPUT, SCORES, RUN, OUTPUT))
@@ -284,6 +294,7 @@ def analyze(
                                  rich_help_panel=RUN)
     ] = None,
     limit: AnalyzeLimit = None,
+    bos: AnalyzeBos = BosChoice.auto,
     threads: AnalyzeThreads = "auto",
 ) -> None:
     """Run the model over the corpus; write heads.csv, layers.csv, positions.csv, run.json and example maps."""
@@ -338,6 +349,7 @@ def analyze(
     with loading(model, world.is_main) as on_status:
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
                             device_map=device_map, max_memory=parse_max_memory(max_memory), on_status=on_status)
+    set_bos(loaded, bos.value)
     columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(), TextColumn("ETA"),
                TimeRemainingColumn())  # advances layer by layer: a single long document moves too
     try:
@@ -759,6 +771,7 @@ def verify(
     ] = None,
     sentences: Annotated[int, typer.Option("--sentences", "-n", help="How many sentences to use (first n).")] = 4,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Check that the maps attnprobe reads are the model's true attention; exit 1 if any check fails."""
@@ -777,6 +790,7 @@ def verify(
     threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
+    set_bos(loaded, bos.value)
     checks = run_verify(loaded, texts)
     shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
     table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}, "
@@ -822,6 +836,7 @@ def probe(
         int | None, typer.Option("--limit", metavar="N", help="Score only the first N of each length's --sequences "
                                  "(the same random tokens as without it); recorded in probe.json.")
     ] = None,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
@@ -844,6 +859,7 @@ def probe(
     threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, on_status=on_status)
+    set_bos(loaded, bos.value)
     with err_console.status("Probing"):
         result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
                            resamples=resamples, batch_size=batch_size, limit=limit)
@@ -1015,6 +1031,7 @@ def ablate(
     ] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap and the random pruning order.")] = 0,
     limit: LimitOption = None,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Ablate each head: loss change and KL (decoders) or embedding change (encoders), gradient importance, pruning."""
@@ -1031,6 +1048,7 @@ def ablate(
     threads_used = apply_threads(threads)
     with err_console.status(f"Loading {model}"):
         loaded = load_model(model, device.value, dtype.value, lm_head=True)
+    set_bos(loaded, bos.value)
     with stage_progress() as progress:
         result = ablate_loaded(loaded, sentences, method=method.value, heads=chosen, layers=layers,
                                batch_size=batch_size, resamples=resamples, seed=seed, pruning=pruning,
@@ -1047,7 +1065,7 @@ def ablate(
 
 
 @contextmanager
-def stage_progress():
+def stage_progress(unit: str = "sentences"):
     """A progress bar per stage (mean, ablate, gradient, pruning), fed with (stage, done, total); where stderr is
     no terminal (a log file, a job scheduler) a bar shows nothing, so each step is one plain line on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -1056,7 +1074,7 @@ def stage_progress():
         started = time.monotonic()
 
         def log(stage: str, done: int, total: int) -> None:
-            err_console.print(f"{stage}: {done}/{total} sentences ({time.monotonic() - started:.1f} s)",
+            err_console.print(f"{stage}: {done}/{total} {unit} ({time.monotonic() - started:.1f} s)",
                               markup=False, highlight=False, soft_wrap=True)
 
         yield log
@@ -1144,6 +1162,24 @@ def similarity_figures(out: Path, heads, types, chosen: list[tuple[int, int]] | 
             "head_map": plotting.head_map_figure(*arrays, types, labelled, title)}
 
 
+def set_bos(loaded, policy: str) -> None:
+    """tokens.set_bos, imported when a command has loaded its model (tokens.py needs numpy and pandas)."""
+    from attnprobe.tokens import set_bos as set_policy
+
+    set_policy(loaded, policy)
+
+
+def run_bos(run: dict) -> str:
+    """The --bos a run.json records (auto for a run made before --bos existed)."""
+    from attnprobe.tokens import BOS_POLICIES
+
+    bos = run.get("bos", "auto")
+    if bos not in BOS_POLICIES:
+        raise AttnprobeError(f"run.json holds bos {bos!r}, not one of {', '.join(BOS_POLICIES)}: run `attnprobe "
+                             "analyze` again, or pass --bos")
+    return bos
+
+
 def run_model_spec(out: Path) -> str | None:
     """The model run.json in `out` names (its spec), or None when it cannot be read."""
     import json
@@ -1194,6 +1230,7 @@ def rollout(
         int | None, typer.Option("--limit", metavar="N", help="Treat the corpus as its first N sentences: the "
                                  "example and --index are chosen among them.")
     ] = None,
+    bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
@@ -1214,6 +1251,7 @@ def rollout(
     threads_used = apply_threads(threads)
     with loading(model) as on_status:
         loaded = load_model(model, device.value, dtype.value, on_status=on_status)
+    set_bos(loaded, bos.value)
     texts, indices = choose_sentences(loaded, sentences, index, example)
     result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
     result.info["limit"] = limit
@@ -1248,6 +1286,9 @@ def related(
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    bos: Annotated[
+        BosChoice | None, typer.Option("--bos", help="BOS token, as for analyze (default: the run's, from run.json).")
+    ] = None,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Jensen-Shannon divergence between every pair of heads' attention on a sample of the run's corpus; write
@@ -1266,6 +1307,7 @@ def related(
     threads_used = apply_threads(threads)
     with loading(spec) as on_status:
         loaded = load_model(spec, device.value, run.get("dtype", "float32"), on_status=on_status)
+    set_bos(loaded, bos.value if bos is not None else run_bos(run))
     if (loaded.num_layers, loaded.num_heads) != (run["model"]["layers"], run["model"]["heads"]):
         raise AttnprobeError(f"{spec} has {loaded.num_layers} x {loaded.num_heads} heads, but run.json in {out} "
                              f"records {run['model']['layers']} x {run['model']['heads']}: run `attnprobe analyze "
@@ -1286,6 +1328,149 @@ def related(
     out_console.print(f"{result.sentences} sentences{cut}, {result.rows} query rows, {seconds:.1f} s", markup=False,
                       highlight=False)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False, soft_wrap=True)
+
+
+class DecodeChoice(str, Enum):
+    greedy = "greedy"
+    forced = "forced"
+
+
+def number_list(text: str, kind: type, option: str) -> list:
+    """A comma-separated list of numbers (--lengths 1000,2000; --depths 0,50,100)."""
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise AttnprobeError(f"{option} {text!r}: give numbers separated by commas, e.g. {option} "
+                             f"{'1000,2000' if kind is int else '0,50,100'}") from None
+
+
+@app.command()
+@friendly_errors
+def retrieval(
+    model: ModelOption,
+    haystack: Annotated[
+        Path, typer.Option("--haystack", metavar="FILE", help="Long UTF-8 text the needle is hidden in (repeated "
+                           "when shorter than a context).")
+    ],
+    out: OutOption = DEFAULT_OUT,
+    lengths: Annotated[
+        str | None, typer.Option("--lengths", metavar="N,N", help="Prompt lengths in tokens [default: 1000,2000,"
+                                 "4000,8000, those that fit the model's context].", show_default=False)
+    ] = None,
+    depths: Annotated[
+        str, typer.Option("--depths", metavar="P,P", help="Where the needle goes: percent of the context before it.")
+    ] = "0,25,50,75,100",
+    needle: Annotated[
+        str | None, typer.Option("--needle", metavar="TEXT", help="The sentence hidden in the haystack [default: "
+                                 "Wu et al.'s San Francisco sentence].", show_default=False)
+    ] = None,
+    question: Annotated[
+        str | None, typer.Option("--question", metavar="TEXT", help="The question asked after the context [default: "
+                                 "What is the best thing to do in San Francisco?].", show_default=False)
+    ] = None,
+    decode: Annotated[
+        DecodeChoice, typer.Option("--decode", help="greedy: the model's own answer, trials that copy the needle "
+                                   "count (Wu et al.); forced: the needle's tokens fed as the answer, every trial "
+                                   "counts (deterministic; for models too small to copy).")
+    ] = DecodeChoice.greedy,
+    device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+    resamples: Annotated[int, typer.Option("--resamples", help="Bootstrap resamples of the trials.")] = 1000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap.")] = 0,
+    bos: BosOption = BosChoice.auto,
+    threads: ThreadsOption = "auto",
+) -> None:
+    """Retrieval heads (Wu et al. 2024): which heads copy a needle from a long context; write retrieval_heads.csv,
+    head_score.json and retrieval.json."""
+    from attnprobe import io
+    from attnprobe import retrieval as finding
+    from attnprobe.model import load_model
+
+    length_list = number_list(lengths, int, "--lengths") if lengths is not None else None
+    depth_list = number_list(depths, float, "--depths")
+    finding.check_settings(length_list or list(finding.DEFAULT_LENGTHS), depth_list, decode.value, resamples)
+    text = finding.read_haystack(haystack)
+    io.check_out_dir(out)
+    io.check_inputs_apart(out, {"--haystack": haystack, "--model": model})
+    threads_used = apply_threads(threads)
+    with loading(model) as on_status:
+        loaded = load_model(model, device.value, dtype.value, lm_head=True, on_status=on_status)
+    set_bos(loaded, bos.value)
+    with stage_progress("trials") as progress:
+        result = finding.retrieval(
+            loaded, text, lengths=length_list, depths=depth_list, needle=needle or finding.DEFAULT_NEEDLE,
+            question=question or finding.DEFAULT_QUESTION, decode=decode.value, resamples=resamples, seed=seed,
+            haystack_name=str(haystack), progress=lambda done, total: progress("retrieval", done, total))
+    result.info["threads"] = threads_used["threads"]
+    written = io.write_retrieval(out, result)
+    info = result.info
+    out_console.print(f"{model}: {info['trials_total']} trials ({decode.value}), the needle copied in "
+                      f"{info['trials_copied']}; {info['trials_scored']} scored", markup=False, highlight=False)
+    if not result.heads.empty:
+        top = result.heads.sort_values("mean", ascending=False, kind="stable").head(10)
+        table = Table(title="Top retrieval heads (mean score over the scored trials)")
+        for column in ("head", "kv head", "mean", "95% interval"):
+            table.add_column(column, justify="right")
+        for row in top.itertuples():
+            table.add_row(head_name(int(row.layer), int(row.head)), str(int(row.kv_head)), f"{row.mean:.3f}",
+                          f"[{row.ci_low:.3f}, {row.ci_high:.3f}]")
+        out_console.print(table)
+    for note in info["notes"]:
+        err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+class ExportFormat(str, Enum):
+    duo_attention = "duo-attention"
+    retrieval_head = "retrieval-head"
+
+
+class ExportScores(str, Enum):
+    auto = "auto"
+    retrieval = "retrieval"
+    kv = "kv"
+
+
+@app.command()
+@friendly_errors
+def export(
+    to: Annotated[
+        Path, typer.Option("--to", parser=folder, metavar="PATH", help="Folder to write the exported files into "
+                           "(created if missing).")
+    ],
+    out: ResultsOption = DEFAULT_OUT,
+    format: Annotated[
+        ExportFormat, typer.Option("--format", help="duo-attention: full_attention_heads.tsv [layer, KV head] and "
+                                   "config.json, as DuoAttention and kvpress's DuoAttentionPress load them; "
+                                   "retrieval-head: Wu et al.'s {\"L-H\": [scores]} JSON (HeadKV reads it too).")
+    ] = ExportFormat.duo_attention,
+    scores: Annotated[
+        ExportScores, typer.Option("--scores", help="Per-head scores: retrieval (from `attnprobe retrieval`), kv "
+                                   "(1 - sink_window from `attnprobe analyze`), or auto: retrieval where it ran "
+                                   "into --out, else kv.")
+    ] = ExportScores.auto,
+    sink_size: Annotated[
+        int | None, typer.Option("--sink-size", metavar="S", help="config.json's sink_size (default: run.json's "
+                                 "--sink-tokens).")
+    ] = None,
+    recent_size: Annotated[
+        int | None, typer.Option("--recent-size", metavar="W", help="config.json's recent_size (default: run.json's "
+                                 "--window).")
+    ] = None,
+) -> None:
+    """Write the heads that need a full KV cache in the files KV-cache compression tools load."""
+    from attnprobe import export as exporting
+    from attnprobe import io
+
+    head_scores = exporting.load_scores(out, scores.value, sink_size, recent_size)
+    io.check_out_dir(to)
+    written = io.write_files(to, exporting.export_files(head_scores, format.value))
+    model = head_scores.model
+    what = "1 - sink_window (analyze)" if head_scores.source == "kv" else "retrieval scores (retrieval)"
+    out_console.print(f"{model['spec']}: {model['layers']} layers x {model['kv_heads']} KV heads "
+                      f"({model['heads']} query heads) from {what}; sink {head_scores.sink}, recent "
+                      f"{head_scores.recent}", markup=False, highlight=False)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
 def similarity_table(result) -> Table:

@@ -52,6 +52,9 @@ SIMILARITY_FILE = "head_similarity.npz"  # related: JS divergence of every pair 
 SIMILARITY_FIGURE = "head_similarity.png"  # plot: that matrix, reordered by hierarchical clustering
 HEAD_MAP_FIGURE = "head_map.png"  # plot: the heads in 2-D by classical multidimensional scaling
 COMPARE_FOLDER = "compare"  # where `compare A OUT` writes by default
+RETRIEVAL_FILE = "retrieval_heads.csv"  # retrieval: per query head, the mean retrieval score and its interval
+RETRIEVAL_SCORES_FILE = "head_score.json"  # retrieval: Wu et al.'s {"L-H": [score per trial]}
+RETRIEVAL_RUN_FILE = "retrieval.json"  # retrieval: provenance, settings, every trial and whether it copied
 # `plot`'s figures, in any of FIGURE_FORMATS (importance.png is ablate's, drawn from importance.csv alone)
 PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "head_patterns_selected", "position_profile",
                 "importance_vs_type", "head_similarity", "head_map")
@@ -109,7 +112,8 @@ def is_result_name(name: str) -> bool:
     fixed = {HEADS_FILE, LAYERS_FILE, RUN_FILE, EXAMPLE_FILE, EXAMPLES_FILE, REPORT_FILE, TYPES_FILE, CATEGORIES_FILE,
              PROBE_FILE, PROBE_RUN_FILE, PROBE_FIGURE, POSITIONS_FILE, SENTENCES_FILE, KV_CACHE_FILE, RESAMPLES_FILE,
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
-             IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE}
+             IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE, RETRIEVAL_FILE,
+             RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE}
     fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,
@@ -353,6 +357,20 @@ def finite_json(value: Any) -> Any:
     return value
 
 
+def compact_json_writer(data: dict[str, Any]) -> Writer:
+    """One line of JSON, as Wu et al.'s retrieval_head_detection.py writes its head scores (NaN refused)."""
+    return lambda path: path.write_text(json.dumps(data, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def tsv_writer(table: np.ndarray) -> Writer:
+    """A 2-D array as tab-separated numbers, one row per line (np.savetxt; read back with np.loadtxt(...,
+    delimiter="\t")): DuoAttention's full_attention_heads.tsv."""
+    def write(path: Path) -> None:
+        np.savetxt(path, np.asarray(table, dtype=np.float64), fmt="%.8g", delimiter="\t")
+
+    return write
+
+
 def npz_writer(compress: bool = True, **arrays: np.ndarray) -> Writer:
     """`compress=False` for arrays zip cannot shrink much (bootstrap resamples: 27% smaller for 50x the time)."""
     def write(path: Path) -> None:
@@ -478,6 +496,7 @@ MODEL_OUTPUTS = (
     ("probe", f"{PROBE_FOLDER}/{PROBE_RUN_FILE}", tuple(f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES)),
     ("rollout", ROLLOUT_FILE, (ROLLOUT_FILE, ROLLOUT_FIGURE)),
     ("related", SIMILARITY_FILE, (SIMILARITY_FILE,)),
+    ("retrieval", RETRIEVAL_RUN_FILE, (RETRIEVAL_FILE, RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE)),
 )
 
 
@@ -760,6 +779,19 @@ def write_ablation(out: str | Path, ablation: Any, figures: dict[str, Any]) -> l
         else:
             files[name] = csv_writer(frame)
     files.update({name: figure_writer(figure) for name, figure in figures.items()})
+    return write_files(out, files, remove=stale)
+
+
+def write_retrieval(out: str | Path, retrieval: Any) -> list[Path]:
+    """retrieval.json, and where any trial counted retrieval_heads.csv and head_score.json (else those of an
+    earlier run go: they are not this run's)."""
+    files: dict[str, Writer] = {RETRIEVAL_RUN_FILE: json_writer(retrieval.info)}
+    stale: list[str] = []
+    if retrieval.per_trial:
+        files[RETRIEVAL_FILE] = csv_writer(retrieval.heads)
+        files[RETRIEVAL_SCORES_FILE] = compact_json_writer(retrieval.per_trial)
+    else:
+        stale = [RETRIEVAL_FILE, RETRIEVAL_SCORES_FILE]
     return write_files(out, files, remove=stale)
 
 

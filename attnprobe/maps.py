@@ -47,6 +47,7 @@ def attention_maps(model: Any, text: str, *, device: str = "auto", max_tokens: i
     from attnprobe.analysis import token_labels
     from attnprobe.corpus import clip_text
     from attnprobe.model import as_loaded, quiet_transformers, stream_attention
+    from attnprobe.tokens import encode
 
     if not isinstance(text, str) or not text.strip():
         raise AttnprobeError(f"text: expected a non-empty string; got {type(text).__name__ if text else repr(text)}")
@@ -57,7 +58,7 @@ def attention_maps(model: Any, text: str, *, device: str = "auto", max_tokens: i
 
     text = clip_text(text, loaded.max_length)  # a huge text: only what the model keeps
     with quiet_transformers():
-        ids = list(loaded.tokenizer(text, add_special_tokens=True)["input_ids"])
+        ids = list(encode(loaded, text)["input_ids"])
     if not ids:
         raise AttnprobeError(f"text {text[:40]!r} gives no tokens: pass another one")
     ids = ids[: min(loaded.max_length, max_tokens or loaded.max_length)]

@@ -45,6 +45,7 @@ class LoadedModel:
     dtype: str = "float32"  # the model's weights and activations; statistics are always float32
     lm_head: nn.Module | None = None  # the causal-LM head, when loaded with lm_head=True (decoders only)
     offload: str | None = None  # the temporary folder load_model made for --device-map's disk offload
+    bos: str = "auto"  # --bos: auto (the tokenizer's own), always or never (tokens.encode)
 
     @property
     def num_layers(self) -> int:

@@ -26,6 +26,7 @@ from attnprobe.analysis import check_options, model_record, versions
 from attnprobe.bootstrap import DEFAULT_RESAMPLES, few_items_note, interval, poisson_weights, resampled_means
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, as_loaded, stream_attention
+from attnprobe.tokens import encode
 
 Kind = Literal["induction", "duplicate", "previous"]
 KINDS: tuple[Kind, ...] = ("induction", "duplicate", "previous")
@@ -39,10 +40,10 @@ class Probe:
     info: dict[str, Any]  # settings, chance levels, heads above chance, provenance (model, versions, time)
 
 
-def special_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The special tokens the tokenizer puts before and after plain text (e.g. [CLS] ... [SEP])."""
-    plain = tokenizer("hello", add_special_tokens=False)["input_ids"]
-    full = tokenizer("hello")["input_ids"]
+def special_frame(loaded: LoadedModel) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after plain text (e.g. [CLS] ... [SEP]), under --bos."""
+    plain = loaded.tokenizer("hello", add_special_tokens=False)["input_ids"]
+    full = encode(loaded, "hello")["input_ids"]
     for start in range(len(full) - len(plain) + 1):
         if full[start : start + len(plain)] == plain:
             return full[:start], full[start + len(plain) :]
@@ -101,7 +102,7 @@ def probe(
     started = time.perf_counter()
     loaded = as_loaded(model, device)
     kinds = tuple(dict.fromkeys(kinds))  # each kind once, in the order asked
-    prefix, suffix = special_frame(loaded.tokenizer)
+    prefix, suffix = special_frame(loaded)
     check(loaded, kinds, lengths, sequences, resamples, batch_size, seed, len(prefix) + len(suffix))
     if limit is not None:
         from attnprobe.corpus import check_limit
@@ -135,7 +136,7 @@ def probe(
         "model": model_record(loaded),
         "kinds": list(kinds), "lengths": list(lengths), "sequences_per_length": sequences, "limit": limit,
         "sequences_scored_per_length": scored, "seed": seed,
-        "resamples": resamples, "special_prefix": prefix, "special_suffix": suffix,
+        "resamples": resamples, "bos": loaded.bos, "special_prefix": prefix, "special_suffix": suffix,
         "chance": levels,
         "above_chance": {kind: int(frame[f"{kind}_above_chance"].sum()) for kind in kinds},
         "device": str(loaded.device), "dtype": loaded.dtype, "batch_size": batch_size,

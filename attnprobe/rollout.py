@@ -194,10 +194,10 @@ def rollout_loaded(
     if len(texts) > MAX_SENTENCES:
         raise AttnprobeError(f"{len(texts)} example sentences: rollout draws at most {MAX_SENTENCES}; pass fewer")
     from attnprobe.corpus import clip_text
+    from attnprobe.tokens import encode
 
     with quiet_transformers():
-        full = [list(ids) for ids in loaded.tokenizer([clip_text(t, loaded.max_length) for t in texts],
-                                                      add_special_tokens=True)["input_ids"]]
+        full = [list(ids) for ids in encode(loaded, [clip_text(t, loaded.max_length) for t in texts])["input_ids"]]
     empty = [k for k, ids in enumerate(full) if not ids]
     if empty:
         raise AttnprobeError(f"example sentence {texts[empty[0]]!r} gives no tokens: pass another one")

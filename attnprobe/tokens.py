@@ -1,4 +1,5 @@
-"""What heads attend to by token: which tokens are punctuation, and the top_tokens.csv table.
+"""What heads attend to by token: which tokens are punctuation, and the top_tokens.csv table; and `encode`, the
+tokenizer call every command makes, with the --bos policy.
 
 `punctuation` and `duplicate` are row scores (metrics.row_special, metrics.row_duplicate); this module decides
 which token ids are punctuation, and turns the corpus sums of the mass each token's key positions received
@@ -14,9 +15,71 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from attnprobe.errors import AttnprobeError
+
 MARKERS = ("Ġ", "▁", "Ċ", "##")  # word and line markers of byte-level BPE, SentencePiece and WordPiece
 TOP_TOKENS = 10  # top_tokens.csv: tokens per head
 MIN_OCCURRENCES = 5  # ... among the tokens that occur at least this often as keys (--top-tokens-min)
+
+BOS_POLICIES = ("auto", "always", "never")  # --bos
+
+
+def bos_id(tokenizer: Any, config: Any = None) -> int | None:
+    """The BOS token id: the tokenizer's, else the model config's (None when neither names one)."""
+    token = getattr(tokenizer, "bos_token_id", None)
+    if token is None:
+        token = getattr(config, "bos_token_id", None)
+    return int(token) if isinstance(token, int) and not isinstance(token, bool) and token >= 0 else None
+
+
+def set_bos(loaded: Any, policy: str) -> None:
+    """Set the --bos policy of `loaded` (every `encode` of it follows it); refuse `always` without a BOS token."""
+    if policy not in BOS_POLICIES:
+        raise AttnprobeError(f"--bos {policy!r}: use one of {', '.join(BOS_POLICIES)}")
+    if policy == "always" and bos_id(loaded.tokenizer, loaded.model.config) is None:
+        raise AttnprobeError(f"--bos always: the tokenizer of {loaded.spec} names no BOS token (nor does its "
+                             "config): use --bos auto or never")
+    loaded.bos = policy
+
+
+def encode(loaded: Any, texts: str | list[str], **kwargs: Any) -> dict[str, Any]:
+    """`loaded.tokenizer(texts, add_special_tokens=True, **kwargs)` under the --bos policy (`loaded.bos`):
+
+    - `auto`: what the tokenizer does (GPT-2's adds no BOS, Llama's adds `<s>`, SmolLM2's adds none);
+    - `always`: a BOS token first, prepended where the tokenizer did not add one (TransformerLens's
+      `prepend_bos=True` default); a truncated sequence stays within `max_length` (its last token goes);
+    - `never`: a leading BOS token the tokenizer added is removed (one the text itself spells stays).
+
+    Returns a dict of lists: input_ids, and special_tokens_mask / offset_mapping when asked for, kept aligned (a
+    prepended BOS is special, at offsets (0, 0)). A single text gives flat lists, as the tokenizer does."""
+    policy = getattr(loaded, "bos", "auto")
+    if policy not in BOS_POLICIES:
+        raise AttnprobeError(f"--bos {policy!r}: use one of {', '.join(BOS_POLICIES)}")
+    asked_mask = kwargs.pop("return_special_tokens_mask", False)
+    encoded = loaded.tokenizer(texts, add_special_tokens=True, return_special_tokens_mask=True, **kwargs)
+    single = isinstance(texts, str)
+    keys = ["input_ids", "special_tokens_mask"] + (["offset_mapping"] if "offset_mapping" in encoded else [])
+    rows = {key: [encoded[key]] if single else list(encoded[key]) for key in keys}
+    if policy != "auto":
+        token = bos_id(loaded.tokenizer, loaded.model.config)
+        limit = kwargs.get("max_length") if kwargs.get("truncation") else None
+        for k, ids in enumerate(rows["input_ids"]):
+            ids = list(ids)
+            added = bool(ids) and token is not None and ids[0] == token and rows["special_tokens_mask"][k][0] == 1
+            fix = {key: list(rows[key][k]) for key in keys}
+            if policy == "never" and added:
+                fix = {key: values[1:] for key, values in fix.items()}
+            elif policy == "always" and not added:
+                first = {"input_ids": token, "special_tokens_mask": 1, "offset_mapping": (0, 0)}
+                fix = {key: [first[key], *values] for key, values in fix.items()}
+                if limit is not None and len(fix["input_ids"]) > limit:
+                    fix = {key: values[:limit] for key, values in fix.items()}
+            for key in keys:
+                rows[key][k] = fix[key]
+    if not asked_mask:
+        keys.remove("special_tokens_mask")
+    return {key: rows[key][0] if single else rows[key] for key in keys}
+
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> punctuation table
 

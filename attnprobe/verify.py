@@ -17,6 +17,7 @@ from attnprobe.corpus import clip_text
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import SentenceSums, bin_count, valid_keys
 from attnprobe.model import LoadedModel, as_loaded, attention_modules, stream_attention
+from attnprobe.tokens import encode
 
 DEFAULT_SENTENCES = (
     "The cat sat on the mat.",
@@ -58,7 +59,7 @@ def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCE
         raise AttnprobeError("sentences: expected a list of non-empty strings, e.g. [\"The cat sat.\", \"Rain fell.\"]")
     loaded = as_loaded(model, device)
     clipped = [clip_text(s, loaded.max_length) for s in sentences]  # a huge line: only what the model keeps
-    ids = [t[: loaded.max_length] for t in loaded.tokenizer(clipped)["input_ids"]]
+    ids = [t[: loaded.max_length] for t in encode(loaded, clipped)["input_ids"]]
     input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
     batched = capture(loaded, input_ids, mask)
     keys = valid_keys(mask, loaded.causal)[:, None]  # [batch, 1, query, key]

@@ -63,9 +63,9 @@ def test_planted_head_is_previous_in_analyze_and_extended_classification(planted
 
 
 def test_special_frame_finds_what_the_tokenizer_adds(planted, minilm):
-    assert special_frame(planted.tokenizer) == ([], [])
+    assert special_frame(planted) == ([], [])
     tok = minilm.tokenizer
-    assert special_frame(tok) == ([tok.cls_token_id], [tok.sep_token_id])
+    assert special_frame(minilm) == ([tok.cls_token_id], [tok.sep_token_id])
 
 
 def test_encoder_probe_skips_the_special_tokens(minilm):
