@@ -115,10 +115,16 @@ def analyze(
 def truncation_message(run: dict[str, Any]) -> str:
     """Which sentences were cut to the model's context, and by how many tokens (the first few named)."""
     count, cut = run["truncated_sentences"], run.get("truncated_lines", [])
-    named = ", ".join(f"line {c['line']} (-{c['tokens_cut']} tokens)" for c in cut)
+    named = ", ".join(f"line {c['line']} ({cut_words(c)} over the limit)" for c in cut)
     more = f" and {count - len(cut)} more" if count > len(cut) else ""
     return (f"{count} sentence(s) were longer than the model's {run['model']['max_length']} tokens and were "
             f"truncated: {named}{more}. Shorten or split them to measure all of their tokens.")
+
+
+def cut_words(cut: dict[str, Any]) -> str:
+    """Say "1029 tokens", or "more than 1019 tokens" for a line cut before tokenizing (true count unknown)."""
+    count = max(0, int(cut["tokens_cut"]))  # never negative, whatever a run.json says
+    return f"more than {count} tokens" if cut.get("at_least") else f"{count} tokens"
 
 
 def analyze_loaded(
@@ -722,7 +728,8 @@ def check_options(
 class Tokens:
     ids: list[np.ndarray]  # per sentence, int32, truncated to the model's context
     special: list[np.ndarray]  # per sentence, 1 where the tokenizer added a special token ([CLS], [SEP], BOS)
-    cut: list[tuple[int, int]] = field(default_factory=list)  # (line, tokens cut) of each truncated sentence
+    # (line, tokens beyond the context, whether the line was clipped before tokenizing so the count is a lower bound)
+    cut: list[tuple[int, int, bool]] = field(default_factory=list)
 
     @property
     def truncated(self) -> int:
@@ -763,8 +770,11 @@ def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens
         for k, (tokens, flags) in enumerate(zip(kept["input_ids"], kept["special_tokens_mask"])):
             if not tokens:
                 raise AttnprobeError(f"corpus line {chunk[k].line} gives no tokens: remove or fix it")
-            if k in full and len(full[k]) > len(tokens):
-                cut.append((chunk[k].line, len(full[k]) - len(tokens)))
+            beyond = len(full[k]) - len(tokens) if k in full else 0  # tokens of the (clipped) text past the limit
+            if texts[k] is not chunk[k].text:  # clipped before tokenizing: the line has more than `beyond`
+                cut.append((chunk[k].line, max(0, beyond), True))
+            elif beyond > 0:
+                cut.append((chunk[k].line, beyond, False))
             ids.append(np.asarray(tokens, dtype=np.int32))
             special.append(np.asarray(flags, dtype=np.int8))
     return Tokens(ids, special, cut)
@@ -779,7 +789,7 @@ class Scan:
     longest: int = 0
     special: bool = False  # whether the tokenizer adds special tokens
     truncated: int = 0
-    cut: list[tuple[int, int]] = field(default_factory=list)  # (line, tokens cut) of the first truncated ones
+    cut: list[tuple[int, int, bool]] = field(default_factory=list)  # Tokens.cut of the first truncated ones
     lengths: list[int] = field(default_factory=list)  # tokens of the first FEW_SEQUENCES sequences (block bootstrap)
     example_index: int = -1  # the example sentence for `plot`: the first closest to EXAMPLE_TARGET_TOKENS
     example: Sentence | None = None
@@ -828,9 +838,10 @@ def scan(loaded: LoadedModel, corpus: Corpus, keep_first_window: bool = False) -
     """
     result = Scan()
     window = Tokens([], []) if keep_first_window else None
-    for first, chunk in windows(corpus.stream(), TOKENIZE_CHUNK):
-        chunk = [clipped(s, loaded.max_length) for s in chunk]  # an example keeps the cut text, not 50 MB
-        tokens = tokenize_sentences(loaded, chunk)
+    for first, whole in windows(corpus.stream(), TOKENIZE_CHUNK):
+        tokens = tokenize_sentences(loaded, whole)  # clips each text itself, and so knows which it clipped
+        chunk = [clipped(s, loaded.max_length) for s in whole]  # an example keeps the cut text, not 50 MB
+        del whole
         if window is not None and first < WINDOW_SENTENCES:
             window.ids.extend(tokens.ids[: WINDOW_SENTENCES - first])
             window.special.extend(tokens.special[: WINDOW_SENTENCES - first])
@@ -1074,7 +1085,8 @@ def run_info(
         "tokens": scanned.tokens,
         "longest_sequence": scanned.longest,
         "truncated_sentences": scanned.truncated,
-        "truncated_lines": [{"line": line, "tokens_cut": cut} for line, cut in scanned.cut],
+        "truncated_lines": [{"line": line, "tokens_cut": cut, "at_least": at_least}
+                            for line, cut, at_least in scanned.cut],
         "device": str(loaded.device),
         "dtype": loaded.dtype,
         "batch_size": batch_size,
