@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+from conftest import CORPUS_PATH, make_gpt2
+
+from attnprobe.errors import AttnprobeError
+
 
 def run_cli(args: list[str]):
     from typer.testing import CliRunner
@@ -43,3 +50,72 @@ def test_truncation_counts_tokens_beyond_the_limit_and_says_more_than_for_a_clip
     assert f"line 2 ({over} tokens over the limit)" in message
     assert f"line 3 (more than {clipped['tokens_cut']} tokens over the limit)" in message
     assert "(-" not in message
+
+
+# ---- case 6: weights that do not fill the model the config describes are refused, not made up -------------------
+
+
+def _with_config(source, target, **changes):
+    import shutil
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="module")
+def gpt2_two(tmp_path_factory):
+    return make_gpt2(tmp_path_factory.mktemp("gpt2-two"), layers=2)
+
+
+@pytest.mark.parametrize("case", ["more layers", "fewer layers", "llama config", "missing tensor"])
+def test_weights_that_do_not_match_the_config_are_refused(gpt2_two, llama_dir, tmp_path, case):
+    from safetensors.torch import load_file, save_file
+
+    from attnprobe.model import load_model
+
+    if case == "more layers":
+        folder, named = _with_config(gpt2_two, tmp_path / "m", n_layer=3), "lacks h.2."
+    elif case == "fewer layers":
+        folder, named = _with_config(gpt2_two, tmp_path / "m", n_layer=1), "has extra h.1."
+    elif case == "llama config":
+        llama = json.loads((llama_dir / "config.json").read_text())
+        folder, named = _with_config(gpt2_two, tmp_path / "m"), "lacks embed_tokens.weight"
+        (folder / "config.json").write_text(json.dumps(llama))
+    else:
+        folder = _with_config(gpt2_two, tmp_path / "m")
+        tensors = load_file(folder / "model.safetensors")
+        del tensors["h.1.attn.c_proj.weight"]
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        named = "lacks h.1.attn.c_proj.weight,"
+    with pytest.raises(AttnprobeError, match="weights do not match its config.json") as caught:
+        load_model(str(folder), "cpu")
+    assert named in str(caught.value) and "\n" not in str(caught.value)
+    result = run_cli(["analyze", "--model", str(folder), "--corpus", str(CORPUS_PATH), "--out", str(tmp_path / "o"),
+                      "--limit", "4", "--resamples", "5", "--device", "cpu"])
+    assert named in one_error_line(result)
+    assert not (tmp_path / "o" / "heads.csv").exists()
+
+
+def test_matching_weights_still_load_with_and_without_a_head(gpt2_two, llama_dir, tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnprobe.model import load_model
+
+    assert load_model(str(gpt2_two), "cpu").num_layers == 2
+    assert load_model(str(gpt2_two), "cpu", lm_head=True).lm_head is not None  # tied to the embeddings
+    assert load_model(str(llama_dir), "cpu").num_layers == 2
+    torch.manual_seed(0)  # a causal-LM checkpoint under the base model: its lm_head.weight is no layer of it
+    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    folder = tmp_path / "clm"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((llama_dir / name).read_bytes())
+    assert load_model(str(folder), "cpu").num_layers == 2
+    assert load_model(str(folder), "cpu", lm_head=True).lm_head is not None
+    with pytest.raises(AttnprobeError, match="lacks lm_head.weight"):  # a base checkpoint has no head to ablate with
+        load_model(str(llama_dir), "cpu", lm_head=True)
