@@ -443,6 +443,7 @@ def measure(
             real = mask.bool()  # [batch, seq]
             totals.add_tokens(input_ids[real], taken["mass"][:, :, real], taken["uniform"][:, real])
         check_finite(loaded, stats, sentences, [len(t) for t in ids])
+        check_values_finite(loaded, stats, sentences, [len(t) for t in ids])
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
         if on_batch is not None:
             on_batch(batch, stats, sentences)
@@ -511,6 +512,28 @@ def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: l
         f"its weights hold NaN or inf, or {loaded.dtype} overflows: check the weights, or run with --dtype float32"
     raise AttnprobeError(f"model {loaded.spec} gives NaN or infinite attention (layer {layer}, on corpus line "
                          f"{sentences[k].line}): {fix}")
+
+
+def check_values_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: list[Sentence],
+                        lengths: list[int]) -> None:
+    """Refuse a batch whose output_norm is NaN where the attention itself was finite: a NaN in a head's value or
+    output-projection weights leaves its value-weighted scores and output_norm empty, and the next layer cannot show
+    it when the head is in the last layer. Every sentence of 2 or more tokens has an output_norm in every head.
+    `stats` per score [sentence, layer, head]; runs after `check_finite`."""
+    norm = stats.get(OUTPUT_NORM)  # [sentence, layer, head]; absent when the value-weighted scores are not measured
+    if norm is None:
+        return
+    broken = [k for k, n in enumerate(lengths) if n >= 2 and np.isnan(norm[k]).any()]
+    if not broken:
+        return
+    k = min(broken)
+    layer, head = (int(i) for i in np.argwhere(np.isnan(norm[k]))[0])
+    dtype = "" if loaded.dtype == "float32" else f", or {loaded.dtype} overflows (run with --dtype float32)"
+    raise AttnprobeError(
+        f"model {loaded.spec} gives NaN value-weighted scores and output_norm in layer {layer}, head {head} (on corpus "
+        f"line {sentences[k].line}): the value or output-projection weights of that head hold NaN or inf{dtype}: "
+        "check or re-save the weights"
+    )
 
 
 def measure_batch(

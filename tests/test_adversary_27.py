@@ -119,3 +119,32 @@ def test_matching_weights_still_load_with_and_without_a_head(gpt2_two, llama_dir
     assert load_model(str(folder), "cpu", lm_head=True).lm_head is not None
     with pytest.raises(AttnprobeError, match="lacks lm_head.weight"):  # a base checkpoint has no head to ablate with
         load_model(str(llama_dir), "cpu", lm_head=True)
+
+
+# ---- case 7: NaN in a head's value or output-projection weights is refused, not left as empty scores -------------
+
+
+@pytest.mark.parametrize("where", ["value", "output projection"])
+def test_nan_in_value_or_output_projection_weights_is_refused(tmp_path, where):
+    from safetensors.torch import load_file, save_file
+
+    from attnprobe.analysis import analyze_loaded
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+
+    folder = make_gpt2(tmp_path / "m", layers=2, heads=4)
+    tensors = load_file(folder / "model.safetensors")
+    embd, head_dim = 32, 8
+    if where == "value":  # c_attn [embd, 3*embd]: Q, K, V columns; head 2's value columns of the last layer
+        tensors["h.1.attn.c_attn.weight"][:, 2 * embd + 2 * head_dim] = float("nan")
+    else:  # c_proj [embd, embd]: rows are the heads' outputs
+        tensors["h.1.attn.c_proj.weight"][2 * head_dim] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(str(folder), "cpu")
+    with pytest.raises(AttnprobeError, match=r"layer 1, head 2 .*value or output-projection weights of that head "
+                                             r"hold NaN"):
+        analyze_loaded(loaded, read_corpus(CORPUS_PATH).head(4), resamples=5)
+    result = run_cli(["analyze", "--model", str(folder), "--corpus", str(CORPUS_PATH), "--out", str(tmp_path / "o"),
+                      "--limit", "4", "--resamples", "5", "--device", "cpu"])
+    assert "layer 1, head 2" in one_error_line(result)
+    assert not (tmp_path / "o" / "heads.csv").exists()
