@@ -183,6 +183,8 @@ def analyze_loaded(
     heads, layers, summary = add_intervals(heads, layers, totals, per_head)
     run = run_info(loaded, corpus, scanned, batch_size, time.perf_counter() - started)
     run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(scanned.sentences)}
+    # what identifies the weights measured: `related` loads the model again and must find these weights
+    run["model"]["weights"] = fingerprint["model_sha256"] if checkpointing is not None else model_weights(loaded)
     run["attention"] = {
         "requested": options.attention, "path": measured.path, "block_budget_mib": options.budget_mib,
         "sink_tokens": options.sink, "window": options.window, "features": kernel.discover(loaded).record(),

@@ -1201,7 +1201,7 @@ def related(
     head_similarity.npz (plot draws it, report lists each head's nearest heads)."""
     from attnprobe import io, naming
     from attnprobe.model import load_model
-    from attnprobe.similarity import NEAREST, check_settings, head_similarity, run_corpus, run_model
+    from attnprobe.similarity import NEAREST, check_same_weights, check_settings, head_similarity, run_corpus, run_model
 
     started = time.monotonic()
     check_settings(sentences, max_tokens, batch_size)
@@ -1217,6 +1217,7 @@ def related(
         raise AttnprobeError(f"{spec} has {loaded.num_layers} x {loaded.num_heads} heads, but run.json in {out} "
                              f"records {run['model']['layers']} x {run['model']['heads']}: run `attnprobe analyze "
                              f"--out {out}` again")
+    check_same_weights(run, loaded, out)
     with err_console.status(f"Comparing {loaded.num_layers * loaded.num_heads} heads"):
         result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens, batch_size=batch_size)
     result.info["model"] = run["model"]["spec"]  # as run.json names it, whatever path loaded it

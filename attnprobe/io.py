@@ -790,9 +790,10 @@ def read_similarity(out: str | Path) -> dict[str, Any] | None:
     good = (js.ndim == 2 and js.shape == (n, n) and head.shape == (n,) and n > 0 and js.dtype.kind == "f"
             and layer.dtype.kind in "iu" and head.dtype.kind in "iu")
     if not good or not np.all(np.isfinite(js)) or np.any(js < 0) or np.any(js > np.log(2) + 1e-6) \
-            or not np.allclose(js, js.T, rtol=0, atol=1e-9):
+            or not np.allclose(js, js.T, rtol=0, atol=1e-9) or not np.allclose(np.diag(js), 0.0, rtol=0, atol=1e-9):
+        # the diagonal is a head's JS with itself: exactly 0 as `related` writes it
         raise AttnprobeError(f"{path} does not hold a symmetric [head, head] matrix of JS divergences with a layer "
-                             f"and head per row: run `{made_by}` again")
+                             f"and head per row and 0 on its diagonal: run `{made_by}` again")
     found["model"] = str(found["model"])
     return found
 

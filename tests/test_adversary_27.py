@@ -19,13 +19,13 @@ def run_cli(args: list[str]):
 
 
 def one_error_line(result) -> str:
-    """The CLI failed with one plain line (no traceback) and nothing else on its error stream."""
+    """The CLI failed with one plain error line (no traceback), its last; notes may come before it."""
     text = result.output.strip()
     assert result.exit_code != 0, text
-    assert "Traceback" not in text and result.exception is None or isinstance(result.exception, SystemExit), text
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error"), text
-    return lines[0]
+    assert "Traceback" not in text and isinstance(result.exception, SystemExit), text
+    errors = [line for line in text.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and text.splitlines()[-1] == errors[0], text
+    return errors[0]
 
 
 # ---- case 3: the truncation warning counts the tokens beyond the limit, never as a negative number ---------------
@@ -148,3 +148,56 @@ def test_nan_in_value_or_output_projection_weights_is_refused(tmp_path, where):
                       "--limit", "4", "--resamples", "5", "--device", "cpu"])
     assert "layer 1, head 2" in one_error_line(result)
     assert not (tmp_path / "o" / "heads.csv").exists()
+
+
+# ---- case 8: `related` measures the weights the run measured, and reads back only a zero diagonal ---------------
+
+
+def _analyze(model, out, *extra):
+    result = run_cli(["analyze", "--model", str(model), "--corpus", str(CORPUS_PATH), "--out", str(out), "--limit",
+                      "12", "--resamples", "5", "--device", "cpu", *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "run.json").read_text())
+
+
+def test_related_refuses_a_model_resaved_since_the_run(tmp_path):
+    model = make_gpt2(tmp_path / "m", layers=2)
+    run = _analyze(model, tmp_path / "out")
+    assert run["model"]["weights"].startswith("sha256:")
+    make_gpt2(model, layers=2, seed=1)  # re-saved at the same path: other weights, same shape
+    result = run_cli(["related", "--out", str(tmp_path / "out"), "--sentences", "4", "--device", "cpu"])
+    assert "weights fingerprint" in one_error_line(result)
+    assert not (tmp_path / "out" / "head_similarity.npz").exists()
+
+
+def test_related_loads_the_folder_the_run_resolved_not_a_namesake_here(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    make_gpt2(tmp_path / "a" / "m", layers=2)
+    make_gpt2(tmp_path / "b" / "m", layers=2, seed=1)  # ./m from b: the same shape, other weights
+    monkeypatch.chdir(tmp_path / "a")
+    _analyze("./m", tmp_path / "out")
+    import numpy as np
+
+    measured = {}
+    for here in ("a", "b"):  # from b, ./m is another model: related must still measure a/m, the run's
+        monkeypatch.chdir(tmp_path / here)
+        result = run_cli(["related", "--out", str(tmp_path / "out"), "--sentences", "4", "--device", "cpu"])
+        assert result.exit_code == 0, result.output
+        with np.load(tmp_path / "out" / "head_similarity.npz") as data:
+            measured[here] = data["js"]
+    np.testing.assert_array_equal(measured["a"], measured["b"])
+
+
+def test_a_similarity_whose_diagonal_is_not_zero_is_refused(tmp_path):
+    import numpy as np
+
+    model = make_gpt2(tmp_path / "m", layers=2)
+    out = tmp_path / "out"
+    _analyze(model, out)
+    assert run_cli(["related", "--out", str(out), "--sentences", "4", "--device", "cpu"]).exit_code == 0
+    with np.load(out / "head_similarity.npz") as data:
+        arrays = {key: data[key] for key in data.files}
+    np.fill_diagonal(arrays["js"], 0.3)
+    np.savez(out / "head_similarity.npz", **arrays)
+    assert "0 on its diagonal" in one_error_line(run_cli(["plot", "--out", str(out)]))
