@@ -121,10 +121,15 @@ def friendly_errors(command):
                 err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         finally:
+            while AT_END:  # what the command holds until it ends (hold_out's lock)
+                AT_END.pop()()
             if ours:  # a caller's process (a notebook, the tests) lives on: its garbage is collected again
                 gc.unfreeze()
 
     return wrapper
+
+
+AT_END: list = []  # callables friendly_errors runs (last first) when the command ends, however it ends
 
 
 def freeze_imports() -> None:
@@ -269,6 +274,7 @@ def analyze(
         raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     if world.size == 1:  # under torchrun another rank may be writing already: rank 0 cleans at the end
+        hold_out(out)  # a second run into this folder is refused
         io.remove_stale_temps(out, started)  # what a killed run left (a half-written checkpoint, rows)
     saved = io.checkpoint_name(world.rank, world.size)  # under torchrun every rank saves its own
     waiting = io.checkpoint_files(out)  # of this process count or any other
@@ -369,6 +375,13 @@ def analyze(
         )
     out_console.print(summary_table(run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def hold_out(out: Path, command: str = "analyze") -> None:
+    """Lock results folder `out` for this command (attnprobe.lock) until the command ends, however it ends."""
+    from attnprobe import lock
+
+    AT_END.append(lock.take(out, command).release)
 
 
 def release_offload(loaded) -> None:

@@ -201,3 +201,63 @@ def test_a_similarity_whose_diagonal_is_not_zero_is_refused(tmp_path):
     np.fill_diagonal(arrays["js"], 0.3)
     np.savez(out / "head_similarity.npz", **arrays)
     assert "0 on its diagonal" in one_error_line(run_cli(["plot", "--out", str(out)]))
+
+
+# ---- case 10: one run at a time in a results folder; only temporary files whose writer is gone are cleaned ------
+
+
+def _holder(out):
+    """Another process holding `out`'s lock, as a second attnprobe run would; it prints its pid once it holds."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from attnprobe import lock; lock.take(sys.argv[1]); print('held', flush=True); "
+            "time.sleep(60)")
+    env = {**os.environ, "PYTHONPATH": str(CORPUS_PATH.parent.parent)}
+    process = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    assert process.stdout.readline().strip() == "held"
+    return process
+
+
+def test_a_second_run_into_a_busy_folder_is_refused_and_a_stale_lock_taken_over(gpt2_dir, tmp_path):
+    from attnprobe.lock import LOCK_FILE
+
+    out = tmp_path / "out"
+    holder = _holder(out)
+    try:
+        live = out / f".sentences.parquet.{holder.pid}-abcd1234.tmp"  # the first run's rows being written
+        live.write_bytes(b"rows")
+        result = run_cli(["analyze", "--model", str(gpt2_dir), "--corpus", str(CORPUS_PATH), "--out", str(out),
+                          "--limit", "4", "--resamples", "5", "--device", "cpu"])
+        assert f"in use by another attnprobe run (pid {holder.pid})" in one_error_line(result)
+        assert live.exists() and not (out / "heads.csv").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (out / LOCK_FILE).exists()  # a killed run's lock is left behind, stale
+    _analyze(gpt2_dir, out)
+    assert not live.exists()  # its writer is gone
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_a_temporary_file_is_removed_only_once_its_writer_is_gone(tmp_path):
+    import os
+    import subprocess
+    import time
+
+    from attnprobe import io
+
+    writer = subprocess.Popen(["sleep", "60"])
+    try:
+        old = time.time() - 3600
+        names = [f".heads.csv.{writer.pid}-abcd1234.tmp", ".heads.csv.999999999-abcd1234.tmp"]
+        for name in names:
+            (tmp_path / name).write_bytes(b"x")
+            os.utime(tmp_path / name, (old, old))
+        assert io.remove_stale_temps(tmp_path, time.time()) == [names[1]]  # pid 999999999: no such process
+        assert (tmp_path / names[0]).exists()
+    finally:
+        writer.kill()
+        writer.wait()
+    assert io.remove_stale_temps(tmp_path, time.time()) == [names[0]]
