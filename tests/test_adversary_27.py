@@ -261,3 +261,35 @@ def test_a_temporary_file_is_removed_only_once_its_writer_is_gone(tmp_path):
         writer.kill()
         writer.wait()
     assert io.remove_stale_temps(tmp_path, time.time()) == [names[0]]
+
+
+# ---- case 11: --limit and --threads have upper bounds, each refused in one line ---------------------------------
+
+
+@pytest.mark.parametrize("command", ["analyze", "ablate", "rollout"])
+@pytest.mark.parametrize("limit", ["9223372036854775808", "99999999999999999999999"])
+def test_a_limit_beyond_what_can_be_counted_is_one_line(gpt2_dir, tmp_path, command, limit):
+    result = run_cli([command, "--model", str(gpt2_dir), "--corpus", str(CORPUS_PATH), "--out", str(tmp_path / "o"),
+                      "--limit", limit, "--device", "cpu"])
+    assert f"--limit {limit} is above 9,223,372,036,854,775,807" in one_error_line(result)
+
+
+def test_the_largest_limit_is_taken(gpt2_dir):
+    import sys
+
+    from attnprobe.corpus import read_corpus
+
+    corpus = read_corpus(CORPUS_PATH)
+    assert len(corpus.head(sys.maxsize)) == len(corpus)
+
+
+@pytest.mark.parametrize("threads", ["100000", "99999999999999999999999"])
+def test_threads_beyond_four_per_cpu_is_one_line(gpt2_dir, tmp_path, threads):
+    import os
+
+    result = run_cli(["analyze", "--model", str(gpt2_dir), "--corpus", str(CORPUS_PATH), "--out", str(tmp_path / "o"),
+                      "--limit", "4", "--threads", threads, "--device", "cpu"])
+    assert f"{threads} is above {4 * os.cpu_count()} (4 x this machine" in one_error_line(result)
+    from attnprobe.threads import parse
+
+    assert parse(str(4 * os.cpu_count())) == 4 * os.cpu_count()
