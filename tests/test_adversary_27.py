@@ -293,3 +293,53 @@ def test_threads_beyond_four_per_cpu_is_one_line(gpt2_dir, tmp_path, threads):
     from attnprobe.threads import parse
 
     assert parse(str(4 * os.cpu_count())) == 4 * os.cpu_count()
+
+
+# ---- case 12: control and bidi characters of the corpus reach the report's page only as visible escapes ---------
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def test_corpus_control_and_bidi_characters_are_escaped_in_the_report(gpt2_dir, tmp_path):
+    import re
+    import unicodedata
+
+    from conftest import SENTENCES
+
+    from attnprobe.naming import visible
+
+    corpus = tmp_path / "c.txt"
+    hostile = "evil\u202etxt.exe"
+    lines = ["# category: plain", *SENTENCES[:4], f"# category: {hostile}",
+             *(f"{s[:-1]} \x00 bell\x07 \u202eright{s[-1]}" for s in SENTENCES[4:])]
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    result = run_cli(["analyze", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out),
+                      "--resamples", "5", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    result = run_cli(["report", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    page = (out / "report.html").read_text(encoding="utf-8")
+    found = re.search(r'<script[^>]*id="attnprobe-data"[^>]*>(.*?)</script>', page, re.S)
+    data = json.loads(found.group(1))
+    shown = list(_strings(data))
+
+    def hidden(text):
+        return [ch for ch in text if ch not in "\n\t" and (unicodedata.category(ch) == "Cc" or ch != visible(ch))]
+
+    assert not [s for s in shown if hidden(s)], [s for s in shown if hidden(s)][:3]
+    assert not hidden(page.replace("\n", "").replace("\t", ""))
+    assert visible(hostile) in [line["name"] for line in data["categories"]["lines"]]
+    sentences = [example["sentence"] for example in data["examples"]]
+    assert any("\\x00" in s and "\\u202e" in s for s in sentences) or any(
+        example["category"] == visible(hostile) for example in data["examples"])
