@@ -659,13 +659,15 @@ def plot(
     picked = plotting.choose_example(examples, example)
     if chosen is not None:
         naming.check_heads_exist(chosen, *shape)
-    figures = {
-        "entropy_heatmap": plotting.entropy_heatmap_figure(heads, run_title(out, "Mean attention entropy per head")),
-        "layer_gradient": plotting.layer_gradient_figure(heads, layers, types, categories,
-                                                         run_title(out, "Entropy by depth and head types")),
-        "head_patterns": plotting.head_patterns_figure(picked, types, heads, None,
-                                                       run_title(out, "Attention patterns")),
-    }
+    skipped: list[str] = []
+    figures = drawable({
+        "entropy_heatmap": lambda: plotting.entropy_heatmap_figure(
+            heads, run_title(out, "Mean attention entropy per head")),
+        "layer_gradient": lambda: plotting.layer_gradient_figure(heads, layers, types, categories,
+                                                                 run_title(out, "Entropy by depth and head types")),
+        "head_patterns": lambda: plotting.head_patterns_figure(picked, types, heads, None,
+                                                               run_title(out, "Attention patterns")),
+    }, skipped, out)
     if chosen is not None:  # its own file: the by-type head_patterns stays as it is
         figures[SELECTED_PATTERNS] = plotting.head_patterns_figure(picked, types, heads, chosen,
                                                                    run_title(out, "Attention patterns"))
@@ -685,6 +687,7 @@ def plot(
     stale = [name for name in (position, *(f"{stem}.{suffix}" for stem in io.ABLATE_PLOT_FIGURES))
              if name not in files]  # from an earlier run
     stale += [name for name in (f"{stem}.{suffix}" for stem in SIMILARITY_FIGURES) if name not in files]
+    stale += [f"{stem}.{suffix}" for stem in skipped]  # an earlier run's figure would pass for this one's
     written = io.write_files(out, files, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
     if chosen is not None:
@@ -1079,6 +1082,27 @@ def importance_figures(out: Path, heads, types) -> dict:
     shape = (int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1)
     return {**figures, io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(importance, title, shape),
             io.IMPORTANCE_TYPE_FIGURE: plotting.importance_vs_type_figure(importance, heads, types, title)}
+
+
+def drawable(builds: dict, skipped: list[str], out: Path) -> dict:
+    """The figures (name -> Figure) of `builds` (name -> function drawing it) whose data hold values; a figure
+    whose scores are all NaN (plotting.Undrawable) is skipped with a warning line and its name added to
+    `skipped`; when none can be drawn, one error line."""
+    from attnprobe import plotting
+
+    figures, reasons = {}, []
+    for name, build in builds.items():
+        try:
+            figures[name] = build()
+        except plotting.Undrawable as err:
+            skipped.append(name)
+            reasons.append(str(err))
+            err_console.print(f"Warning: {name} not drawn: {err}; run `attnprobe analyze --out {out}` again to "
+                              "draw it", markup=False, highlight=False, soft_wrap=True)
+    if not figures:
+        raise AttnprobeError(f"nothing to draw in {out}: {'; '.join(dict.fromkeys(reasons))}: run `attnprobe "
+                             f"analyze --out {out}` again")
+    return figures
 
 
 SIMILARITY_FIGURES = ("head_similarity", "head_map")  # plot's figures of `related`'s head_similarity.npz

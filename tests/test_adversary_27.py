@@ -343,3 +343,47 @@ def test_corpus_control_and_bidi_characters_are_escaped_in_the_report(gpt2_dir, 
     sentences = [example["sentence"] for example in data["examples"]]
     assert any("\\x00" in s and "\\u202e" in s for s in sentences) or any(
         example["category"] == visible(hostile) for example in data["examples"])
+
+
+# ---- case 13: plot skips, with a warning line, a figure whose score column holds no value -----------------------
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished analyze run of a tiny GPT-2 (for tests that change a copy of its files: conftest's copy_of)."""
+    root = tmp_path_factory.mktemp("run27")
+    out = root / "out"
+    _analyze(make_gpt2(root / "m", layers=2), out)
+    return out
+
+
+def _all_nan(folder, column):
+    import pandas as pd
+
+    heads = pd.read_csv(folder / "heads.csv")
+    heads[column] = float("nan")
+    heads.to_csv(folder / "heads.csv", index=False)
+
+
+def test_plot_skips_a_figure_whose_score_is_all_nan(copy_of):
+    _all_nan(copy_of, "entropy")
+    result = run_cli(["plot", "--out", str(copy_of)])
+    assert result.exit_code == 0, result.output
+    assert "Warning: entropy_heatmap not drawn: heads.csv's entropy holds no value (all NaN)" in \
+        " ".join(result.output.split())
+    assert not (copy_of / "entropy_heatmap.png").exists() and (copy_of / "layer_gradient.png").exists()
+
+
+def test_head_patterns_leaves_out_a_type_whose_picking_score_is_all_nan(copy_of):
+    from attnprobe.classify import classify
+    from attnprobe.plotting import representatives
+
+    _all_nan(copy_of, "entropy_unforced")  # picks the mixed heads' most typical one
+    import pandas as pd
+
+    heads = pd.read_csv(copy_of / "heads.csv")
+    assert "mixed" in set(classify(heads)["head_type"])
+    assert "mixed" not in representatives(classify(heads), heads)
+    result = run_cli(["plot", "--out", str(copy_of)])
+    assert result.exit_code == 0, result.output
+    assert (copy_of / "head_patterns.png").exists()
