@@ -149,7 +149,8 @@ def analyze_loaded(
     options = options or Options()
     check_options(batch_size, resamples, seed, options)
     started = time.perf_counter()
-    scanned = scan(loaded, corpus, keep_first_window=True)
+    scanned = scan(loaded, corpus, keep_first_window=True,
+                   should_stop=checkpointing.should_stop if checkpointing is not None else None)
     if on_start:
         on_start(scanned.sentences)
     world = distributed.current()
@@ -852,18 +853,28 @@ class Scan:
 
 
 CUT_SHOWN = 5  # truncated sentences named in the warning
+STOP_CHECK_SECONDS = 0.5  # how often the counting pass asks whether the run should stop
 
 
-def scan(loaded: LoadedModel, corpus: Corpus, keep_first_window: bool = False) -> Scan:
+def scan(loaded: LoadedModel, corpus: Corpus, keep_first_window: bool = False,
+         should_stop: Callable[[], bool] | None = None) -> Scan:
     """Tokenize the corpus once, chunk by chunk, keeping only totals, the longest and the example sentence.
 
     `keep_first_window`: also keep the ids of the first WINDOW_SENTENCES sentences (`Scan.first_window`), so
     that the measuring pass need not tokenize them again: a corpus of one window is tokenized once. At most
-    one window is kept, whatever the corpus's size.
+    one window is kept, whatever the corpus's size. `should_stop` (Ctrl-C, SIGTERM) is asked between chunks of
+    TOKENIZE_CHUNK sentences, every STOP_CHECK_SECONDS: a stop raises Stopped within about that time, not after
+    counting a large corpus whole (a corpus of one chunk is not asked: it is counted in a moment).
     """
     result = Scan()
     window = Tokens([], []) if keep_first_window else None
+    asked = time.monotonic()
     for first, whole in windows(corpus.stream(), TOKENIZE_CHUNK):
+        if should_stop is not None and first > 0 and time.monotonic() - asked >= STOP_CHECK_SECONDS:
+            asked = time.monotonic()
+            if should_stop():
+                raise Stopped(f"stopped while counting the corpus ({first} sentences counted), before any batch "
+                              "was measured")
         tokens = tokenize_sentences(loaded, whole)  # clips each text itself, and so knows which it clipped
         chunk = [clipped(s, loaded.max_length) for s in whole]  # an example keeps the cut text, not 50 MB
         del whole

@@ -314,8 +314,9 @@ def analyze(
                 parquet = [io.join_sentence_parts(out, world.size)] if world.is_main else []
     except Stopped as err:
         if world.is_main:
-            err_console.print(f"Interrupted: {err}. Continue with the same command and --resume.", markup=False,
-                              soft_wrap=True)
+            again = "Continue with the same command and --resume" if io.checkpoint_files(out) else \
+                "Nothing was measured: run the same command again"  # stopped before the first checkpoint
+            err_console.print(f"Interrupted: {err}. {again}.", markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
     finally:
         distributed.leave(world)

@@ -132,6 +132,7 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    remove_stale_offload()
     made = offload_dir() if device_map is not None and offload_folder is None else None
     placement = {} if device_map is None else {
         "device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder or made,
@@ -255,16 +256,24 @@ def _own_key(key: str, model: nn.Module) -> bool:
 OFFLOAD_PREFIX = "attnprobe-offload-"  # + pid + "-" + mkdtemp's random part, in the temporary folder
 
 
-def offload_dir() -> str:
-    """A temporary folder for --device-map's disk offload, named by this process; removed by `release_offload`
-    (or at exit). Folders of processes that are gone (killed) are removed first."""
-    import atexit
+def remove_stale_offload() -> None:
+    """Remove the offload folders of processes that are gone (a SIGKILLed --device-map run cannot remove its own):
+    every load does this, with or without --device-map, so a killed run's folder (empty or gigabytes) does not
+    wait for the next --device-map run."""
     import shutil
 
     for folder in Path(tempfile.gettempdir()).glob(f"{OFFLOAD_PREFIX}*"):
         pid = folder.name[len(OFFLOAD_PREFIX):].split("-")[0]
         if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def offload_dir() -> str:
+    """A temporary folder for --device-map's disk offload, named by this process; removed by `release_offload`
+    (or at exit)."""
+    import atexit
+    import shutil
+
     made = tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, made, True)
     return made
@@ -286,6 +295,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's process
+    except (OverflowError, OSError):
+        return False  # no such pid can exist
     return True
 
 

@@ -387,3 +387,50 @@ def test_head_patterns_leaves_out_a_type_whose_picking_score_is_all_nan(copy_of)
     result = run_cli(["plot", "--out", str(copy_of)])
     assert result.exit_code == 0, result.output
     assert (copy_of / "head_patterns.png").exists()
+
+
+# ---- case 16: a stop is heard during the counting pass; a killed run's offload folder goes at the next load ------
+
+
+def test_a_stop_during_the_counting_pass_is_acted_on_at_once(gpt2_dir, tmp_path, monkeypatch):
+    from attnprobe import analysis
+    from attnprobe.analysis import TOKENIZE_CHUNK, analyze_loaded
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+    from attnprobe.resume import Checkpointing, Stopped
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The cat sat on the mat.\n" * (5 * TOKENIZE_CHUNK), encoding="utf-8")
+    loaded = load_model(str(gpt2_dir), "cpu")
+    calls = []
+    tokenizer = loaded.tokenizer
+
+    class Counting:
+        def __call__(self, texts, *args, **kwargs):
+            calls.append(len(texts))
+            return tokenizer(texts, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    loaded.tokenizer = Counting()
+    monkeypatch.setattr(analysis, "STOP_CHECK_SECONDS", 0.0)  # ask between every two chunks
+    asked = []
+    checkpointing = Checkpointing(save=lambda state: None, should_stop=lambda: bool(calls) and not asked.append(1))
+    with pytest.raises(Stopped, match="while counting the corpus"):
+        analyze_loaded(loaded, read_corpus(corpus), resamples=5, checkpointing=checkpointing)
+    assert sum(calls) <= 2 * TOKENIZE_CHUNK  # the first chunk only (kept, and its full lengths if cut)
+
+
+def test_a_killed_runs_offload_folder_goes_at_the_next_load_without_device_map(gpt2_dir):
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from attnprobe.model import OFFLOAD_PREFIX, load_model
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path(tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{gone.pid}-"))  # as a SIGKILLed run leaves it
+    load_model(str(gpt2_dir), "cpu")
+    assert not stale.exists()
