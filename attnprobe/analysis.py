@@ -115,10 +115,16 @@ def analyze(
 def truncation_message(run: dict[str, Any]) -> str:
     """Which sentences were cut to the model's context, and by how many tokens (the first few named)."""
     count, cut = run["truncated_sentences"], run.get("truncated_lines", [])
-    named = ", ".join(f"line {c['line']} (-{c['tokens_cut']} tokens)" for c in cut)
+    named = ", ".join(f"line {c['line']} ({cut_words(c)} over the limit)" for c in cut)
     more = f" and {count - len(cut)} more" if count > len(cut) else ""
     return (f"{count} sentence(s) were longer than the model's {run['model']['max_length']} tokens and were "
             f"truncated: {named}{more}. Shorten or split them to measure all of their tokens.")
+
+
+def cut_words(cut: dict[str, Any]) -> str:
+    """Say "1029 tokens", or "more than 1019 tokens" for a line cut before tokenizing (true count unknown)."""
+    count = max(0, int(cut["tokens_cut"]))  # never negative, whatever a run.json says
+    return f"more than {count} tokens" if cut.get("at_least") else f"{count} tokens"
 
 
 def analyze_loaded(
@@ -143,7 +149,8 @@ def analyze_loaded(
     options = options or Options()
     check_options(batch_size, resamples, seed, options)
     started = time.perf_counter()
-    scanned = scan(loaded, corpus, keep_first_window=True)
+    scanned = scan(loaded, corpus, keep_first_window=True,
+                   should_stop=checkpointing.should_stop if checkpointing is not None else None)
     if on_start:
         on_start(scanned.sentences)
     world = distributed.current()
@@ -177,6 +184,8 @@ def analyze_loaded(
     heads, layers, summary = add_intervals(heads, layers, totals, per_head)
     run = run_info(loaded, corpus, scanned, batch_size, time.perf_counter() - started)
     run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(scanned.sentences)}
+    # what identifies the weights measured: `related` loads the model again and must find these weights
+    run["model"]["weights"] = fingerprint["model_sha256"] if checkpointing is not None else model_weights(loaded)
     run["attention"] = {
         "requested": options.attention, "path": measured.path, "block_budget_mib": options.budget_mib,
         "sink_tokens": options.sink, "window": options.window, "features": kernel.discover(loaded).record(),
@@ -468,6 +477,7 @@ def measure(
             real = mask.bool()  # [batch, seq]
             totals.add_tokens(input_ids[real], taken["mass"][:, :, real], taken["uniform"][:, real])
         check_finite(loaded, stats, sentences, [len(t) for t in ids])
+        check_values_finite(loaded, stats, sentences, [len(t) for t in ids])
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
         if on_batch is not None:
             on_batch(batch, stats, sentences)
@@ -547,6 +557,28 @@ def check_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: l
         f"its weights hold NaN or inf, or {loaded.dtype} overflows: check the weights, or run with --dtype float32"
     raise AttnprobeError(f"model {loaded.spec} gives NaN or infinite attention (layer {layer}, on corpus line "
                          f"{sentences[k].line}): {fix}")
+
+
+def check_values_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sentences: list[Sentence],
+                        lengths: list[int]) -> None:
+    """Refuse a batch whose output_norm is NaN where the attention itself was finite: a NaN in a head's value or
+    output-projection weights leaves its value-weighted scores and output_norm empty, and the next layer cannot show
+    it when the head is in the last layer. Every sentence of 2 or more tokens has an output_norm in every head.
+    `stats` per score [sentence, layer, head]; runs after `check_finite`."""
+    norm = stats.get(OUTPUT_NORM)  # [sentence, layer, head]; absent when the value-weighted scores are not measured
+    if norm is None:
+        return
+    broken = [k for k, n in enumerate(lengths) if n >= 2 and np.isnan(norm[k]).any()]
+    if not broken:
+        return
+    k = min(broken)
+    layer, head = (int(i) for i in np.argwhere(np.isnan(norm[k]))[0])
+    dtype = "" if loaded.dtype == "float32" else f", or {loaded.dtype} overflows (run with --dtype float32)"
+    raise AttnprobeError(
+        f"model {loaded.spec} gives NaN value-weighted scores and output_norm in layer {layer}, head {head} (on corpus "
+        f"line {sentences[k].line}): the value or output-projection weights of that head hold NaN or inf{dtype}: "
+        "check or re-save the weights"
+    )
 
 
 def measure_batch(
@@ -802,7 +834,8 @@ def check_options(
 class Tokens:
     ids: list[np.ndarray]  # per sentence, int32, truncated to the model's context
     special: list[np.ndarray]  # per sentence, 1 where the tokenizer added a special token ([CLS], [SEP], BOS)
-    cut: list[tuple[int, int]] = field(default_factory=list)  # (line, tokens cut) of each truncated sentence
+    # (line, tokens beyond the context, whether the line was clipped before tokenizing so the count is a lower bound)
+    cut: list[tuple[int, int, bool]] = field(default_factory=list)
 
     @property
     def truncated(self) -> int:
@@ -841,8 +874,11 @@ def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens
         for k, (tokens, flags) in enumerate(zip(kept["input_ids"], kept["special_tokens_mask"])):
             if not tokens:
                 raise AttnprobeError(f"corpus line {chunk[k].line} gives no tokens: remove or fix it")
-            if k in full and len(full[k]) > len(tokens):
-                cut.append((chunk[k].line, len(full[k]) - len(tokens)))
+            beyond = len(full[k]) - len(tokens) if k in full else 0  # tokens of the (clipped) text past the limit
+            if texts[k] is not chunk[k].text:  # clipped before tokenizing: the line has more than `beyond`
+                cut.append((chunk[k].line, max(0, beyond), True))
+            elif beyond > 0:
+                cut.append((chunk[k].line, beyond, False))
             ids.append(np.asarray(tokens, dtype=np.int32))
             special.append(np.asarray(flags, dtype=np.int8))
     return Tokens(ids, special, cut)
@@ -857,7 +893,7 @@ class Scan:
     longest: int = 0
     special: bool = False  # whether the tokenizer adds special tokens
     truncated: int = 0
-    cut: list[tuple[int, int]] = field(default_factory=list)  # (line, tokens cut) of the first truncated ones
+    cut: list[tuple[int, int, bool]] = field(default_factory=list)  # Tokens.cut of the first truncated ones
     lengths: list[int] = field(default_factory=list)  # tokens of the first FEW_SEQUENCES sequences (block bootstrap)
     example_index: int = -1  # the example sentence for `plot`: the first closest to EXAMPLE_TARGET_TOKENS
     example: Sentence | None = None
@@ -895,20 +931,31 @@ class Scan:
 
 
 CUT_SHOWN = 5  # truncated sentences named in the warning
+STOP_CHECK_SECONDS = 0.5  # how often the counting pass asks whether the run should stop
 
 
-def scan(loaded: LoadedModel, corpus: Corpus, keep_first_window: bool = False) -> Scan:
+def scan(loaded: LoadedModel, corpus: Corpus, keep_first_window: bool = False,
+         should_stop: Callable[[], bool] | None = None) -> Scan:
     """Tokenize the corpus once, chunk by chunk, keeping only totals, the longest and the example sentence.
 
     `keep_first_window`: also keep the ids of the first WINDOW_SENTENCES sentences (`Scan.first_window`), so
     that the measuring pass need not tokenize them again: a corpus of one window is tokenized once. At most
-    one window is kept, whatever the corpus's size.
+    one window is kept, whatever the corpus's size. `should_stop` (Ctrl-C, SIGTERM) is asked between chunks of
+    TOKENIZE_CHUNK sentences, every STOP_CHECK_SECONDS: a stop raises Stopped within about that time, not after
+    counting a large corpus whole (a corpus of one chunk is not asked: it is counted in a moment).
     """
     result = Scan()
     window = Tokens([], []) if keep_first_window else None
-    for first, chunk in windows(corpus.stream(), TOKENIZE_CHUNK):
-        chunk = [clipped(s, loaded.max_length) for s in chunk]  # an example keeps the cut text, not 50 MB
-        tokens = tokenize_sentences(loaded, chunk)
+    asked = time.monotonic()
+    for first, whole in windows(corpus.stream(), TOKENIZE_CHUNK):
+        if should_stop is not None and first > 0 and time.monotonic() - asked >= STOP_CHECK_SECONDS:
+            asked = time.monotonic()
+            if should_stop():
+                raise Stopped(f"stopped while counting the corpus ({first} sentences counted), before any batch "
+                              "was measured")
+        tokens = tokenize_sentences(loaded, whole)  # clips each text itself, and so knows which it clipped
+        chunk = [clipped(s, loaded.max_length) for s in whole]  # an example keeps the cut text, not 50 MB
+        del whole
         if window is not None and first < WINDOW_SENTENCES:
             window.ids.extend(tokens.ids[: WINDOW_SENTENCES - first])
             window.special.extend(tokens.special[: WINDOW_SENTENCES - first])
@@ -1159,7 +1206,8 @@ def run_info(
         "tokens": scanned.tokens,
         "longest_sequence": scanned.longest,
         "truncated_sentences": scanned.truncated,
-        "truncated_lines": [{"line": line, "tokens_cut": cut} for line, cut in scanned.cut],
+        "truncated_lines": [{"line": line, "tokens_cut": cut, "at_least": at_least}
+                            for line, cut, at_least in scanned.cut],
         "device": str(loaded.device),
         "dtype": loaded.dtype,
         "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never

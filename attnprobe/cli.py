@@ -150,10 +150,15 @@ def friendly_errors(command):
                 err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         finally:
+            while AT_END:  # what the command holds until it ends (hold_out's lock)
+                AT_END.pop()()
             if ours:  # a caller's process (a notebook, the tests) lives on: its garbage is collected again
                 gc.unfreeze()
 
     return wrapper
+
+
+AT_END: list = []  # callables friendly_errors runs (last first) when the command ends, however it ends
 
 
 def freeze_imports() -> None:
@@ -328,6 +333,7 @@ def analyze(
         raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     if world.size == 1:  # under torchrun another rank may be writing already: rank 0 cleans at the end
+        hold_out(out)  # a second run into this folder is refused
         io.remove_stale_temps(out, started)  # what a killed run left (a half-written checkpoint, rows)
     io.check_checkpoint_slots(out)  # a folder named checkpoint.npz: refused now, not at the first save
     # under torchrun every rank saves its own; under --overwrite under another name, so that the stopped run's
@@ -374,7 +380,9 @@ def analyze(
         if world.is_main:
             how = "the same command with --resume in place of --overwrite (the stopped run it replaces is kept " \
                 "until this one completes)" if overwrite else "the same command and --resume"
-            err_console.print(f"Interrupted: {err}. Continue with {how}.", markup=False, soft_wrap=True)
+            again = f"Continue with {how}" if io.checkpoint_files(out) else \
+                "Nothing was measured: run the same command again"  # stopped before the first checkpoint
+            err_console.print(f"Interrupted: {err}. {again}.", markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
     finally:
         distributed.leave(world)
@@ -434,6 +442,13 @@ def analyze(
         )
     out_console.print(summary_table(run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def hold_out(out: Path, command: str = "analyze") -> None:
+    """Lock results folder `out` for this command (attnprobe.lock) until the command ends, however it ends."""
+    from attnprobe import lock
+
+    AT_END.append(lock.take(out, command).release)
 
 
 def release_offload(loaded) -> None:
@@ -711,13 +726,15 @@ def plot(
     picked = plotting.choose_example(examples, example)
     if chosen is not None:
         naming.check_heads_exist(chosen, *shape)
-    figures = {
-        "entropy_heatmap": plotting.entropy_heatmap_figure(heads, run_title(out, "Mean attention entropy per head")),
-        "layer_gradient": plotting.layer_gradient_figure(heads, layers, types, categories,
-                                                         run_title(out, "Entropy by depth and head types")),
-        "head_patterns": plotting.head_patterns_figure(picked, types, heads, None,
-                                                       run_title(out, "Attention patterns")),
-    }
+    skipped: list[str] = []
+    figures = drawable({
+        "entropy_heatmap": lambda: plotting.entropy_heatmap_figure(
+            heads, run_title(out, "Mean attention entropy per head")),
+        "layer_gradient": lambda: plotting.layer_gradient_figure(heads, layers, types, categories,
+                                                                 run_title(out, "Entropy by depth and head types")),
+        "head_patterns": lambda: plotting.head_patterns_figure(picked, types, heads, None,
+                                                               run_title(out, "Attention patterns")),
+    }, skipped, out)
     if chosen is not None:  # its own file: the by-type head_patterns stays as it is
         figures[SELECTED_PATTERNS] = plotting.head_patterns_figure(picked, types, heads, chosen,
                                                                    run_title(out, "Attention patterns"))
@@ -737,6 +754,7 @@ def plot(
     stale = [name for name in (position, *(f"{stem}.{suffix}" for stem in io.ABLATE_PLOT_FIGURES))
              if name not in files]  # from an earlier run
     stale += [name for name in (f"{stem}.{suffix}" for stem in SIMILARITY_FIGURES) if name not in files]
+    stale += [f"{stem}.{suffix}" for stem in skipped]  # an earlier run's figure would pass for this one's
     written = io.write_files(out, files, remove=stale)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
     if chosen is not None:
@@ -1139,6 +1157,27 @@ def importance_figures(out: Path, heads, types) -> dict:
             io.IMPORTANCE_TYPE_FIGURE: plotting.importance_vs_type_figure(importance, heads, types, title)}
 
 
+def drawable(builds: dict, skipped: list[str], out: Path) -> dict:
+    """The figures (name -> Figure) of `builds` (name -> function drawing it) whose data hold values; a figure
+    whose scores are all NaN (plotting.Undrawable) is skipped with a warning line and its name added to
+    `skipped`; when none can be drawn, one error line."""
+    from attnprobe import plotting
+
+    figures, reasons = {}, []
+    for name, build in builds.items():
+        try:
+            figures[name] = build()
+        except plotting.Undrawable as err:
+            skipped.append(name)
+            reasons.append(str(err))
+            err_console.print(f"Warning: {name} not drawn: {err}; run `attnprobe analyze --out {out}` again to "
+                              "draw it", markup=False, highlight=False, soft_wrap=True)
+    if not figures:
+        raise AttnprobeError(f"nothing to draw in {out}: {'; '.join(dict.fromkeys(reasons))}: run `attnprobe "
+                             f"analyze --out {out}` again")
+    return figures
+
+
 SIMILARITY_FIGURES = ("head_similarity", "head_map")  # plot's figures of `related`'s head_similarity.npz
 
 
@@ -1295,7 +1334,7 @@ def related(
     head_similarity.npz (plot draws it, report lists each head's nearest heads)."""
     from attnprobe import io, naming
     from attnprobe.model import load_model
-    from attnprobe.similarity import NEAREST, check_settings, head_similarity, run_corpus, run_model
+    from attnprobe.similarity import NEAREST, check_same_weights, check_settings, head_similarity, run_corpus, run_model
 
     started = time.monotonic()
     check_settings(sentences, max_tokens, batch_size)
@@ -1312,6 +1351,7 @@ def related(
         raise AttnprobeError(f"{spec} has {loaded.num_layers} x {loaded.num_heads} heads, but run.json in {out} "
                              f"records {run['model']['layers']} x {run['model']['heads']}: run `attnprobe analyze "
                              f"--out {out}` again")
+    check_same_weights(run, loaded, out)
     with err_console.status(f"Comparing {loaded.num_layers * loaded.num_heads} heads"):
         result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens, batch_size=batch_size)
     result.info["model"] = run["model"]["spec"]  # as run.json names it, whatever path loaded it

@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import json
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,12 +126,18 @@ class Corpus:
         return [s.text for s in self.sentences]
 
 
+MAX_LIMIT = sys.maxsize  # the most sequences --limit can ask for (what islice can count to)
+
+
 def check_limit(limit: object) -> None:
     """`--limit N`: a whole number of sequences, 1 or more."""
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise AttnprobeError(f"--limit {limit!r} is not a whole number: give how many sequences to use, e.g. 100")
     if limit < 1:
         raise AttnprobeError(f"--limit {limit} is below 1: give how many of the first sequences to use, e.g. 100")
+    if limit > MAX_LIMIT:  # itertools.islice takes at most sys.maxsize
+        raise AttnprobeError(f"--limit {limit} is above {MAX_LIMIT:,}, more sequences than any corpus holds: give "
+                             "how many of the first sequences to use, e.g. 100, or leave --limit out for all")
 
 
 def read_corpus(path: str | Path, split: str = "lines") -> Corpus:

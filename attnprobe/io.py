@@ -121,15 +121,18 @@ def is_result_name(name: str) -> bool:
     return name in fixed or bool(_CHECKPOINT_NAME.fullmatch(name))
 
 
-_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp")  # write_files' and SentenceWriter's (mkstemp)
+# write_files' and SentenceWriter's (mkstemp, after temp_prefix: the writer's pid; older versions wrote none)
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.(?:(?P<pid>\d+)-)?[A-Za-z0-9_]{8}\.tmp")
 _PART_NAME = re.compile(r"\.sentences\.parquet\.rank\d+\.part")  # sentence_part's
 
 
 def remove_stale_temps(out: str | Path, before: float) -> list[str]:
     """Remove what a killed run of attnprobe left in `out`: temporary files of its own names
-    (`.heads.csv.abc123_x.tmp`, `.checkpoint.npz.*.tmp`, `.sentences.parquet.*.tmp`) and torchrun's sentence
-    parts, last written before `before` (a time.time(): a file of a run going on now is newer). Nobody
-    else's files: only names attnprobe itself makes. Returns the names removed."""
+    (`.heads.csv.1234-abc123_x.tmp`, `.checkpoint.npz.*.tmp`, `.sentences.parquet.*.tmp`) and torchrun's sentence
+    parts. A temporary file named with its writer's pid goes only when that process is gone (another command
+    may be writing it now, however long ago it began); one without (an older version's, a part) when it was
+    last written before `before` (a time.time(): a file of a run going on now is newer). Nobody else's files:
+    only names attnprobe itself makes. Returns the names removed."""
     folder = Path(out)
     if not folder.is_dir():
         return []
@@ -137,13 +140,39 @@ def remove_stale_temps(out: str | Path, before: float) -> list[str]:
     for path in folder.iterdir():
         temp = _TEMP_NAME.fullmatch(path.name)
         ours = bool(temp and is_result_name(temp["name"])) or bool(_PART_NAME.fullmatch(path.name))
+        pid = int(temp["pid"]) if temp and temp["pid"] else None
         try:
-            if ours and path.is_file() and not path.is_symlink() and path.stat().st_mtime < before:
+            if not ours or not path.is_file() or path.is_symlink():
+                continue
+            if pid is not None and pid != os.getpid():
+                stale = not _alive(pid)
+            else:
+                stale = path.stat().st_mtime < before
+            if stale:
                 path.unlink()
                 removed.append(path.name)
         except OSError:
             continue  # gone already, or not ours to remove
     return sorted(removed)
+
+
+def temp_prefix(name: str) -> str:
+    """The prefix of a temporary file that will be renamed to `name`: with this process's pid, so that a cleanup
+    removes it only once its writer is gone (remove_stale_temps)."""
+    return f".{name}.{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, OSError):
+        return False
+    return True
 
 
 def check_inputs_apart(out: str | Path, inputs: dict[str, str | Path | None]) -> None:
@@ -175,7 +204,7 @@ def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[st
         for name, write in writers.items():
             current = out / name
             current.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=current.parent, prefix=f".{current.name}.", suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=current.parent, prefix=temp_prefix(current.name), suffix=".tmp")
             os.close(fd)
             staged.append((Path(tmp), current))
             write(Path(tmp))
@@ -226,7 +255,7 @@ class SentenceWriter:
         self.tmp: Path | None = None
         self.writer = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.out, prefix=f".{SENTENCES_FILE}.", suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=self.out, prefix=temp_prefix(SENTENCES_FILE), suffix=".tmp")
             os.close(fd)
             self.tmp = Path(tmp)
             self.writer = pq.ParquetWriter(self.tmp, self.schema)
@@ -866,9 +895,10 @@ def read_similarity(out: str | Path) -> dict[str, Any] | None:
     good = (js.ndim == 2 and js.shape == (n, n) and head.shape == (n,) and n > 0 and js.dtype.kind == "f"
             and layer.dtype.kind in "iu" and head.dtype.kind in "iu")
     if not good or not np.all(np.isfinite(js)) or np.any(js < 0) or np.any(js > np.log(2) + 1e-6) \
-            or not np.allclose(js, js.T, rtol=0, atol=1e-9):
+            or not np.allclose(js, js.T, rtol=0, atol=1e-9) or not np.allclose(np.diag(js), 0.0, rtol=0, atol=1e-9):
+        # the diagonal is a head's JS with itself: exactly 0 as `related` writes it
         raise AttnprobeError(f"{path} does not hold a symmetric [head, head] matrix of JS divergences with a layer "
-                             f"and head per row: run `{made_by}` again")
+                             f"and head per row and 0 on its diagonal: run `{made_by}` again")
     found["model"] = str(found["model"])
     return found
 

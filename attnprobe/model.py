@@ -133,6 +133,7 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    remove_stale_offload()
     made = offload_dir() if device_map is not None and offload_folder is None else None
     placement = {} if device_map is None else {
         "device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder or made,
@@ -152,9 +153,11 @@ def load_model(
                 raise _no_tokenizer(spec, source)
             with_head = lm_head and not _is_encoder(AutoConfig.from_pretrained(source, **cache_only))
             # weights_only: a pickled checkpoint is read by torch's safe loader, never unpickled freely
-            model = (AutoModelForCausalLM if with_head else AutoModel).from_pretrained(
-                source, attn_implementation="eager", dtype=torch_dtype, weights_only=True, **placement, **cache_only
+            model, info = (AutoModelForCausalLM if with_head else AutoModel).from_pretrained(
+                source, attn_implementation="eager", dtype=torch_dtype, weights_only=True, output_loading_info=True,
+                **placement, **cache_only
             )
+            check_weights_match(source, model, info)
         except (SafetensorError, pickle.UnpicklingError, EOFError) as err:
             raise _weights_error(spec, source, resolved.local, resolved.origin, err) from err
         except RuntimeError as err:
@@ -192,19 +195,86 @@ def load_model(
     return loaded
 
 
+KEYS_NAMED = 4  # weight names a mismatch error shows
+
+
+def check_weights_match(source: str, model: nn.Module, info: dict[str, Any]) -> None:
+    """Refuse weights that do not fill the model its config.json describes.
+
+    transformers initialises the tensors a checkpoint lacks (a config with more layers than the weights, another
+    architecture's config) and drops those the model has no place for (fewer layers), and only logs it, which
+    attnprobe quiets: the results would be of made-up or missing layers. Keys transformers itself expects to be
+    absent (tied weights, `_keys_to_ignore_on_load_missing`) are not in `missing_keys`, and a checkpoint saved with a
+    head that this base model does not hold (`lm_head.weight` under AutoModel) is fine: only an unexpected key
+    under one of the model's own submodules is refused.
+    """
+    missing = [k for k in info.get("missing_keys", []) if not _ignored(k, model, "_keys_to_ignore_on_load_missing")
+               and k not in _tied_keys(model)]
+    unexpected = [k for k in info.get("unexpected_keys", []) if _own_key(k, model)
+                  and not _ignored(k, model, "_keys_to_ignore_on_load_unexpected")]
+    if not missing and not unexpected:
+        return
+    parts = [f"{what} {_some(keys)}" for what, keys in (("lacks", missing), ("has extra", unexpected)) if keys]
+    raise AttnprobeError(
+        f"cannot load model from {source}: its weights do not match its config.json "
+        f"({type(model).__name__}, {getattr(model.config, 'num_hidden_layers', '?')} layers): the checkpoint "
+        f"{' and '.join(parts)}, which would be made up (freshly initialised) or dropped: "
+        "use the config.json saved with these weights (save_pretrained writes both), or re-save the model"
+    )
+
+
+def _some(keys: list[str]) -> str:
+    """The first KEYS_NAMED of `keys`, sorted, and how many in all."""
+    names = sorted(keys)
+    more = f" and {len(names) - KEYS_NAMED} more" if len(names) > KEYS_NAMED else ""
+    return ", ".join(names[:KEYS_NAMED]) + more
+
+
+def _ignored(key: str, model: nn.Module, attribute: str) -> bool:
+    """Whether a pattern of the model class's (and its base model's) `attribute` matches `key`."""
+    import re
+
+    patterns = set(getattr(model, attribute, None) or ()) | set(getattr(model.base_model, attribute, None) or ())
+    return any(re.search(pattern, key) for pattern in patterns)
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    """Parameter names that a tied model fills from another weight (the LM head from the embeddings)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    return set(tied.keys() if isinstance(tied, dict) else tied)
+
+
+def _own_key(key: str, model: nn.Module) -> bool:
+    """Whether `key` names a place inside one of the model's own submodules (a layer it lacks, say)."""
+    children = {name for name, _ in model.named_children()} | {name for name, _ in model.base_model.named_children()}
+    prefix = f"{model.base_model_prefix}."
+    first = (key[len(prefix):] if key.startswith(prefix) else key).split(".")[0]
+    return first in children
+
+
 OFFLOAD_PREFIX = "attnprobe-offload-"  # + pid + "-" + mkdtemp's random part, in the temporary folder
 
 
-def offload_dir() -> str:
-    """A temporary folder for --device-map's disk offload, named by this process; removed by `release_offload`
-    (or at exit). Folders of processes that are gone (killed) are removed first."""
-    import atexit
+def remove_stale_offload() -> None:
+    """Remove the offload folders of processes that are gone (a SIGKILLed --device-map run cannot remove its own):
+    every load does this, with or without --device-map, so a killed run's folder (empty or gigabytes) does not
+    wait for the next --device-map run."""
     import shutil
 
     for folder in Path(tempfile.gettempdir()).glob(f"{OFFLOAD_PREFIX}*"):
         pid = folder.name[len(OFFLOAD_PREFIX):].split("-")[0]
         if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def offload_dir() -> str:
+    """A temporary folder for --device-map's disk offload, named by this process; removed by `release_offload`
+    (or at exit)."""
+    import atexit
+    import shutil
+
     made = tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, made, True)
     return made
@@ -226,6 +296,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's process
+    except (OverflowError, OSError):
+        return False  # no such pid can exist
     return True
 
 

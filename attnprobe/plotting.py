@@ -331,6 +331,8 @@ def representatives(types: pd.DataFrame, heads: pd.DataFrame | None = None) -> d
             others = group[~is_first_token_sink(group).fillna(False).astype(bool)]
             group = others if not others.empty else group
         column, largest = PICK_BY.get(str(kind), ("entropy", None))
+        if not group[column if largest is not None else "entropy_unforced"].notna().any():
+            continue  # the score that picks the clearest head holds no value (all NaN): no head can be named
         if largest is None:  # mixed: the most typical, nearest the median entropy
             index = (group["entropy_unforced"] - group["entropy_unforced"].median()).abs().idxmin()
         else:
@@ -339,8 +341,19 @@ def representatives(types: pd.DataFrame, heads: pd.DataFrame | None = None) -> d
     return {kind: picks[kind] for kind in ALL_TYPES if kind in picks}
 
 
+class Undrawable(AttnprobeError):
+    """A figure whose data hold no value (a score column all NaN): `plot` skips it with a warning."""
+
+
+def check_has_values(heads: pd.DataFrame, column: str) -> None:
+    """Refuse (Undrawable) to draw a score of which heads.csv holds no value."""
+    if column in heads.columns and not heads[column].notna().any():
+        raise Undrawable(f"heads.csv's {column} holds no value (all NaN)")
+
+
 @any_script_figure
 def entropy_heatmap_figure(heads: pd.DataFrame, title: str | None = None) -> Figure:
+    check_has_values(heads, "entropy")
     n_layers, n_heads = grid(heads, "entropy").shape
     figure = Figure(figsize=(max(6.0, 0.6 * n_heads + 2.5), max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
     ax = figure.add_subplot()
@@ -487,6 +500,8 @@ def head_patterns_figure(
         panels = [(str(table.loc[pair, "head_type"]) if pair in table.index else "", pair) for pair in chosen]
     else:
         panels = list(representatives(types, heads).items())
+    if not panels and not table.empty:
+        raise Undrawable("heads.csv holds no value (all NaN) in the scores that pick each type's clearest head")
     if not panels:
         raise AttnprobeError("no head to draw: head_types.csv is empty")
     tokens = example["tokens"]

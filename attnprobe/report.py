@@ -208,8 +208,10 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
             notes.append(f"only {len(examples)} of {len(found)} example sentences are shown: the maps of this "
                          f"{n_layers} x {n_heads} model would make the page too large")
             break
-        examples.append({"sentence": short_sentence(example["sentence"]), "tokens": example["tokens"],
-                         "total": example["total_tokens"], "category": example["category"] or None,
+        # corpus text reaches the page only through `visible`: a NUL or a bidi override shows as its escape
+        examples.append({"sentence": visible(short_sentence(example["sentence"]), keep=LAYOUT),
+                         "tokens": [visible(str(t), keep=LAYOUT) for t in example["tokens"]],
+                         "total": example["total_tokens"], "category": visible(example["category"]) or None,
                          "tri": triangular, "maps": encoded})
     if not examples:
         notes.append(f"no {io.EXAMPLES_FILE} or {io.EXAMPLE_FILE}: no attention patterns to show")
@@ -230,9 +232,12 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
         "intervalsOver": "blocks of query rows" if (run.get("bootstrap") or {}).get("method") == BLOCK else "sentences",
         "typesSummary": types_sentence(types, scheme),
         "provenance": provenance(run, out),
-        "notes": notes,
+        "notes": [visible(str(note)) for note in notes],
     }
     return data, notes
+
+
+LAYOUT = "\n\t"  # kept by `visible` in sentences and tokens: the page shows them as the text's layout (⏎, ⇥)
 
 
 def short_sentence(text: str, limit: int = SENTENCE_CHARS) -> str:
@@ -450,7 +455,7 @@ def _categories(out: Path, n_layers: int) -> dict[str, Any] | None:
     lines = []
     for name, group in frame.groupby("category", sort=False):
         group = group.set_index("layer").reindex(range(n_layers))
-        line = {"name": str(name), "mean": _numbers(group[score])}
+        line = {"name": visible(str(name)), "mean": _numbers(group[score])}  # a corpus's category name
         if f"{score}_ci_low" in group.columns:
             line["low"], line["high"] = _numbers(group[f"{score}_ci_low"]), _numbers(group[f"{score}_ci_high"])
         if "sentences" in group.columns and group["sentences"].notna().any():

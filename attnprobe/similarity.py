@@ -245,15 +245,34 @@ def head_similarity(
 
 
 def run_model(run: dict[str, Any]) -> str:
-    """The model a results folder's run.json names, as `load_model` takes it: its spec (what --model was), or
-    its resolved source folder when the spec is a relative path that no longer leads to it from here."""
+    """The model a results folder's run.json names, as `load_model` takes it: its spec (what --model was), or,
+    when the spec is a path, the folder it resolved to when the run was made (a relative spec leads elsewhere
+    from another working folder), while that folder is there."""
     import os
 
     spec, source = str(run["model"]["spec"]), run["model"].get("source")
     path_like = os.sep in spec or "/" in spec or spec.startswith(".")
-    if path_like and not Path(spec).exists() and isinstance(source, str) and Path(source).is_dir():
+    if path_like and isinstance(source, str) and Path(source).is_dir():
         return source
     return spec
+
+
+def check_same_weights(run: dict[str, Any], loaded: Any, out: str | Path) -> None:
+    """Refuse to measure a model whose weights are not those the run in `out` measured (re-saved, or another
+    folder of the same name from here): run.json's `model.weights` fingerprint (analysis.model_weights) must be
+    the loaded model's. A run.json without one (older, or a model the caller loaded) is not checked."""
+    from attnprobe.analysis import model_weights
+
+    recorded = run["model"].get("weights")
+    if not recorded:
+        return
+    found = model_weights(loaded)
+    if found != recorded:
+        raise AttnprobeError(
+            f"the model at {loaded.source} is not the one the run in {out} measured (its weights fingerprint "
+            f"{str(found)[:20]} differs from run.json's {str(recorded)[:20]}): put the measured weights back, or "
+            f"run `attnprobe analyze --out {out}` again on this model"
+        )
 
 
 def run_corpus(run: dict[str, Any], out: str | Path) -> Any:

@@ -37,6 +37,10 @@ def parse(value: Any) -> int | str:
         raise AttnprobeError(f"--threads {value!r} is not a whole number: use auto or 1 or more") from None
     if threads < 1:
         raise AttnprobeError(f"--threads {threads} is below 1: use auto or 1 or more")
+    most = 4 * (os.cpu_count() or 1)  # more threads than that only wait on each other (and torch overflows)
+    if threads > most:
+        raise AttnprobeError(f"--threads {threads} is above {most} (4 x this machine's {os.cpu_count() or 1} CPUs): "
+                             f"use auto or 1 to {most}")
     return threads
 
 

@@ -104,7 +104,7 @@ def test_the_truncation_warning_names_the_lines(tmp_path):
     result = run("analyze", "--model", model, "--corpus", corpus, "--out", tmp_path / "out", "--device", "cpu",
                  "--resamples", "5")
     assert result.exit_code == 0, result.output
-    assert "1 sentence(s) were longer than the model's 8 tokens and were truncated: line 3 (-6 tokens)" \
+    assert "1 sentence(s) were longer than the model's 8 tokens and were truncated: line 3 (6 tokens over the limit)" \
         in " ".join(result.stderr.split())
 
 
