@@ -84,7 +84,7 @@ def analyze(
     *,
     batch_size: int = 8,
     device: str = "auto",
-    dtype: str = "float32",
+    dtype: str = "auto",
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
     progress: Progress | None = None,
@@ -1155,7 +1155,8 @@ def run_info(
         "truncated_sentences": scanned.truncated,
         "truncated_lines": [{"line": line, "tokens_cut": cut} for line, cut in scanned.cut],
         "device": str(loaded.device),
-        "dtype": loaded.dtype,
+        "dtype": loaded.dtype,  # what ran
+        "dtype_requested": loaded.dtype_requested,  # --dtype (auto: the checkpoint's own); None: the caller loaded it
         "batch_size": batch_size,
         "wall_seconds": round(seconds, 3),
         "versions": versions(),

@@ -48,15 +48,16 @@ class Capture:
     inputs: list[tuple[tuple, dict]]  # per layer, the attention module's (args, kwargs)
 
 
-def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCES, *, device: str = "auto"
-           ) -> list[Check]:
+def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCES, *, device: str = "auto",
+           dtype: str = "auto") -> list[Check]:
     """Run every check on `sentences` (a few of different lengths are enough) and return them in order.
 
-    `model`: a LoadedModel, a name or path (loaded on `device`), or a (transformers model, tokenizer) pair.
+    `model`: a LoadedModel, a name or path (loaded on `device` in `dtype`), or a (transformers model, tokenizer)
+    pair.
     """
     if isinstance(sentences, str) or not sentences or not all(isinstance(s, str) and s.strip() for s in sentences):
         raise AttnprobeError("sentences: expected a list of non-empty strings, e.g. [\"The cat sat.\", \"Rain fell.\"]")
-    loaded = as_loaded(model, device)
+    loaded = as_loaded(model, device, dtype)
     clipped = [clip_text(s, loaded.max_length) for s in sentences]  # a huge line: only what the model keeps
     ids = [t[: loaded.max_length] for t in loaded.tokenizer(clipped)["input_ids"]]
     input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
