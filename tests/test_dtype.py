@@ -121,7 +121,7 @@ def test_cli_analyze_records_the_dtype_asked_for_and_the_one_that_ran(llama16, c
     assert related.exit_code == 0, related.output
 
 
-@pytest.mark.parametrize("command", ["probe", "rollout", "ablate"])  # verify: see test_verify_dtype.py
+@pytest.mark.parametrize("command", ["verify", "probe", "rollout", "ablate"])
 def test_every_command_that_loads_a_model_takes_dtype_and_device_map(command, llama16, corpus_file, tmp_path):
     args = {
         "verify": ["verify", "-n", "2"],

@@ -144,3 +144,25 @@ def test_llama3_frequencies_follow_the_published_formula():
     assert torch.allclose(got[wavelength > 8192], base[wavelength > 8192] / 8)
     between = (wavelength >= 8192 / 4) & (wavelength <= 8192)
     assert between.any() and ((got[between] < base[between]) & (got[between] > base[between] / 8)).all()
+
+
+BFLOAT16_FAMILIES = ["llama", "qwen2", "gemma2", "gpt_neox", "phi3", "bert", "gpt2", "bloom"]
+
+
+@pytest.mark.parametrize("name", BFLOAT16_FAMILIES)
+def test_verify_runs_a_bfloat16_model_in_bfloat16_and_still_catches_swapped_heads(zoo_model, name, monkeypatch):
+    """A bf16 model is checked in bf16 (its memory): the recomputation's bound is per weight (recompute_bound), so
+    it passes on the true maps and fails where two heads' weights are swapped; the checks whose bounds are float32's
+    say so in a short note."""
+    loaded = zoo_model(name, "bfloat16")
+    assert loaded.dtype == "bfloat16"
+    checks = verify(loaded, list(DEFAULT_SENTENCES))
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    check = next(c for c in checks if c.name == RECOMPUTED)
+    assert not check.skipped and check.note == "bfloat16: bound per weight"
+    assert next(c for c in checks if c.name == "rows sum to 1").tolerance == pytest.approx(1e-5 + 2.0**-8)
+    for other in checks:
+        assert other.name in (RECOMPUTED, "rows sum to 1", "future/padded keys get 0") or (
+            other.skipped and other.note == "bfloat16: rerun with --dtype float32"), other
+    changed_under_the_recomputation(loaded, monkeypatch, lambda: swap_heads(loaded))
+    assert not recomputed(loaded).passed
