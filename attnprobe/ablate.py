@@ -107,7 +107,7 @@ class Prefix:
 
 def ablate(
     model: str, corpus: str, *, method: str = "zero", heads: list[tuple[int, int]] | None = None,
-    layers: bool = False, batch_size: int = 8, device: str = "auto", dtype: str = "float32",
+    layers: bool = False, batch_size: int = 8, device: str = "auto", dtype: str = "auto",
     resamples: int = DEFAULT_RESAMPLES, seed: int = 0, pruning: bool = True, progress: Progress | None = None,
     limit: int | None = None,
 ) -> Ablation:
@@ -799,6 +799,7 @@ def run_info(
         "pruning_percents": list(PRUNING_PERCENTS),
         "device": str(loaded.device),
         "dtype": loaded.dtype,
+        "dtype_requested": loaded.dtype_requested,
         "batch_size": batch_size,
         "bootstrap": {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
                       "method": "poisson"},

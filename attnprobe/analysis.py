@@ -84,7 +84,7 @@ def analyze(
     *,
     batch_size: int = 8,
     device: str = "auto",
-    dtype: str = "float32",
+    dtype: str = "auto",
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
     progress: Progress | None = None,
@@ -1209,7 +1209,8 @@ def run_info(
         "truncated_lines": [{"line": line, "tokens_cut": cut, "at_least": at_least}
                             for line, cut, at_least in scanned.cut],
         "device": str(loaded.device),
-        "dtype": loaded.dtype,
+        "dtype": loaded.dtype,  # what ran
+        "dtype_requested": loaded.dtype_requested,  # --dtype (auto: the checkpoint's own); None: the caller loaded it
         "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never
         "batch_size": batch_size,
         "wall_seconds": round(seconds, 3),

@@ -111,9 +111,21 @@ POSITION_FIGURE = "position_profile.png"
 
 
 class DTypeChoice(str, Enum):
+    auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+DTYPE_NAMES = tuple(choice.value for choice in DTypeChoice)
+DTYPE_HELP = "Model precision; auto: the checkpoint's own (bfloat16 stays bfloat16); statistics are kept in float32."
+DTypeOption = Annotated[DTypeChoice, typer.Option("--dtype", help=DTYPE_HELP)]
+DeviceMapOption = Annotated[
+    str | None, typer.Option("--device-map", help="'auto': spread a large model over GPUs, CPU and disk.")
+]
+MaxMemoryOption = Annotated[
+    str | None, typer.Option("--max-memory", help="With --device-map: limits per device, e.g. 0=20GiB,cpu=60GiB.")
+]
 
 
 class SplitChoice(str, Enum):
@@ -229,8 +241,8 @@ def analyze(
     ] = DeviceChoice.auto,
     dtype: Annotated[
         DTypeChoice,
-        typer.Option("--dtype", help="Model precision; statistics are kept in float32.", rich_help_panel=RUN),
-    ] = DTypeChoice.float32,
+        typer.Option("--dtype", help=DTYPE_HELP, rich_help_panel=RUN),
+    ] = DTypeChoice.auto,
     resamples: Annotated[
         int, typer.Option("--resamples", help="Bootstrap resamples for the 95% intervals: of the sentences, or below "
                           "10 sequences of blocks of query rows within each.", rich_help_panel=SCORES)
@@ -329,8 +341,7 @@ def analyze(
     if checkpoint_every < 0:
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
     limits.check_real("--checkpoint-every", checkpoint_every, 0.0, limits.MAX_CHECKPOINT_SECONDS, 300)
-    if max_memory and not device_map:
-        raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
+    check_placement(device_map, max_memory)
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     if world.size == 1:  # under torchrun another rank may be writing already: rank 0 cleans at the end
         hold_out(out)  # a second run into this folder is refused
@@ -449,6 +460,27 @@ def hold_out(out: Path, command: str = "analyze") -> None:
     from attnprobe import lock
 
     AT_END.append(lock.take(out, command).release)
+
+
+def check_placement(device_map: str | None, max_memory: str | None) -> None:
+    """--max-memory needs --device-map."""
+    if max_memory and not device_map:
+        raise AttnprobeError("--max-memory applies with --device-map: add --device-map auto")
+
+
+def load(model: str, device: str, dtype: str, device_map: str | None = None, max_memory: str | None = None,
+         lm_head: bool = False, enabled: bool = True):
+    """load_model under the `Loading MODEL` spinner, with --dtype, --device-map and --max-memory."""
+    from attnprobe.model import load_model, parse_max_memory
+
+    with loading(model, enabled) as on_status:
+        return load_model(model, device, dtype, device_map=device_map, max_memory=parse_max_memory(max_memory),
+                          lm_head=lm_head, on_status=on_status)
+
+
+def dtype_label(loaded) -> str:
+    """'bfloat16' or, where --dtype auto chose it, 'bfloat16 (auto)': what ran, for the tables' titles."""
+    return loaded.dtype if loaded.dtype_requested != "auto" else f"{loaded.dtype} (auto)"
 
 
 def release_offload(loaded) -> None:
@@ -790,28 +822,33 @@ def verify(
     sentences: Annotated[int, typer.Option("--sentences", "-n", help="How many sentences to use (first n).")] = 4,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
     bos: BosOption = BosChoice.auto,
+    dtype: DTypeOption = DTypeChoice.auto,
+    device_map: DeviceMapOption = None,
+    max_memory: MaxMemoryOption = None,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Check that the maps attnprobe reads are the model's true attention; exit 1 if any check fails."""
     from attnprobe.corpus import read_corpus
-    from attnprobe.model import load_model
     from attnprobe.verify import DEFAULT_SENTENCES
     from attnprobe.verify import verify as run_verify
 
     if sentences < 1:
         raise AttnprobeError(f"--sentences {sentences} is below 1: use 1 or more (default 4)")
     limits.check_whole("--sentences", sentences, 1, limits.MAX_SENTENCES, 4)
+    check_placement(device_map, max_memory)
     if corpus:
         texts = [s.text for s in itertools.islice(read_corpus(corpus).stream(), sentences)]
     else:
         texts = list(DEFAULT_SENTENCES)[:sentences]
     threads_used = apply_threads(threads)
-    with loading(model) as on_status:
-        loaded = load_model(model, device.value, on_status=on_status)
+    loaded = load(model, device.value, dtype.value, device_map, max_memory)
     set_bos(loaded, bos.value)
-    checks = run_verify(loaded, texts)
+    try:
+        checks = run_verify(loaded, texts)
+    finally:
+        release_offload(loaded)
     shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
-    table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}, "
+    table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}, {dtype_label(loaded)}, "
                                      f"{threads_used['threads']} torch thread(s)")))
     table.add_column("check", no_wrap=True)
     table.add_column("max abs diff", justify="right")
@@ -850,6 +887,9 @@ def probe(
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples of the sequences.")] = 1000,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sequences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
+    dtype: DTypeOption = DTypeChoice.auto,
+    device_map: DeviceMapOption = None,
+    max_memory: MaxMemoryOption = None,
     limit: Annotated[
         int | None, typer.Option("--limit", metavar="N", help="Score only the first N of each length's --sequences "
                                  "(the same random tokens as without it); recorded in probe.json.")
@@ -859,7 +899,6 @@ def probe(
 ) -> None:
     """Score induction, duplicate-token and previous-token heads on repeated random tokens."""
     from attnprobe import io, plotting
-    from attnprobe.model import load_model
     from attnprobe.probe import KINDS, check_numbers, top_heads
     from attnprobe.probe import probe as run_probe
 
@@ -869,18 +908,21 @@ def probe(
         raise AttnprobeError(f"--lengths {lengths!r}: give whole numbers separated by commas, e.g. 10,20,40") from None
     kinds = tuple(k.value for k in kind) if kind else KINDS
     check_numbers(length_list, sequences, resamples, batch_size, seed)
+    check_placement(device_map, max_memory)
     if limit is not None:
         from attnprobe.corpus import check_limit
 
         check_limit(limit)
     io.check_out_dir(out)
     threads_used = apply_threads(threads)
-    with loading(model) as on_status:
-        loaded = load_model(model, device.value, on_status=on_status)
+    loaded = load(model, device.value, dtype.value, device_map, max_memory)
     set_bos(loaded, bos.value)
-    with err_console.status("Probing"):
-        result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
-                           resamples=resamples, batch_size=batch_size, limit=limit)
+    try:
+        with err_console.status("Probing"):
+            result = run_probe(loaded, kinds=kinds, lengths=length_list, sequences=sequences, seed=seed,
+                               resamples=resamples, batch_size=batch_size, limit=limit)
+    finally:
+        release_offload(loaded)
     kinds = tuple(result.info["kinds"])  # each asked kind once, as the probe ran them
     result.info["threads"] = threads_used
     written = io.write_files(out, {
@@ -1043,7 +1085,9 @@ def ablate(
     ] = True,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
-    dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+    dtype: DTypeOption = DTypeChoice.auto,
+    device_map: DeviceMapOption = None,
+    max_memory: MaxMemoryOption = None,
     resamples: Annotated[
         int, typer.Option("--resamples", help="Bootstrap resamples of the sentences for the 95% intervals.")
     ] = 1000,
@@ -1056,21 +1100,23 @@ def ablate(
     from attnprobe import io, plotting
     from attnprobe.ablate import ablate_loaded, check_settings, parse_heads
     from attnprobe.corpus import read_corpus
-    from attnprobe.model import load_model
 
     check_settings(method.value, batch_size, resamples, seed)
+    check_placement(device_map, max_memory)
     chosen = parse_heads(heads)
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     sentences = read_corpus(corpus).head(limit)
     threads_used = apply_threads(threads)
-    with err_console.status(f"Loading {model}"):
-        loaded = load_model(model, device.value, dtype.value, lm_head=True)
+    loaded = load(model, device.value, dtype.value, device_map, max_memory, lm_head=True)
     set_bos(loaded, bos.value)
-    with stage_progress() as progress:
-        result = ablate_loaded(loaded, sentences, method=method.value, heads=chosen, layers=layers,
-                               batch_size=batch_size, resamples=resamples, seed=seed, pruning=pruning,
-                               progress=progress)
+    try:
+        with stage_progress() as progress:
+            result = ablate_loaded(loaded, sentences, method=method.value, heads=chosen, layers=layers,
+                                   batch_size=batch_size, resamples=resamples, seed=seed, pruning=pruning,
+                                   progress=progress)
+    finally:
+        release_offload(loaded)
     result.run["threads"] = threads_used
     title = f"{model} on {Path(corpus).name}, {method.value} ablation"
     shape = (result.run["model"]["layers"], result.run["model"]["heads"])  # the model's, whatever --heads chose
@@ -1264,7 +1310,9 @@ def rollout(
         float, typer.Option("--residual", help="Weight of the identity (residual stream): (1-r) A + r I.")
     ] = 0.5,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
-    dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+    dtype: DTypeOption = DTypeChoice.auto,
+    device_map: DeviceMapOption = None,
+    max_memory: MaxMemoryOption = None,
     limit: Annotated[
         int | None, typer.Option("--limit", metavar="N", help="Treat the corpus as its first N sentences: the "
                                  "example and --index are chosen among them.")
@@ -1275,10 +1323,10 @@ def rollout(
     """Attention rollout (Abnar & Zuidema 2020) of example sentences; write rollout.npz and rollout.png."""
     from attnprobe import io, plotting
     from attnprobe.corpus import read_corpus
-    from attnprobe.model import load_model
     from attnprobe.rollout import check_choice, check_residual, choose_sentences, first_token_share, rollout_loaded
 
     check_residual(residual)
+    check_placement(device_map, max_memory)
     if max_tokens is not None and max_tokens < 1:
         raise AttnprobeError(f"--max-tokens {max_tokens} is below 1: use 1 or more (default 40)")
     io.check_out_dir(out)
@@ -1288,11 +1336,13 @@ def rollout(
     sentences = read_corpus(corpus).head(limit) if corpus is not None else None
     check_choice(sentences, index, example)
     threads_used = apply_threads(threads)
-    with loading(model) as on_status:
-        loaded = load_model(model, device.value, dtype.value, on_status=on_status)
+    loaded = load(model, device.value, dtype.value, device_map, max_memory)
     set_bos(loaded, bos.value)
-    texts, indices = choose_sentences(loaded, sentences, index, example)
-    result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
+    try:
+        texts, indices = choose_sentences(loaded, sentences, index, example)
+        result = rollout_loaded(loaded, texts, indices, max_tokens=max_tokens, residual=residual)
+    finally:
+        release_offload(loaded)
     result.info["limit"] = limit
     result.info["threads"] = threads_used["threads"]
     source = Path(corpus).name if corpus is not None and not example else None
@@ -1328,32 +1378,43 @@ def related(
     bos: Annotated[
         BosChoice | None, typer.Option("--bos", help="BOS token, as for analyze (default: the run's, from run.json).")
     ] = None,
+    dtype: Annotated[
+        DTypeChoice | None, typer.Option("--dtype", help="Model precision (default: the dtype the run's run.json "
+                                         "records as having run); auto: the checkpoint's own.")
+    ] = None,
+    device_map: DeviceMapOption = None,
+    max_memory: MaxMemoryOption = None,
     threads: ThreadsOption = "auto",
 ) -> None:
     """Jensen-Shannon divergence between every pair of heads' attention on a sample of the run's corpus; write
     head_similarity.npz (plot draws it, report lists each head's nearest heads)."""
     from attnprobe import io, naming
-    from attnprobe.model import load_model
     from attnprobe.similarity import NEAREST, check_same_weights, check_settings, head_similarity, run_corpus, run_model
 
     started = time.monotonic()
     check_settings(sentences, max_tokens, batch_size)
+    check_placement(device_map, max_memory)
     chosen = naming.parse_heads(heads_option) if heads_option is not None else []
     run = io.read_run(out)
     naming.check_heads_exist(chosen, run["model"]["layers"], run["model"]["heads"])
     corpus = run_corpus(run, out)
     spec = run_model(run)
     threads_used = apply_threads(threads)
-    with loading(spec) as on_status:
-        loaded = load_model(spec, device.value, run.get("dtype", "float32"), on_status=on_status)
+    ran = run.get("dtype", "float32")  # before --dtype auto, runs were float32 unless asked otherwise
+    loaded = load(spec, device.value, dtype.value if dtype else ran if ran in DTYPE_NAMES else "auto", device_map,
+                  max_memory)
     set_bos(loaded, bos.value if bos is not None else run_bos(run))
     if (loaded.num_layers, loaded.num_heads) != (run["model"]["layers"], run["model"]["heads"]):
         raise AttnprobeError(f"{spec} has {loaded.num_layers} x {loaded.num_heads} heads, but run.json in {out} "
                              f"records {run['model']['layers']} x {run['model']['heads']}: run `attnprobe analyze "
                              f"--out {out}` again")
-    check_same_weights(run, loaded, out)
-    with err_console.status(f"Comparing {loaded.num_layers * loaded.num_heads} heads"):
-        result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens, batch_size=batch_size)
+    try:
+        check_same_weights(run, loaded, out)
+        with err_console.status(f"Comparing {loaded.num_layers * loaded.num_heads} heads"):
+            result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens,
+                                     batch_size=batch_size)
+    finally:
+        release_offload(loaded)
     result.info["model"] = run["model"]["spec"]  # as run.json names it, whatever path loaded it
     result.info["threads"] = threads_used["threads"]
     written = io.write_similarity(out, result)

@@ -37,10 +37,12 @@ class AttentionMaps(NamedTuple):
         return figure
 
 
-def attention_maps(model: Any, text: str, *, device: str = "auto", max_tokens: int | None = None) -> AttentionMaps:
+def attention_maps(model: Any, text: str, *, device: str = "auto", dtype: str = "auto",
+                   max_tokens: int | None = None) -> AttentionMaps:
     """Every layer's and head's attention on `text`, as the model computes it with eager attention.
 
-    `model`: a LoadedModel, a name or path (loaded on `device`), or a (transformers model, tokenizer) pair.
+    `model`: a LoadedModel, a name or path (loaded on `device` in `dtype`), or a (transformers model, tokenizer)
+    pair.
     The text is cut to the model's context, or to its first `max_tokens` tokens (a decoder's maps of a
     prefix equal the full maps cropped; an encoder sees only the tokens kept).
     """
@@ -53,7 +55,7 @@ def attention_maps(model: Any, text: str, *, device: str = "auto", max_tokens: i
         raise AttnprobeError(f"text: expected a non-empty string; got {type(text).__name__ if text else repr(text)}")
     if max_tokens is not None and max_tokens < 1:
         raise AttnprobeError(f"max_tokens {max_tokens} is below 1: use 1 or more, or None for the whole text")
-    loaded = as_loaded(model, device)
+    loaded = as_loaded(model, device, dtype)
     import torch
 
     text = clip_text(text, loaded.max_length)  # a huge text: only what the model keeps

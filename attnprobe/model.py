@@ -22,8 +22,9 @@ from attnprobe.errors import AttnprobeError
 from attnprobe.sources import resolve
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype, as transformers 5 loads by default
 
 LayerCallback = Callable[[int, Tensor], None]  # (layer index, attention [batch, head, query, key])
 Status = Callable[[str], None]  # told what a slow step (a GGUF conversion) is doing; the library itself prints nothing
@@ -42,10 +43,11 @@ class LoadedModel:
     device: torch.device
     causal: bool
     max_length: int  # longest input the model accepts, in tokens
-    dtype: str = "float32"  # the model's weights and activations; statistics are always float32
+    dtype: str = "float32"  # the model's weights and activations as they ran; statistics are always float32
     lm_head: nn.Module | None = None  # the causal-LM head, when loaded with lm_head=True (decoders only)
     offload: str | None = None  # the temporary folder load_model made for --device-map's disk offload
     bos: str = "auto"  # --bos: auto (the tokenizer's own), always or never (tokens.encode)
+    dtype_requested: str | None = None  # what --dtype asked for ("auto", ...); None: the caller loaded the model
 
     @property
     def num_layers(self) -> int:
@@ -104,16 +106,40 @@ def resolve_device(device: str) -> torch.device:
     raise AttnprobeError(f"unknown --device {device!r}: use auto, cpu, cuda or mps")
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise AttnprobeError(f"unknown --dtype {dtype!r}: use float32, bfloat16 or float16")
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The torch dtype --dtype asks for; None for `auto` (the checkpoint's own: `checkpoint_dtype`)."""
+    if dtype not in DTYPE_CHOICES:
+        raise AttnprobeError(f"unknown --dtype {dtype!r}: use auto, float32, bfloat16 or float16")
     if dtype == "float16" and device.type == "cpu":
-        raise AttnprobeError("--dtype float16 needs a GPU: on CPU use float32 (default) or bfloat16")
-    return DTYPES[dtype]
+        raise AttnprobeError("--dtype float16 needs a GPU: on CPU use auto (default), float32 or bfloat16")
+    return None if dtype == "auto" else DTYPES[dtype]
+
+
+def runnable_dtype(saved: Any, device: torch.device) -> torch.dtype | None:
+    """--dtype auto: the dtype a checkpoint saved in `saved` (config.json's `dtype`, or `torch_dtype` before
+    transformers 5; a torch dtype or its name) runs in on `device`. bfloat16 and float32 run as saved; float16 only on
+    a GPU (on CPU attnprobe refuses float16, so it runs in float32); anything else (float64, none recorded: None)
+    in float32, the precision the statistics keep."""
+    if isinstance(saved, str):
+        saved = getattr(torch, saved.removeprefix("torch."), None)
+    if saved in (torch.float32, torch.bfloat16) or (saved == torch.float16 and device.type != "cpu"):
+        return saved
+    return None if saved is None else torch.float32
+
+
+def checkpoint_dtype(config: Any) -> Any:
+    """What config.json says the weights were saved in: `dtype` (transformers 5) or `torch_dtype` (4.x); None if
+    neither."""
+    return getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+
+
+def weights_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating-point weight (what its activations run in)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def load_model(
-    spec: str, device: str = "auto", dtype: str = "float32", device_map: str | dict | None = None,
+    spec: str, device: str = "auto", dtype: str = "auto", device_map: str | dict | None = None,
     max_memory: dict | None = None, offload_folder: str | None = None, lm_head: bool = False,
     on_status: Status | None = None,
 ) -> LoadedModel:
@@ -130,9 +156,14 @@ def load_model(
     `device_map` ("auto", or a module -> device dict) spreads a model too large for one device over
     several GPUs, the CPU and the disk with accelerate's big-model loading; `max_memory` caps each
     device ({0: "20GiB", "cpu": "60GiB"}). The inputs then go to the device of the embeddings.
+
+    `dtype`: "auto" (default) runs the checkpoint in its own dtype (config.json's `dtype`, else its weights'), as
+    transformers 5 loads by default: bfloat16 stays bfloat16, float32 float32, float16 too on a GPU (float32 on CPU,
+    where attnprobe refuses float16). "float32", "bfloat16" or "float16" cast the weights. `LoadedModel.dtype` is
+    what ran, `dtype_requested` what was asked; the statistics are float32 either way.
     """
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device)  # None: auto
     remove_stale_offload()
     made = offload_dir() if device_map is not None and offload_folder is None else None
     placement = {} if device_map is None else {
@@ -151,7 +182,10 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(source, **cache_only)
             if _empty_tokenizer(tokenizer):
                 raise _no_tokenizer(spec, source)
-            with_head = lm_head and not _is_encoder(AutoConfig.from_pretrained(source, **cache_only))
+            config = AutoConfig.from_pretrained(source, **cache_only)
+            with_head = lm_head and not _is_encoder(config)
+            if torch_dtype is None:  # auto: as saved, where it runs here; "auto" lets transformers read the weights'
+                torch_dtype = runnable_dtype(checkpoint_dtype(config), torch_device) or "auto"
             # weights_only: a pickled checkpoint is read by torch's safe loader, never unpickled freely
             model, info = (AutoModelForCausalLM if with_head else AutoModel).from_pretrained(
                 source, attn_implementation="eager", dtype=torch_dtype, weights_only=True, output_loading_info=True,
@@ -182,16 +216,21 @@ def load_model(
                 ) from err
             raise _load_error(spec, source, resolved.local, err) from err
     model.eval()
+    ran = weights_dtype(model)
     if device_map is None:
-        model.to(torch_device)
+        wanted = runnable_dtype(ran, torch_device) or torch.float32  # auto read from the weights: float64 -> float32
+        model.to(torch_device, wanted)  # a no-op cast where it already runs so
+        ran = wanted
     else:
         torch_device = model.get_input_embeddings().weight.device  # where the inputs go
         if torch_device.type == "meta":  # the embeddings themselves were offloaded
             torch_device = torch.device("cpu")
     head = model.get_output_embeddings() if with_head else None
     model = model.base_model if with_head else model
-    loaded = _loaded(spec, source, resolved.origin, model, tokenizer, torch_device, dtype, head)
+    names = {value: name for name, value in DTYPES.items()}
+    loaded = _loaded(spec, source, resolved.origin, model, tokenizer, torch_device, names.get(ran, str(ran)), head)
     loaded.offload = made
+    loaded.dtype_requested = dtype
     return loaded
 
 
@@ -331,7 +370,7 @@ MODEL_KINDS = ("a model name or path (str), a LoadedModel from attnprobe.load_mo
                "tokenizer) pair")
 
 
-def as_loaded(model: Any, device: str = "auto", dtype: str = "float32") -> LoadedModel:
+def as_loaded(model: Any, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """What the notebook API accepts as a model: a LoadedModel as it is, a name or path loaded with
     `load_model(model, device, dtype)`, or a transformers model and its tokenizer (`from_transformers`)."""
     if isinstance(model, LoadedModel):

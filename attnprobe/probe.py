@@ -82,6 +82,7 @@ def probe(
     model: Any,
     *,
     device: str = "auto",
+    dtype: str = "auto",
     kinds: tuple[Kind, ...] = KINDS,
     lengths: tuple[int, ...] = DEFAULT_LENGTHS,
     sequences: int = DEFAULT_SEQUENCES,
@@ -96,11 +97,11 @@ def probe(
     `limit` (`--limit`): score only the first `limit` of each length's `sequences` random sequences; they are
     the same tokens as in the run without it (the seed draws all `sequences` of each length either way).
 
-    `model`: a LoadedModel, a name or path (loaded on `device`), or a (transformers model, tokenizer) pair.
+    `model`: a LoadedModel, a name or path (loaded on `device` in `dtype`), or a (transformers model, tokenizer) pair.
     A head is `<kind>_above_chance` when its whole 95% interval lies above what uniform attention scores.
     """
     started = time.perf_counter()
-    loaded = as_loaded(model, device)
+    loaded = as_loaded(model, device, dtype)
     kinds = tuple(dict.fromkeys(kinds))  # each kind once, in the order asked
     prefix, suffix = special_frame(loaded)
     check(loaded, kinds, lengths, sequences, resamples, batch_size, seed, len(prefix) + len(suffix))
@@ -139,7 +140,8 @@ def probe(
         "resamples": resamples, "bos": loaded.bos, "special_prefix": prefix, "special_suffix": suffix,
         "chance": levels,
         "above_chance": {kind: int(frame[f"{kind}_above_chance"].sum()) for kind in kinds},
-        "device": str(loaded.device), "dtype": loaded.dtype, "batch_size": batch_size,
+        "device": str(loaded.device), "dtype": loaded.dtype,
+        "dtype_requested": loaded.dtype_requested, "batch_size": batch_size,
         "wall_seconds": round(time.perf_counter() - started, 3),
         "versions": versions(),
         # the bootstrap is over the random sequences, every length's together: few make `above_chance` unsure

@@ -212,8 +212,8 @@ def rollout_loaded(
         total_tokens=[len(ids) for ids in full],
         attention=attention, rollout=rolled, residual=residual,
         info={"model": loaded.spec, "source": loaded.source, **loaded.origin, "causal": loaded.causal,
-              "dtype": loaded.dtype, "layers": loaded.num_layers, "heads": loaded.num_heads, "max_tokens": limit,
-              "limit": None},
+              "dtype": loaded.dtype, "dtype_requested": loaded.dtype_requested, "layers": loaded.num_layers,
+              "heads": loaded.num_heads, "max_tokens": limit, "limit": None},
     )
 
 

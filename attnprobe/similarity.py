@@ -207,7 +207,7 @@ def batch_rows(loaded: Any, batch: list[list[int]]) -> list[tuple[Tensor, int]]:
 
 def head_similarity(
     model: Any, corpus: Any, *, sentences: int = SENTENCES, max_tokens: int = MAX_TOKENS, batch_size: int = 8,
-    device: str = "auto", dtype: str = "float32",
+    device: str = "auto", dtype: str = "auto",
 ) -> HeadSimilarity:
     """JS divergence between every pair of heads' attention, averaged over the unforced query rows of up to
     `sentences` sentences of `corpus` (spread evenly over it), each cut to its first `max_tokens` tokens.

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from attnprobe import kernel, values
+from attnprobe import kernel, recompute, values
 from attnprobe.analysis import Options, map_sums, pad_batch, value_weighted_plan
 from attnprobe.corpus import clip_text
 from attnprobe.errors import AttnprobeError
@@ -19,6 +18,7 @@ from attnprobe.metrics import SentenceSums, bin_count, valid_keys
 from attnprobe.model import LoadedModel, as_loaded, attention_modules, stream_attention
 from attnprobe.tokens import encode
 
+NOTE_WIDTH = 40  # a note fits beside the other columns of verify's table in 80 columns
 DEFAULT_SENTENCES = (
     "The cat sat on the mat.",
     "When the engineer opened the panel, she found a loose wire behind the fan.",
@@ -49,15 +49,16 @@ class Capture:
     inputs: list[tuple[tuple, dict]]  # per layer, the attention module's (args, kwargs)
 
 
-def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCES, *, device: str = "auto"
-           ) -> list[Check]:
+def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCES, *, device: str = "auto",
+           dtype: str = "auto") -> list[Check]:
     """Run every check on `sentences` (a few of different lengths are enough) and return them in order.
 
-    `model`: a LoadedModel, a name or path (loaded on `device`), or a (transformers model, tokenizer) pair.
+    `model`: a LoadedModel, a name or path (loaded on `device` in `dtype`), or a (transformers model, tokenizer)
+    pair.
     """
     if isinstance(sentences, str) or not sentences or not all(isinstance(s, str) and s.strip() for s in sentences):
         raise AttnprobeError("sentences: expected a list of non-empty strings, e.g. [\"The cat sat.\", \"Rain fell.\"]")
-    loaded = as_loaded(model, device)
+    loaded = as_loaded(model, device, dtype)
     clipped = [clip_text(s, loaded.max_length) for s in sentences]  # a huge line: only what the model keeps
     ids = [t[: loaded.max_length] for t in encode(loaded, clipped)["input_ids"]]
     input_ids, mask = pad_batch(ids, loaded.device)  # [batch, seq] each
@@ -66,12 +67,13 @@ def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCE
     rows = mask.bool()[:, None, :, None]  # [batch, 1, query, 1]
     found = kernel.discover(loaded)
     return [
-        rows_sum_to_one(batched, mask, sinks=bool(found.features) and any(f.sinks for f in found.features)),
+        rows_sum_to_one(batched, mask, sinks=bool(found.features) and any(f.sinks for f in found.features),
+                        dtype=loaded.dtype),
         masked_keys_are_zero(batched, mask, loaded.causal, found.spans(len(batched.maps))),
-        batched_equals_unbatched(loaded, batched, ids),
+        *float32_bounds_only([batched_equals_unbatched(loaded, batched, ids)], loaded.dtype),
         recomputed_from_projections(loaded, batched, keys, rows),
-        eager_equals_sdpa(loaded, input_ids, mask),
-        *blocked_equals_eager(loaded, input_ids, mask),
+        *float32_bounds_only([eager_equals_sdpa(loaded, input_ids, mask), *blocked_equals_eager(loaded, input_ids,
+                                                                                                  mask)], loaded.dtype),
     ]
 
 
@@ -91,13 +93,23 @@ def capture(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> Capture:
     return Capture(maps=maps, inputs=inputs)
 
 
-def rows_sum_to_one(batched: Capture, mask: Tensor, sinks: bool = False) -> Check:
+def rows_sum_to_one(batched: Capture, mask: Tensor, sinks: bool = False, dtype: str = "float32") -> Check:
+    """Each real row sums to 1: to 1e-5 in float32; a model in bfloat16 or float16 stores each weight to u (its
+    unit roundoff) of itself, so a row's sum moves by u more."""
+    tolerance = 1e-5 + (0.0 if dtype == "float32" else UNIT_ROUNDOFF.get(dtype, 0.0))
     if sinks:
-        return Check("rows sum to 1", None, 1e-5, "learned attention sinks take a share of each row: rows sum to "
-                     "less than 1")
+        return Check("rows sum to 1", None, tolerance, "learned sinks: rows sum to less than 1")
     rows = mask.bool()[:, None, :]  # [batch, 1, query]
     worst = max(float(torch.where(rows, p.sum(dim=-1) - 1.0, 0.0).abs().max()) for p in batched.maps)
-    return Check("rows sum to 1", worst, 1e-5)
+    return Check("rows sum to 1", worst, tolerance)
+
+
+def float32_bounds_only(checks: list[Check], dtype: str) -> list[Check]:
+    """The checks whose bounds are float32's (batching, SDPA, the kernels' statistics), skipped for a model run in
+    bfloat16 or float16: no bound for them is derived in that dtype yet, and float32's would fail them all."""
+    if dtype == "float32":
+        return checks
+    return [Check(c.name, None, c.tolerance, f"{dtype}: rerun with --dtype float32") for c in checks]
 
 
 def masked_keys_are_zero(batched: Capture, mask: Tensor, causal: bool, spans: list[int | None]) -> Check:
@@ -133,26 +145,78 @@ def batched_equals_unbatched(loaded: LoadedModel, batched: Capture, ids: list[li
     return Check("batched = one at a time", worst, BATCHED_TOLERANCE)
 
 
+RECOMPUTED = "softmax(QK^T/sqrt(d)) = maps"
+# The recomputation rounds other than the model. The model rounds each of about ROUNDINGS steps of a logit's way
+# (the q and k projections, a q/k norm, the rotary embedding's products and sum, the q k product, the scale, a
+# soft-cap) to u (its dtype's unit roundoff) of the row's magnitude A = max_j sum_d |q_d k_d| * scale, so each logit
+# is off by at most e = ROUNDINGS u A. Shifting a row's logits by at most e scales each weight p by a factor within
+# exp(+-2e): |p' - p| <= p (exp(2e) - 1); the weight is then stored in the dtype (u p more), and the float32 softmax
+# adds 1e-5 at most (as the other map checks allow). In float32 the bound is about 1e-5 (A u is 1e-6 for A near
+# 20); in bfloat16 it is a share of each weight, so a map that differs where its weights are large still fails.
+ROUNDINGS = 12
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+FLOAT32_MAPS = 1e-5  # float32's rounding of a softmax, as the other map checks allow
+
+
+def recompute_bound(dtype: str, expected: Tensor, magnitude: Tensor) -> Tensor:
+    """The bound above, per weight: `expected` [batch, head, query, key], `magnitude` [batch, head, query]."""
+    u = UNIT_ROUNDOFF.get(dtype, 2.0**-24)
+    shift = torch.expm1(2 * ROUNDINGS * u * magnitude)[..., None]  # [batch, head, query, 1]
+    return expected * (shift + u) + FLOAT32_MAPS  # [batch, head, query, key]
+
+
+def recompute_tolerance(dtype: str, magnitude: Tensor, rows: Tensor) -> float:
+    """The largest bound of a layer (a weight of 1 in its row of largest magnitude), for the note and the tests."""
+    largest = torch.where(rows[..., 0], magnitude, 0.0).max()
+    return float(recompute_bound(dtype, torch.ones(()), largest))
+
+
 def recomputed_from_projections(loaded: LoadedModel, batched: Capture, keys: Tensor, rows: Tensor) -> Check:
-    """softmax(Q K^T * scale + mask) from each layer's own projections, against the maps read."""
-    model_type = loaded.model.config.model_type
-    scores_of = RECOMPUTE.get(model_type)
-    name = "softmax(QK^T/sqrt(d)) = maps"
+    """Each layer's softmax(Q K^T * scale + bias), recomputed from the input its attention module was called with,
+    its own projection weights and the config (attnprobe.recompute), against the maps read."""
+    config = loaded.model.config
+    scores_of = recompute.RECOMPUTE.get(config.model_type)
     if scores_of is None:
-        return Check(name, None, 1e-5, f"no from-scratch recomputation for {model_type} models")
-    worst = 0.0
+        return Check(RECOMPUTED, None, 1e-5, f"no recomputation for {config.model_type} models")
+    worst: tuple[float, float] = (0.0, 1e-5)  # (diff, tolerance) of the layer nearest its bound
     modules = [module for module, _ in attention_modules(loaded.model)]
     for layer, (module, p, (args, kwargs)) in enumerate(zip(modules, batched.maps, batched.inputs)):
         hidden = (args[0] if args else kwargs["hidden_states"]).float()  # [batch, seq, embed]
         try:
             with torch.inference_mode():
-                scores = scores_of(module, hidden, loaded.model.config, layer)  # [batch, head, query, key]
-        except NotImplementedError as err:
-            return Check(name, None, 1e-5, f"not recomputed: {err}")
-        scores = scores.masked_fill(~keys, -math.inf)  # [batch, head, query, key]
-        expected = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [batch, head, query, key]
-        worst = max(worst, float(torch.where(rows, expected - p, 0.0).abs().max()))
-    return Check(name, worst, 1e-5)
+                scores = scores_of(module, hidden, config, layer)
+        except recompute.CannotRecompute as err:
+            return Check(RECOMPUTED, None, 1e-5, f"not recomputed: {err}"[:NOTE_WIDTH])
+        expected = recompute.probabilities(scores, keys)  # [batch, head, query, key]
+        worst = max(worst, _worst_against_bound(expected, p, recompute_bound(loaded.dtype, expected, scores.magnitude),
+                                                rows), key=lambda pair: pair[0] / pair[1])
+    note = "" if loaded.dtype == "float32" else f"{loaded.dtype}: bound per weight"
+    if worst[0] > worst[1] and config.model_type == "falcon" and config.alibi and \
+            _recomputed_passes(loaded, batched, keys, rows, alibi_times=2):
+        note = "maps add ALiBi twice (transformers bug)"  # Falcon's eager path
+    return Check(RECOMPUTED, worst[0], worst[1], note)
+
+
+def _worst_against_bound(expected: Tensor, p: Tensor, bound: Tensor, rows: Tensor) -> tuple[float, float]:
+    """(|expected - p|, its bound) at the weight nearest its bound, over the real query rows."""
+    ratio = torch.where(rows, (expected - p).abs() / bound, 0.0)  # [batch, head, query, key]
+    at = int(ratio.argmax())
+    return float((expected - p).abs().flatten()[at]), float(bound.flatten()[at])
+
+
+def _recomputed_passes(loaded: LoadedModel, batched: Capture, keys: Tensor, rows: Tensor, **options: Any) -> bool:
+    """Whether Falcon's maps equal its recomputation under `options` (alibi_times=2: the cause named above)."""
+    modules = [module for module, _ in attention_modules(loaded.model)]
+    for layer, (module, p, (args, kwargs)) in enumerate(zip(modules, batched.maps, batched.inputs)):
+        hidden = (args[0] if args else kwargs["hidden_states"]).float()  # [batch, seq, embed]
+        with torch.inference_mode():
+            scores = recompute.falcon_scores(module, hidden, loaded.model.config, layer, **options)
+        expected = recompute.probabilities(scores, keys)  # [batch, head, query, key]
+        diff, bound = _worst_against_bound(expected, p, recompute_bound(loaded.dtype, expected, scores.magnitude),
+                                           rows)
+        if diff > bound:
+            return False
+    return True
 
 
 def eager_equals_sdpa(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> Check:
@@ -163,8 +227,10 @@ def eager_equals_sdpa(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> C
         eager = model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [batch, seq, embed]
         try:
             model.set_attn_implementation("sdpa")
-        except (ValueError, ImportError) as err:
-            return Check(name, None, 0.0, f"SDPA not available for this model ({err})")
+        except (ValueError, ImportError):
+            return Check(name, None, 0.0, "this model has no SDPA attention")
+        if model.config._attn_implementation != "sdpa":  # transformers only warns: the same eager run twice
+            return Check(name, None, 0.0, "the model cannot switch to SDPA")
         try:
             sdpa = model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [batch, seq, embed]
         finally:
@@ -251,59 +317,3 @@ def _relative_diff(pairs: list[tuple[dict[str, Tensor], dict[str, Tensor]]]) -> 
             diff = ((got[key] - value).abs() / value.abs().clamp(min=1.0)).nan_to_num(0.0)
             worst = max(worst, float(diff.max()))
     return worst
-
-
-# ---- scores from scratch, per architecture: [batch, head, query, key] before the mask ----------
-
-def split_heads(x: Tensor, head_dim: int) -> Tensor:
-    batch, seq, _ = x.shape
-    return x.view(batch, seq, -1, head_dim).transpose(1, 2)  # [batch, head, seq, head_dim]
-
-
-def gpt2_scores(module: nn.Module, hidden: Tensor, config: Any, layer: int) -> Tensor:
-    head_dim = config.n_embd // config.n_head
-    q, k, _ = module.c_attn(hidden).split(config.n_embd, dim=2)  # each [batch, seq, embed]
-    scale = head_dim**-0.5 if config.scale_attn_weights else 1.0
-    if config.scale_attn_by_inverse_layer_idx:
-        scale /= layer + 1
-    return split_heads(q, head_dim) @ split_heads(k, head_dim).transpose(-1, -2) * scale
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    first, second = x.chunk(2, dim=-1)  # [..., head_dim / 2] each
-    return torch.cat((-second, first), dim=-1)  # [..., head_dim]
-
-
-def rotary(x: Tensor, theta: float) -> Tensor:
-    """Rotary position embedding for positions 0..seq-1 (right padding keeps real tokens there)."""
-    seq, head_dim = x.shape[-2:]
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim)
-    angles = torch.arange(seq, dtype=torch.float32, device=x.device)[:, None] * inv_freq  # [seq, head_dim / 2]
-    angles = torch.cat((angles, angles), dim=-1)  # [seq, head_dim]
-    return x * angles.cos() + rotate_half(x) * angles.sin()  # [batch, head, seq, head_dim]
-
-
-def llama_scores(module: nn.Module, hidden: Tensor, config: Any, layer: int) -> Tensor:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise NotImplementedError(f"rope type {rope.get('rope_type')!r} (only the default rotary embedding)")
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    q = rotary(split_heads(module.q_proj(hidden), head_dim), theta)  # [batch, q_head, seq, head_dim]
-    k = rotary(split_heads(module.k_proj(hidden), head_dim), theta)  # [batch, kv_head, seq, head_dim]
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [batch, q_head, seq, head_dim]: grouped-query
-    return q @ k.transpose(-1, -2) * head_dim**-0.5
-
-
-def bert_scores(module: nn.Module, hidden: Tensor, config: Any, layer: int) -> Tensor:
-    head_dim = config.hidden_size // config.num_attention_heads
-    q = split_heads(module.query(hidden), head_dim)  # [batch, head, seq, head_dim]
-    k = split_heads(module.key(hidden), head_dim)  # [batch, head, seq, head_dim]
-    return q @ k.transpose(-1, -2) * head_dim**-0.5
-
-
-RECOMPUTE: dict[str, Callable[[nn.Module, Tensor, Any, int], Tensor]] = {
-    "gpt2": gpt2_scores,
-    "llama": llama_scores,
-    "bert": bert_scores,
-}

@@ -67,6 +67,8 @@ def test_verify_passes_on_real_models(fixture, request):
 
 
 def test_smollm2_is_a_causal_30x9_grouped_query_model(smollm2):
+    # the GGUF file is de-quantized into float32 weights, and config.json records float32: auto runs that
+    assert (smollm2.dtype, smollm2.dtype_requested) == ("float32", "auto")
     config = smollm2.model.config
     assert (smollm2.num_layers, smollm2.num_heads, smollm2.causal) == (30, 9, True)
     assert config.num_key_value_heads == 3

@@ -1,9 +1,12 @@
 """verify: passes on true maps, and fails when the maps are not the model's."""
 
+import dataclasses
+
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from attnprobe import recompute
 from attnprobe import verify as verify_module
 from attnprobe.cli import app
 from attnprobe.model import load_model
@@ -27,9 +30,10 @@ def test_all_checks_pass_on_gpt2(gpt2):
 
 def test_a_wrong_recomputation_is_caught(gpt2, monkeypatch):
     def unscaled(module, hidden, config, layer):
-        return verify_module.gpt2_scores(module, hidden, config, layer) * 1.5
+        scores = recompute.gpt2_scores(module, hidden, config, layer)
+        return dataclasses.replace(scores, logits=scores.logits * 1.5)
 
-    monkeypatch.setitem(verify_module.RECOMPUTE, "gpt2", unscaled)
+    monkeypatch.setitem(recompute.RECOMPUTE, "gpt2", unscaled)
     check = verify(gpt2, list(DEFAULT_SENTENCES[:2]))[3]
     assert not check.passed and check.max_abs_diff > 1e-3
 
@@ -56,7 +60,11 @@ def test_verify_command_prints_every_check(gpt2_dir):
 
 
 def test_verify_command_fails_with_exit_1(gpt2_dir, monkeypatch):
-    monkeypatch.setitem(verify_module.RECOMPUTE, "gpt2", lambda m, h, c, layer: torch.zeros(1))
+    def flat(module, hidden, config, layer):
+        scores = recompute.gpt2_scores(module, hidden, config, layer)
+        return dataclasses.replace(scores, logits=torch.zeros_like(scores.logits))
+
+    monkeypatch.setitem(recompute.RECOMPUTE, "gpt2", flat)
     result = runner.invoke(app, ["verify", "--model", str(gpt2_dir), "--device", "cpu"])
     assert result.exit_code == 1
     assert "FAIL" in result.stdout and result.stderr.startswith("Error: 1 check(s) failed")
