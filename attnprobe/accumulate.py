@@ -24,6 +24,7 @@ from attnprobe.bootstrap import POISSON, interval, poisson_weights
 from attnprobe.metrics import bin_range
 
 CATEGORY_SCORES = ("entropy", "entropy_norm")  # categories.csv: each layer's mean over heads, per category
+TOKEN_SUMS = ("tokmass", "tokuniform")  # the sums indexed by token id, [vocab, ...], mapped in row by row
 
 
 @dataclass
@@ -130,6 +131,17 @@ class Accumulator:
         self._drawn.fill(0.0)
         for key, array in value.items():
             self._sums[key][...] = array
+
+    def restore(self, sums: dict[str, np.ndarray], token_rows: np.ndarray | None = None) -> None:
+        """Take a checkpoint's sums (resume.State: checked by `check_fits`). `token_rows`: the token ids whose rows
+        its top-token sums hold ([met, ...]); only those rows are written, so the rest of the [vocab, ...] tables
+        stay unmapped (allocator.sparse_zeros), as in the run that saved it."""
+        if token_rows is None:
+            self.sums = sums
+            return
+        self.sums = {key: value for key, value in sums.items() if key not in TOKEN_SUMS}
+        for key in TOKEN_SUMS:
+            self._sums[key][token_rows] = sums[key]  # [met, ...] into [vocab, ...]
 
     def state(self) -> dict[str, np.ndarray]:
         """The raw sums with the buffer of waiting sentences, for a checkpoint (restore with `sums = ...`)."""

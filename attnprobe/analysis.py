@@ -424,7 +424,7 @@ def measure(
     if state is not None:
         state.check_fits(totals.state(), resume_expected(state, scanned, batch_size, world, total, shape))
         start = state.batches_done
-        totals.sums = {key: value.copy() for key, value in state.sums.items()}
+        totals.restore(state.sums, state.token_rows)  # the top-token rows met only: they stay sparse
         if state.example_maps is not None and state.example_maps.shape == tuple(example_maps.shape):
             example_maps = torch.from_numpy(state.example_maps).to(loaded.device)
     example_done = False  # whether the example's batch is among those the checkpoint holds
