@@ -45,6 +45,18 @@ class Shape:
         return tuple(name for name in CATEGORY_SCORES if name in self.names)
 
 
+RESAMPLE_CELLS = 2**24  # resamples x scores x heads at most: the two resample sums stay within 256 MiB (float64)
+
+
+def resamples_within_budget(asked: int, scores: int, heads: int) -> int:
+    """The resamples a run keeps: `asked`, or fewer where `asked` x scores x heads (all layers' heads) would pass
+    RESAMPLE_CELLS. Up to 512 heads (a 1B model) with every score, 1,000 resamples fit; at 1,024 heads (32 x 32,
+    an 8B shape) the two float64 sums [resample, score, layer, head] would hold 2 x 1,000 x 27 x 1,024 x 8 bytes
+    (442 MB) and the run's means per resample as much again, so they keep about 600. The percentile interval's
+    endpoints then move by Monte Carlo noise about sqrt(1000 / 600) = 1.3 times that of 1,000 resamples."""
+    return max(1, min(asked, RESAMPLE_CELLS // max(1, scores * heads)))
+
+
 PENDING_SENTENCES = 64  # sentences held before their resample sums are folded in with one product
 FOLD_RESAMPLES = 256  # resamples whose sums one product of a fold computes (a buffer of 256 x columns)
 PENDING_KEYS = ("pending/fill", "pending/index", "pending/category", "pending/values", "pending/present")
