@@ -1246,6 +1246,10 @@ def related(
     heads_option: Annotated[
         str | None, typer.Option("--heads", metavar="L17H4,L18H6", help="Also print these heads' 5 nearest heads.")
     ] = None,
+    pair_rows: Annotated[
+        int, typer.Option("--pair-rows", metavar="N", help="Sample fewer sentences when pairs of heads x query rows "
+                          "would pass N, so a model of many heads finishes in minutes (0: no limit).")
+    ] = 10**9,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
     threads: ThreadsOption = "auto",
@@ -1257,7 +1261,7 @@ def related(
     from attnprobe.similarity import NEAREST, check_settings, head_similarity, run_corpus, run_model
 
     started = time.monotonic()
-    check_settings(sentences, max_tokens, batch_size)
+    check_settings(sentences, max_tokens, batch_size, pair_rows)
     chosen = naming.parse_heads(heads_option) if heads_option is not None else []
     run = io.read_run(out)
     naming.check_heads_exist(chosen, run["model"]["layers"], run["model"]["heads"])
@@ -1271,7 +1275,8 @@ def related(
                              f"records {run['model']['layers']} x {run['model']['heads']}: run `attnprobe analyze "
                              f"--out {out}` again")
     with err_console.status(f"Comparing {loaded.num_layers * loaded.num_heads} heads"):
-        result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens, batch_size=batch_size)
+        result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens, batch_size=batch_size,
+                                 pair_rows=pair_rows)
     result.info["model"] = run["model"]["spec"]  # as run.json names it, whatever path loaded it
     result.info["threads"] = threads_used["threads"]
     written = io.write_similarity(out, result)
@@ -1283,6 +1288,9 @@ def related(
         out_console.print(f"{head_name(layer, head)}: nearest {nearest}", markup=False, highlight=False,
                           soft_wrap=True)
     cut = f", {result.cut} cut to {result.max_tokens} tokens" if result.cut else ""
+    if len(result.indices) < min(sentences, len(corpus)):
+        cut += (f" (not {sentences}: {result.js.shape[0]} heads keep pairs of heads x query rows within "
+                f"--pair-rows {pair_rows})")
     out_console.print(f"{result.sentences} sentences{cut}, {result.rows} query rows, {seconds:.1f} s", markup=False,
                       highlight=False)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False, soft_wrap=True)
