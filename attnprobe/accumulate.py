@@ -24,6 +24,7 @@ from attnprobe.bootstrap import POISSON, interval, poisson_weights
 from attnprobe.metrics import bin_range
 
 CATEGORY_SCORES = ("entropy", "entropy_norm")  # categories.csv: each layer's mean over heads, per category
+TOKEN_SUMS = ("tokmass", "tokuniform")  # the sums indexed by token id, [vocab, ...], mapped in row by row
 
 
 @dataclass
@@ -42,6 +43,18 @@ class Shape:
     @property
     def category_scores(self) -> tuple[str, ...]:
         return tuple(name for name in CATEGORY_SCORES if name in self.names)
+
+
+RESAMPLE_CELLS = 2**24  # resamples x scores x heads at most: the two resample sums stay within 256 MiB (float64)
+
+
+def resamples_within_budget(asked: int, scores: int, heads: int) -> int:
+    """The resamples a run keeps: `asked`, or fewer where `asked` x scores x heads (all layers' heads) would pass
+    RESAMPLE_CELLS. Up to 512 heads (a 1B model) with every score, 1,000 resamples fit; at 1,024 heads (32 x 32,
+    an 8B shape) the two float64 sums [resample, score, layer, head] would hold 2 x 1,000 x 27 x 1,024 x 8 bytes
+    (442 MB) and the run's means per resample as much again, so they keep about 600. The percentile interval's
+    endpoints then move by Monte Carlo noise about sqrt(1000 / 600) = 1.3 times that of 1,000 resamples."""
+    return max(1, min(asked, RESAMPLE_CELLS // max(1, scores * heads)))
 
 
 PENDING_SENTENCES = 64  # sentences held before their resample sums are folded in with one product
@@ -130,6 +143,17 @@ class Accumulator:
         self._drawn.fill(0.0)
         for key, array in value.items():
             self._sums[key][...] = array
+
+    def restore(self, sums: dict[str, np.ndarray], token_rows: np.ndarray | None = None) -> None:
+        """Take a checkpoint's sums (resume.State: checked by `check_fits`). `token_rows`: the token ids whose rows
+        its top-token sums hold ([met, ...]); only those rows are written, so the rest of the [vocab, ...] tables
+        stay unmapped (allocator.sparse_zeros), as in the run that saved it."""
+        if token_rows is None:
+            self.sums = sums
+            return
+        self.sums = {key: value for key, value in sums.items() if key not in TOKEN_SUMS}
+        for key in TOKEN_SUMS:
+            self._sums[key][token_rows] = sums[key]  # [met, ...] into [vocab, ...]
 
     def state(self) -> dict[str, np.ndarray]:
         """The raw sums with the buffer of waiting sentences, for a checkpoint (restore with `sums = ...`)."""

@@ -18,7 +18,7 @@ import torch
 
 from attnprobe import __version__, defaults, distributed, kernel, limits, values
 from attnprobe import tokens as token_classes
-from attnprobe.accumulate import Accumulator, Shape, pending_after
+from attnprobe.accumulate import RESAMPLE_CELLS, Accumulator, Shape, pending_after, resamples_within_budget
 from attnprobe.bootstrap import (
     BLOCK,
     CONFIDENCE,
@@ -157,11 +157,12 @@ def analyze_loaded(
     distributed.join(world, loaded.device)
     path = attention_path(loaded, options.attention)
     projections, weighted = value_weighted_plan(loaded, path, options)
+    names = score_names(scanned.special, projections is not None)
     shape = Shape(
-        names=score_names(scanned.special, projections is not None),
+        names=names,
         bin_names=(*POSITION_METRICS, *VW_POSITION_METRICS) if projections is not None else POSITION_METRICS,
         layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(scanned.longest),
-        resamples=resamples, seed=seed,
+        resamples=resamples_within_budget(resamples, len(names), loaded.num_layers * loaded.num_heads), seed=seed,
         categories=tuple(dict.fromkeys(label or UNTAGGED for label in corpus.labels)) if corpus.tagged else (),
         method=bootstrap_method(scanned.sentences),
         vocab=vocabulary(loaded) if options.top_tokens else 0,
@@ -198,10 +199,10 @@ def analyze_loaded(
     run["attention"]["sequences"] = sequence_paths(measured.sequences, scanned.sentences)
     run["value_weighted"] = weighted
     run["summary"] = summary
-    run["bootstrap"] = bootstrap_record(shape, scanned.lengths)
+    run["bootstrap"] = bootstrap_record(shape, scanned.lengths, resamples)
     run["example_sentence"] = {"index": scanned.example_index, "line": scanned.example.line}
     run["notes"] = [note for note in (few_sentences_note(scanned.sentences, run["bootstrap"].get("block_lengths")),
-                                      weighted.get("note")) if note]
+                                      weighted.get("note"), run["bootstrap"].get("note")) if note]
     example = {
         "sentence": scanned.example.text,
         "tokens": token_labels(loaded.tokenizer, scanned.example_ids[:EXAMPLE_MAX_TOKENS], scanned.example.text),
@@ -434,7 +435,7 @@ def measure(
     if state is not None:
         state.check_fits(totals.state(), resume_expected(state, scanned, batch_size, world, total, shape))
         start = state.batches_done
-        totals.sums = {key: value.copy() for key, value in state.sums.items()}
+        totals.restore(state.sums, state.token_rows)  # the top-token rows met only: they stay sparse
         if state.example_maps is not None and state.example_maps.shape == tuple(example_maps.shape):
             example_maps = torch.from_numpy(state.example_maps).to(loaded.device)
     example_done = False  # whether the example's batch is among those the checkpoint holds
@@ -1142,11 +1143,19 @@ def add_intervals(
     return heads, layers, summary
 
 
-def bootstrap_record(shape: Shape, lengths: list[int]) -> dict[str, Any]:
+def bootstrap_record(shape: Shape, lengths: list[int], asked: int | None = None) -> dict[str, Any]:
     """run.json's `bootstrap`: how the intervals were made. Under the block bootstrap (fewer than FEW_SEQUENCES
-    sequences), each sequence's query rows (`sequence_rows`) and block length (`block_lengths`), in corpus order."""
-    record = {"resamples": shape.resamples, "seed": shape.seed, "confidence": CONFIDENCE, "method": shape.method,
-              "over": "sentences"}
+    sequences), each sequence's query rows (`sequence_rows`) and block length (`block_lengths`), in corpus order.
+    Where the model's heads made the run keep fewer resamples than `asked` (resamples_within_budget), both and a
+    note."""
+    record: dict[str, Any] = {"resamples": shape.resamples, "seed": shape.seed, "confidence": CONFIDENCE,
+                              "method": shape.method, "over": "sentences"}
+    if asked is not None and asked > shape.resamples:
+        heads = shape.layers * shape.heads
+        record.update(resamples_asked=asked, resample_budget=RESAMPLE_CELLS, note=(
+            f"{shape.resamples} bootstrap resamples, not the {asked} asked: {heads} heads x {len(shape.names)} "
+            f"scores keep at most {RESAMPLE_CELLS} resample sums (resamples x scores x heads) so the intervals fit "
+            "in memory; their endpoints carry a little more Monte Carlo noise"))
     if shape.method == BLOCK:
         record.update(over="query rows, in blocks within each sequence", sequence_rows=list(lengths),
                       block_lengths=[block_length(n) for n in lengths],

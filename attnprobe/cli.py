@@ -1373,6 +1373,10 @@ def related(
     heads_option: Annotated[
         str | None, typer.Option("--heads", metavar="L17H4,L18H6", help="Also print these heads' 5 nearest heads.")
     ] = None,
+    pair_rows: Annotated[
+        int, typer.Option("--pair-rows", metavar="N", help="Sample fewer sentences when pairs of heads x query rows "
+                          "would pass N, so a model of many heads finishes in minutes (0: no limit).")
+    ] = 10**9,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
     bos: Annotated[
@@ -1392,7 +1396,7 @@ def related(
     from attnprobe.similarity import NEAREST, check_same_weights, check_settings, head_similarity, run_corpus, run_model
 
     started = time.monotonic()
-    check_settings(sentences, max_tokens, batch_size)
+    check_settings(sentences, max_tokens, batch_size, pair_rows)
     check_placement(device_map, max_memory)
     chosen = naming.parse_heads(heads_option) if heads_option is not None else []
     run = io.read_run(out)
@@ -1412,7 +1416,7 @@ def related(
         check_same_weights(run, loaded, out)
         with err_console.status(f"Comparing {loaded.num_layers * loaded.num_heads} heads"):
             result = head_similarity(loaded, corpus, sentences=sentences, max_tokens=max_tokens,
-                                     batch_size=batch_size)
+                                     batch_size=batch_size, pair_rows=pair_rows)
     finally:
         release_offload(loaded)
     result.info["model"] = run["model"]["spec"]  # as run.json names it, whatever path loaded it
@@ -1426,6 +1430,9 @@ def related(
         out_console.print(f"{head_name(layer, head)}: nearest {nearest}", markup=False, highlight=False,
                           soft_wrap=True)
     cut = f", {result.cut} cut to {result.max_tokens} tokens" if result.cut else ""
+    if len(result.indices) < min(sentences, len(corpus)):
+        cut += (f" (not {sentences}: {result.js.shape[0]} heads keep pairs of heads x query rows within "
+                f"--pair-rows {pair_rows})")
     out_console.print(f"{result.sentences} sentences{cut}, {result.rows} query rows, {seconds:.1f} s", markup=False,
                       highlight=False)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False, soft_wrap=True)

@@ -857,7 +857,8 @@ def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
     Keys: `js` [head, head] float64 (nats), `layer` and `head` [head] int64 (the matrix's rows, layer-major),
     `sentences`, `rows`, `tokens`, `max_tokens`, `cut` (int64), `indices` [sentence] int64 (0-based corpus
     positions), `model` and `corpus_sha256` (strings), `causal` (bool), `threads` (int64, the torch threads it
-    ran with). No pickles: `np.load(path)` reads it.
+    ran with), `sentences_asked` and `pair_rows` (int64: --sentences and the budget in head-pair rows that cut
+    the sample to `sentences`; 0: no budget). No pickles: `np.load(path)` reads it.
     """
     info = similarity.info
     arrays = {
@@ -869,6 +870,8 @@ def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
         "corpus_sha256": np.asarray(str(info.get("corpus_sha256", ""))),
         "causal": np.asarray(bool(info.get("causal", True))),
         "threads": np.int64(info.get("threads") or 0),  # torch threads it ran with; 0: not recorded
+        "sentences_asked": np.int64(info.get("sentences_asked") or similarity.sentences),  # --sentences
+        "pair_rows": np.int64(info.get("pair_rows") or 0),  # the budget in head-pair rows; 0: none
     }
     return write_files(out, {SIMILARITY_FILE: npz_writer(**arrays)})
 

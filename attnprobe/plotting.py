@@ -537,12 +537,13 @@ def head_patterns_figure(
 def probe_heatmap_figure(
     scores: pd.DataFrame, kinds: list[str], model: str, chance: dict[str, float] | None = None
 ) -> Figure:
-    """One layers x heads panel per probe kind, on a shared 0-1 scale (dark = strong); `chance` (per kind, the
+    """One layers x heads panel per probe kind, stacked, on a shared 0-1 scale (dark = strong); `chance` (per kind, the
     score of uniform attention) is drawn as a red line on the colour bar."""
     n_layers, n_heads = grid(scores, kinds[0]).shape
-    width = max(5.0, 0.6 * n_heads + 2.0)
-    figure = Figure(figsize=(width * len(kinds) + 1.0, max(4.0, 0.4 * n_layers + 1.5)), layout="constrained")
-    axes = np.atleast_1d(figure.subplots(1, len(kinds)))
+    width = float(np.clip(0.45 * n_heads + 2.0, 6.0, 15.0))  # panels stacked: the figure is as wide as one panel
+    panel = float(np.clip(0.32 * n_layers + 1.3, 2.6, 24.0 / len(kinds)))  # and at most ~26 in tall in all
+    figure = Figure(figsize=(width + 1.5, panel * len(kinds) + 1.0), layout="constrained")
+    axes = np.atleast_1d(figure.subplots(len(kinds), 1))
     image = None
     chance = {k: float(v) for k, v in (chance or {}).items() if k in kinds}
     for ax, kind in zip(axes, kinds):
@@ -985,35 +986,84 @@ def type_handles(kinds: list[str]) -> list[Any]:
                       label=plain_text(f"{kind} ({kinds.count(kind)})")) for kind in present]
 
 
+CLUSTERS = 12  # a matrix of more than MAX_HEAD_LABELS heads is summarised as this many clusters of its tree
+MAX_NAMED = 24  # at most this many heads named on a matrix or map of many heads
+NAME_POINTS = 7  # the font size of those names; two names stay at least 1.4 times it apart
+
+
+def cluster_exemplars(js: np.ndarray, clusters: np.ndarray) -> dict[int, int]:
+    """Per cluster id, its most central head: the one of smallest mean JS to the others of its cluster."""
+    out = {}
+    for label in np.unique(clusters):
+        members = np.flatnonzero(clusters == label)
+        inner = js[np.ix_(members, members)].mean(axis=1)  # [member]
+        out[int(label)] = int(members[int(np.argmin(inner))])
+    return out
+
+
+def spaced_names(wanted: list[int], position: np.ndarray, gap: float, limit: int = MAX_NAMED) -> list[int]:
+    """Of the heads `wanted` (most important first), at most `limit` whose `position`s (in head units along the
+    axis) lie at least `gap` apart, so their names do not overlap; later ones that would are left out."""
+    kept: list[int] = []
+    for i in dict.fromkeys(wanted):
+        if len(kept) < limit and all(abs(position[i] - position[j]) >= gap for j in kept):
+            kept.append(i)
+    return kept
+
+
+def cluster_summary(js: np.ndarray, clusters: np.ndarray, order: np.ndarray, kinds: list[str],
+                    names: list[str]) -> list[tuple[int, int, int, str]]:
+    """Per cluster in the matrix's order: (first position, last position + 1, its number from 1, a line saying its
+    heads, mean JS within it, its commonest head type and its most central head)."""
+    exemplar = cluster_exemplars(js, clusters)
+    rows, start = [], 0
+    ordered = clusters[order]
+    for end in range(1, len(order) + 1):
+        if end < len(order) and ordered[end] == ordered[start]:
+            continue
+        members = order[start:end]
+        inner = js[np.ix_(members, members)]
+        within = float(inner[np.triu_indices(len(members), k=1)].mean()) if len(members) > 1 else 0.0
+        types = [kinds[i] for i in members if kinds[i]]
+        common = max(set(types), key=types.count) if types else ""
+        share = f", {types.count(common) / len(members):.0%} {common}" if common else ""
+        number = len(rows) + 1
+        rows.append((start, end, number, f"C{number}: {len(members)} heads, JS within {within:.3f}{share}; "
+                                         f"centre {names[exemplar[int(ordered[start])]]}"))
+        start = end
+    return rows
+
+
 @any_script_figure
 def head_similarity_figure(
     js: np.ndarray, layers: np.ndarray, heads: np.ndarray, types: pd.DataFrame | None = None,
     labelled: list[tuple[int, int]] | None = None, title: str | None = None,
 ) -> Figure:
     """The [head, head] JS divergences of `attnprobe related`, rows and columns reordered by hierarchical
-    clustering (average linkage on sqrt(JS), its tree above), with a strip of head-type colours on the left.
+    clustering (average linkage on sqrt(JS)), with a strip of head-type colours on the left.
 
-    Every head is named up to MAX_HEAD_LABELS heads; beyond, only the `labelled` (layer, head)s are."""
-    from scipy.cluster.hierarchy import dendrogram, leaves_list
+    Up to MAX_HEAD_LABELS heads the tree is drawn above and every head named. Beyond, the tree is cut into
+    CLUSTERS clusters, shown as numbered bands above the matrix and lines across it and listed on the right
+    (size, mean JS within, commonest type, most central head); at most MAX_NAMED heads are named (the `labelled`
+    (layer, head)s first, then each cluster's centre), spaced so that no two names overlap."""
+    from scipy.cluster.hierarchy import dendrogram, fcluster, leaves_list
 
     from attnprobe.similarity import LN2, cluster
 
     n = len(layers)
     tree = cluster(js) if n >= 2 else None
     order = leaves_list(tree) if tree is not None else np.arange(n)  # the tree's leaves, left to right
-    names = [head_name(layers[i], heads[i]) for i in order]
+    names = [head_name(layers[i], heads[i]) for i in range(n)]
     kinds = head_kinds(layers, heads, types)
-    side = min(11.0, max(5.0, 0.16 * n + 3.0)) if n <= MAX_HEAD_LABELS else 9.0
-    figure = Figure(figsize=(side + 1.8, side + 2.6), layout="constrained")
-    grid = figure.add_gridspec(2, 2, width_ratios=[0.35, side], height_ratios=[1.4, side])
+    many = n > MAX_HEAD_LABELS
+    side = 9.0 if many else min(11.0, max(5.0, 0.16 * n + 3.0))
+    listing = 4.2 if many else 0.0  # inches of the cluster list on the right
+    figure = Figure(figsize=(side + 1.8 + listing, side + 2.6), layout="constrained")
+    grid = figure.add_gridspec(2, 3 if many else 2, width_ratios=[0.35, side, listing][: 3 if many else 2],
+                               height_ratios=[0.5 if many else 1.4, side])
     corner, tree_ax = figure.add_subplot(grid[0, 0]), figure.add_subplot(grid[0, 1])
     ax = figure.add_subplot(grid[1, 1])
     strip = figure.add_subplot(grid[1, 0], sharey=ax)
-    if tree is not None:  # the leaves sit at x = 5, 15, ...: the tree spans [0, 10 n] over the matrix's n columns
-        dendrogram(tree, ax=tree_ax, no_labels=True, link_color_func=lambda _: "#555555")
-        tree_ax.set_xlim(0, 10 * n)
-    tree_ax.set_axis_off()
-    tree_ax.set_title("average-linkage tree on sqrt(JS)", fontsize=9)
     image = ax.imshow(js[np.ix_(order, order)], cmap=SIMILARITY_CMAP, vmin=0.0, vmax=LN2, aspect="auto",
                       interpolation="nearest")
     colours = [matplotlib.colors.to_rgb(TYPE_COLORS.get(kinds[i], NO_TYPE_COLOR) if kinds[i] else "#ffffff")
@@ -1023,17 +1073,37 @@ def head_similarity_figure(
     strip.set_ylabel("head type", fontsize=9)
     if types is None:
         strip.set_axis_off()  # no head types: no strip
-    if n <= MAX_HEAD_LABELS:
+    if not many:
+        if tree is not None:  # the leaves sit at x = 5, 15, ...: the tree spans [0, 10 n] over the matrix's n columns
+            dendrogram(tree, ax=tree_ax, no_labels=True, link_color_func=lambda _: "#555555")
+            tree_ax.set_xlim(0, 10 * n)
+        tree_ax.set_title("average-linkage tree on sqrt(JS)", fontsize=9)
         size = 8 if n <= 32 else 6
-        ax.set_xticks(range(n), names, rotation=90, fontsize=size)
-        ax.set_yticks(range(n), names, fontsize=size)
+        ax.set_xticks(range(n), [names[i] for i in order], rotation=90, fontsize=size)
+        ax.set_yticks(range(n), [names[i] for i in order], fontsize=size)
     else:
-        position = {name: k for k, name in enumerate(names)}
-        marked = sorted((position[head_name(*pair)], head_name(*pair)) for pair in labelled or []
-                        if head_name(*pair) in position)
-        ax.set_xticks([k for k, _ in marked], [name for _, name in marked], rotation=90, fontsize=7)
-        ax.set_yticks([k for k, _ in marked], [name for _, name in marked], fontsize=7)
-        ax.set_xlabel(f"{n} heads in cluster order" + (" (some named)" if marked else ""), fontsize=9)
+        clusters = fcluster(tree, t=min(CLUSTERS, n), criterion="maxclust")  # [head]: contiguous in the leaf order
+        summary = cluster_summary(js, clusters, order, kinds, names)
+        draw_cluster_bands(tree_ax, ax, summary, n)
+        listed = figure.add_subplot(grid[1, 2])
+        listed.set_axis_off()
+        for k, (_, _, _, line) in enumerate(summary):
+            listed.text(0.0, 1.0 - (k + 0.5) / max(len(summary), CLUSTERS), plain_text(line), fontsize=8,
+                        va="center", ha="left", transform=listed.transAxes, wrap=False)
+        listed.set_title("clusters of the tree, in matrix order", fontsize=9, loc="left")
+        where = np.empty(n)
+        where[order] = np.arange(n)  # [head]: its position in the matrix
+        index = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(layers, heads))}
+        wanted = [index[(int(a), int(b))] for a, b in labelled or [] if (int(a), int(b)) in index]
+        centres = cluster_exemplars(js, clusters)
+        wanted += [centres[int(clusters[order[start]])] for start, *_ in summary]
+        gap = 1.4 * NAME_POINTS / (side * 72 / n)  # heads between two names: 1.4 font heights
+        named = sorted(spaced_names(wanted, where, gap), key=lambda i: where[i])
+        ax.set_xticks([where[i] for i in named], [names[i] for i in named], rotation=90, fontsize=NAME_POINTS)
+        ax.set_yticks([where[i] for i in named], [names[i] for i in named], fontsize=NAME_POINTS)
+        ax.set_xlabel(f"{n} heads in cluster order ({len(named)} named: the chosen heads and each cluster's centre)",
+                      fontsize=9)
+    tree_ax.set_axis_off()
     ax.yaxis.tick_right()
     strip.tick_params(axis="y", left=False, labelleft=False)  # the names are on the matrix's right
     figure.colorbar(image, ax=ax, location="bottom", shrink=0.7, label=SIMILARITY_BAR_LABEL)
@@ -1047,6 +1117,20 @@ def head_similarity_figure(
     return figure
 
 
+def draw_cluster_bands(band_ax: Axes, ax: Axes, summary: list[tuple[int, int, int, str]], n: int) -> None:
+    """The clusters as numbered bands above the matrix (the number where its band is wide enough) and thin
+    white lines across the matrix between them."""
+    for start, end, number, _ in summary:
+        band_ax.axvspan(start - 0.5, end - 0.5, color="#d9d9e3" if number % 2 else "#a9a9bd", linewidth=0)
+        if end - start >= n / 30:
+            band_ax.text((start + end - 1) / 2, 0.5, f"C{number}", ha="center", va="center", fontsize=8)
+        if start:
+            ax.axhline(start - 0.5, color="white", linewidth=0.8)
+            ax.axvline(start - 0.5, color="white", linewidth=0.8)
+    band_ax.set_xlim(-0.5, n - 0.5)
+    band_ax.set_ylim(0, 1)
+
+
 def label_rises(points: np.ndarray, span: float, near: float = 0.05, step: float = 11.0) -> list[float]:
     """Points by which each label of `points` [label, 2] is raised so that the labels of dots close together
     (within `near` x `span`, the plot's extent) stack instead of overlapping: `step` above the highest earlier
@@ -1056,6 +1140,32 @@ def label_rises(points: np.ndarray, span: float, near: float = 0.05, step: float
         close = [rises[j] for j in range(k) if np.abs(points[j] - point).max() <= near * span]
         rises.append(max(close) + step if close else 0.0)
     return rises
+
+
+def separate_labels(figure: Figure, notes: list[Any], passes: int = 30) -> None:
+    """Raise annotations whose drawn boxes overlap an earlier one's until none do (`label_rises` stacks those of
+    close dots, but a long name can still reach a farther one): each pass draws the figure and moves every
+    later label of an overlapping pair up by the overlap plus 2 points."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    if len(notes) < 2:
+        return
+    canvas = FigureCanvasAgg(figure)
+    for _ in range(passes):
+        canvas.draw()
+        boxes = [Text.get_window_extent(note, canvas.get_renderer()) for note in notes]  # the text, not its arrow
+        moved = False
+        for j in range(1, len(notes)):
+            for i in range(j):
+                a, b = boxes[i], boxes[j]
+                if min(a.x1, b.x1) > max(a.x0, b.x0) and min(a.y1, b.y1) > max(a.y0, b.y0):
+                    x, y = notes[j].xyann
+                    notes[j].xyann = (x, y + (a.y1 - b.y0) * 72.0 / figure.dpi + 2.0)  # pixels to points
+                    moved = True
+                    break
+        if not moved:
+            return
 
 
 @any_script_figure
@@ -1069,7 +1179,8 @@ def head_map_figure(
 
     coords, shares = classical_mds(js)
     kinds = head_kinds(layers, heads, types)
-    figure = Figure(figsize=(8.5, 7.0), layout="constrained")
+    dot_area = float(np.clip(22.0 * np.sqrt(200.0 / max(len(layers), 1)), 5.0, 22.0))  # smaller dots for many heads
+    figure = Figure(figsize=(9.5, 7.0), layout="constrained")
     ax = figure.add_subplot()
     groups: dict[str, list[int]] = {}  # head type ("" for none) -> the heads' indices
     for i, kind in enumerate(kinds):
@@ -1077,23 +1188,28 @@ def head_map_figure(
     for kind in [k for k in ALL_TYPES if k in groups] + sorted(k for k in groups if k not in ALL_TYPES):
         chosen = groups[kind]
         label = f"{kind} ({len(chosen)})" if kind else f"no type ({len(chosen)})" if types is not None else None
-        ax.scatter(coords[chosen, 0], coords[chosen, 1], s=22, alpha=0.85, linewidths=0,
+        ax.scatter(coords[chosen, 0], coords[chosen, 1], s=dot_area, alpha=0.85, linewidths=0,
                    color=TYPE_COLORS.get(kind, NO_TYPE_COLOR), label=plain_text(label) if label else None)
     index = {(int(layer), int(head)): i for i, (layer, head) in enumerate(zip(layers, heads))}
     named = [index[key] for key in dict.fromkeys((int(a), int(b)) for a, b in labelled or []) if key in index]
+    named = named[:MAX_NAMED]
+    notes = []
     for i, rise in zip(named, label_rises(coords[named], float(np.ptp(coords, axis=0).max()))):
         ax.scatter(coords[i, 0], coords[i, 1], s=60, facecolors="none", edgecolors="black", linewidths=1.0)
-        ax.annotate(head_name(layers[i], heads[i]), coords[i], xytext=(8, 4 + rise), textcoords="offset points",
-                    fontsize=8, arrowprops={"arrowstyle": "-", "color": "#777777", "linewidth": 0.6} if rise else None)
+        notes.append(ax.annotate(
+            head_name(layers[i], heads[i]), coords[i], xytext=(8, 4 + rise), textcoords="offset points", fontsize=8,
+            arrowprops={"arrowstyle": "-", "color": "#777777", "linewidth": 0.6},
+            bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "alpha": 0.75, "linewidth": 0}))
     ax.set_xlabel(f"MDS axis 1 ({shares[0]:.0%} of the spread)")
     ax.set_ylabel(f"MDS axis 2 ({shares[1]:.0%} of the spread)")
     ax.set_aspect("equal", adjustable="datalim")
     ax.axhline(0.0, color="#dddddd", linewidth=0.6, zorder=0)
     ax.axvline(0.0, color="#dddddd", linewidth=0.6, zorder=0)
-    if types is not None:
-        ax.legend(loc="best", fontsize=8, title="head type")
+    if types is not None:  # beside the axes: over the dots of many heads it would hide some
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="head type")
     ax.set_title("Distance between dots approximates sqrt(JS): close = attend alike (circled: named heads)",
                  fontsize=9)
+    separate_labels(figure, notes)
     heading = "Heads by how alike they attend (classical multidimensional scaling)"
     spaced_suptitle(figure, f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
     return figure

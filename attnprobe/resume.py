@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from attnprobe.accumulate import TOKEN_SUMS
 from attnprobe.errors import AttnprobeError, plain
 
 DEFAULT_EVERY_SECONDS = 300.0  # a checkpoint every five minutes
@@ -33,6 +34,10 @@ COUNT_KEYS = ("rows", "tokcount", "pending/fill", "pending/index", "pending/cate
 SUM_COUNTS = (("sum/", "count/"), ("sumsq/", "count/"), ("wsum/", "wcount/"), ("binsum/", "bincount/"),
               ("catsum/", "catn/"), ("catwsum/", "catwn/"))
 SCALARS = (str, int, float, bool, type(None))  # what a fingerprint's values are (run_fingerprint)
+# sums indexed by token id ([vocab, ...]): a checkpoint keeps only the rows of the token ids the run has met (those
+# tokcount counts), with their ids in TOKEN_ROWS, so it grows with the corpus's vocabulary, not the model's
+TOKEN_KEYS = TOKEN_SUMS
+TOKEN_ROWS = "tokrows"
 
 
 @dataclass
@@ -42,9 +47,20 @@ class State:
     sums: dict[str, np.ndarray]
     example_maps: np.ndarray | None  # [layer, head, query, key], once the example's batch has run
     path: str | None = None  # the file it was read from, named when it cannot be resumed
+    # the token ids whose rows the TOKEN_KEYS sums hold ([met], increasing); None: those sums are whole [vocab, ...]
+    # (the live accumulator's, or an older checkpoint that saved them whole)
+    token_rows: np.ndarray | None = None
 
     def to_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays of checkpoint.npz: every sum, the TOKEN_KEYS ones as the rows of the token ids met."""
         arrays = {f"sum:{key}": value for key, value in self.sums.items()}
+        if "tokcount" in self.sums:
+            rows = self.token_rows
+            if rows is None:
+                rows = np.flatnonzero(self.sums["tokcount"])  # [met]: the token ids the run has met
+                for key in TOKEN_KEYS:
+                    arrays[f"sum:{key}"] = self.sums[key][rows]  # [met, ...]: a copy of those rows only
+            arrays[TOKEN_ROWS] = rows.astype(np.int64)
         arrays["meta"] = np.array(json.dumps({"fingerprint": self.fingerprint, "batches_done": self.batches_done}))
         if self.example_maps is not None:
             arrays["example_maps"] = self.example_maps
@@ -75,10 +91,13 @@ class State:
         maps = arrays.get("example_maps")
         if maps is not None and (maps.dtype.kind != "f" or maps.ndim != 4):
             raise ValueError("example_maps is not a [layer, head, query, key] array of numbers")
-        unknown = sorted(set(arrays) - {"meta", "example_maps"} - {f"sum:{key}" for key in sums})
+        rows = arrays.get(TOKEN_ROWS)
+        if rows is not None and (rows.dtype.kind not in "iu" or rows.ndim != 1):
+            raise ValueError(f"{TOKEN_ROWS} is not a list of token ids")
+        unknown = sorted(set(arrays) - {"meta", "example_maps", TOKEN_ROWS} - {f"sum:{key}" for key in sums})
         if unknown:
             raise ValueError(f"it holds an unknown array {unknown[0]}")
-        return cls(meta["fingerprint"], done, sums, maps, path)
+        return cls(meta["fingerprint"], done, sums, maps, path, None if rows is None else rows.astype(np.int64))
 
     @property
     def where(self) -> str:
@@ -95,6 +114,7 @@ class State:
         check_dtypes(self, sums)
         check_batches_done(self, expected)
         check_whole_counts(self)
+        check_token_rows(self)
         check_sentences(self, expected)
         check_empty_sums(self)
         check_pending(self, expected)
@@ -119,14 +139,19 @@ def _first(bad: np.ndarray, values: np.ndarray) -> str:
 
 
 def check_keys(state: State, sums: dict[str, np.ndarray]) -> None:
-    """The same sums as this run's accumulator, of the same shapes."""
+    """The same sums as this run's accumulator, of the same shapes (the TOKEN_KEYS sums: one row per token id of
+    TOKEN_ROWS, where the checkpoint has that list)."""
     if set(state.sums) != set(sums):
         missing = sorted(set(sums) - set(state.sums)) or sorted(set(state.sums) - set(sums))
         raise state.refuse(f"its sums do not fit this run ({missing[0]})")
+    if state.token_rows is not None and "tokcount" not in sums:
+        raise state.refuse(f"it holds {TOKEN_ROWS}, but this run keeps no top-token sums")
     for key, value in sums.items():
-        if state.sums[key].shape != value.shape:
-            raise state.refuse(f"sum {key} has shape {plain(state.sums[key].shape)}, this run "
-                               f"{plain(value.shape)}")
+        shape = value.shape
+        if key in TOKEN_KEYS and state.token_rows is not None:
+            shape = (len(state.token_rows), *value.shape[1:])  # [met, ...]
+        if state.sums[key].shape != shape:
+            raise state.refuse(f"sum {key} has shape {plain(state.sums[key].shape)}, this run {plain(shape)}")
 
 
 def check_dtypes(state: State, sums: dict[str, np.ndarray]) -> None:
@@ -156,6 +181,32 @@ def check_whole_counts(state: State) -> None:
     present = state.sums.get("pending/present")
     if present is not None and (present > 1).any():
         raise state.refuse(f"pending/present holds {_first(present > 1, present)}, but it is 0 or 1")
+
+
+def check_token_rows(state: State) -> None:
+    """The top-token sums hold the rows of exactly the token ids tokcount counts (those the run has met), in
+    increasing order. A checkpoint that saved them whole ([vocab, ...], attnprobe before TOKEN_ROWS) must be zero
+    at every other token id; it is cut to the rows met here, so a resumed run maps in only those."""
+    if "tokcount" not in state.sums:
+        return
+    met = np.flatnonzero(state.sums["tokcount"])  # [met]: checked whole counts, so nonzero is positive
+    rows = state.token_rows
+    if rows is None:
+        for key in TOKEN_KEYS:
+            outside = np.ones(len(state.sums[key]), dtype=bool)
+            outside[met] = False
+            nonzero = outside & (state.sums[key].reshape(len(outside), -1) != 0).any(axis=1)  # [vocab]
+            if nonzero.any():
+                token = int(np.flatnonzero(nonzero)[0])
+                raise state.refuse(f"{key} holds mass at token id {token}, which tokcount counts no key position of")
+        state.sums.update({key: state.sums[key][met] for key in TOKEN_KEYS})  # [met, ...]
+        state.token_rows = met
+        return
+    if len(rows) != len(met) or (rows != met).any():
+        differs = np.setxor1d(rows, met)
+        token = plain(differs[0]) if len(differs) else plain(rows[np.flatnonzero(rows != met)[0]])
+        raise state.refuse(f"{TOKEN_ROWS} lists {len(rows)} token ids, tokcount counts {len(met)} (first that differs: "
+                           f"{token})")
 
 
 def check_sentences(state: State, expected: Expected) -> None:

@@ -24,6 +24,10 @@ from attnprobe.errors import AttnprobeError
 SENTENCES = 200  # default sample: at most this many sentences, spread evenly over the corpus
 MAX_TOKENS = 64  # default: each sentence cut to its first 64 tokens
 NEAREST = 5  # the report lists this many nearest heads of the selected one
+# default budget in head-pair rows (pairs of heads x query rows): the pairwise JS costs one log per pair and entry,
+# so a 32 x 32 model (523,776 pairs) would take ~20 min on 200 sentences of 64 tokens on 2 CPU cores; within the
+# budget it samples 30 (minutes), while up to 12 x 12 heads (and 30 x 9) the default 200 sentences fit in it whole
+PAIR_ROWS = 10**9
 BUDGET = 1 << 16  # elements (float32) of `pairwise_js_sums`' temporary per CPU thread: 256 KiB, in its cache
 GPU_BUDGET = 1 << 26  # on an accelerator: 256 MiB, so that few kernels are launched
 FLUSH = 1 << 22  # weights buffered (heads x entries) before `PairwiseJS` folds them into the sums: 16 MiB
@@ -141,11 +145,21 @@ def sample_indices(total: int, wanted: int) -> list[int]:
     return [k * total // wanted for k in range(wanted)]
 
 
-def check_settings(sentences: int, max_tokens: int, batch_size: int = 8) -> None:
-    """Refuse a sample size, token cut or batch size that cannot work, in one line."""
+def check_settings(sentences: int, max_tokens: int, batch_size: int = 8, pair_rows: int = PAIR_ROWS) -> None:
+    """Refuse a sample size, token cut, batch size or budget that cannot work, in one line."""
     limits.check_whole("--sentences", sentences, 1, limits.MAX_SENTENCES, SENTENCES)
     limits.check_whole("--max-tokens", max_tokens, 2, limits.MAX_POSITIONS, MAX_TOKENS)
     limits.check_whole("--batch-size", batch_size, 1, limits.MAX_BATCH_SIZE, 8)
+    limits.check_whole("--pair-rows", pair_rows, 0, 10**18, PAIR_ROWS)
+
+
+def budgeted_sentences(asked: int, heads: int, rows_per_sentence: int, pair_rows: int = PAIR_ROWS) -> int:
+    """How many of the `asked` sentences the sample keeps so that head pairs x query rows stays within `pair_rows`
+    (0: no budget), counting each sentence as its most rows (`rows_per_sentence`: the token cut); at least one."""
+    if pair_rows == 0:
+        return asked
+    per_sentence = max(1, heads * (heads - 1) // 2 * rows_per_sentence)  # head pairs x rows of one sentence
+    return max(1, min(asked, pair_rows // per_sentence))
 
 
 @dataclass
@@ -207,10 +221,12 @@ def batch_rows(loaded: Any, batch: list[list[int]]) -> list[tuple[Tensor, int]]:
 
 def head_similarity(
     model: Any, corpus: Any, *, sentences: int = SENTENCES, max_tokens: int = MAX_TOKENS, batch_size: int = 8,
-    device: str = "auto", dtype: str = "auto",
+    device: str = "auto", dtype: str = "auto", pair_rows: int = PAIR_ROWS,
 ) -> HeadSimilarity:
     """JS divergence between every pair of heads' attention, averaged over the unforced query rows of up to
     `sentences` sentences of `corpus` (spread evenly over it), each cut to its first `max_tokens` tokens.
+    A model of many heads samples fewer sentences, so that head pairs x query rows stays within `pair_rows`
+    (`budgeted_sentences`; 0: no budget); `info` records the sentences asked and the budget.
 
     `model`: a LoadedModel, a name or path (loaded on `device` in `dtype`), or a (transformers model,
     tokenizer) pair; `corpus`: a file, a Corpus or a list of sentences. A decoder's maps of a prefix equal its
@@ -220,16 +236,17 @@ def head_similarity(
     from attnprobe.corpus import as_corpus
     from attnprobe.model import as_loaded
 
-    check_settings(sentences, max_tokens, batch_size)
+    check_settings(sentences, max_tokens, batch_size, pair_rows)
     corpus = as_corpus(corpus)
     loaded = as_loaded(model, device, dtype)
-    indices = sample_indices(len(corpus), sentences)
+    limit = min(max_tokens, loaded.max_length)
+    kept = budgeted_sentences(sentences, loaded.num_layers * loaded.num_heads, limit, pair_rows)
+    indices = sample_indices(len(corpus), kept)
     wanted = set(indices)
     chosen = [clipped(s, max_tokens) for k, s in enumerate(corpus.stream()) if k in wanted]
     if not chosen:
         raise AttnprobeError(f"corpus {corpus.path} has no sentences: add some")
     full = tokenize_sentences(loaded, chosen).ids
-    limit = min(max_tokens, loaded.max_length)
     ids = [list(map(int, tokens[:limit])) for tokens in full]
     layers, per_layer = loaded.num_layers, loaded.num_heads
     total = PairwiseJS(layers * per_layer, loaded.device)
@@ -240,7 +257,8 @@ def head_similarity(
     return HeadSimilarity(
         js=total.mean(), layer=layer, head=head, indices=indices, rows=total.rows,
         tokens=sum(len(t) for t in ids), max_tokens=limit, cut=sum(len(t) > limit for t in full),
-        info={"model": loaded.spec, "corpus_sha256": corpus.sha256, "causal": loaded.causal},
+        info={"model": loaded.spec, "corpus_sha256": corpus.sha256, "causal": loaded.causal,
+              "sentences_asked": sentences, "pair_rows": pair_rows},
     )
 
 

@@ -462,3 +462,34 @@ def test_maps_that_are_not_probabilities_are_refused_by_name(copy_of, bad, words
     np.savez(copy_of / io.EXAMPLE_FILE, **single)
     (copy_of / io.EXAMPLES_FILE).unlink()
     assert_one_line_error(run("plot", "--out", copy_of), "example_attention.npz", words)
+
+
+@pytest.mark.parametrize(("layers", "heads", "width"), [(4, 32, 1400), (32, 32, 1400), (32, 32, 900), (3, 12, 1400)])
+def test_every_cell_of_the_grid_is_reachable(browser, run_dir, tmp_path, layers, heads, width):
+    """Issue 28: `.grid-column { max-width: 360px }` left a 4 x 32 grid's heads 13-31 under the pattern panel (76 of
+    128 cells hidden). Every cell, scrolled into view, is the element at its own centre, and the pattern panel sits
+    beside the grid or below it, never over it."""
+    folder = synthetic_run(run_dir, tmp_path / "many", layers, heads, 1, 8, True)
+    path = folder / io.REPORT_FILE
+    path.write_text(build_report(folder).html, encoding="utf-8")
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    problems = []
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.goto(path.resolve().as_uri())
+    page.wait_for_selector("body[data-ready='true']")
+    hidden = page.evaluate("""() => [...document.querySelectorAll("table.grid td[data-l]")].filter(td => {
+        td.scrollIntoView({block: "center", inline: "center"});
+        const r = td.getBoundingClientRect();
+        return document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2) !== td;
+      }).map(td => td.dataset.name)""")
+    assert page.locator("table.grid td[data-l]").count() == layers * heads
+    assert hidden == []
+    grid = page.eval_on_selector("#grid-wrap", "e => { const r = e.getBoundingClientRect(); "
+                                 "return [r.left, r.top + scrollY, r.right, r.bottom + scrollY]; }")
+    panel = page.eval_on_selector("#pattern", "e => { const r = e.getBoundingClientRect(); "
+                                  "return [r.left, r.top + scrollY, r.right, r.bottom + scrollY]; }")
+    assert panel[0] >= grid[2] or panel[1] >= grid[3], (grid, panel)  # beside or below
+    if heads <= 12:
+        assert panel[0] >= grid[2]  # a small grid keeps the pattern beside it
+    page.close()
+    assert problems == []

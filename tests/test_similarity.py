@@ -246,7 +246,7 @@ def test_related_writes_head_similarity(copy_of, gpt2_dir):
     assert result.exit_code == 0, result.output
     similarity = io.read_similarity(copy_of)
     assert set(similarity) == {"js", "layer", "head", "sentences", "rows", "tokens", "max_tokens", "cut", "indices",
-                               "model", "corpus_sha256", "causal", "threads"}
+                               "model", "corpus_sha256", "causal", "threads", "sentences_asked", "pair_rows"}
     assert similarity["js"].shape == (12, 12) and int(similarity["sentences"]) == 5
     assert similarity["indices"].tolist() == [0, 1, 3, 4, 6]
     assert int(similarity["max_tokens"]) == 8 and bool(similarity["causal"])
@@ -348,7 +348,7 @@ def test_the_type_strip_and_legend_use_the_type_colours():
     assert legend == ["local (4)", "copy (4)", "broad (4)"]
 
 
-def test_many_heads_name_only_the_labelled_ones():
+def test_many_heads_name_only_the_labelled_ones_and_the_cluster_centres():
     from attnprobe import plotting
 
     rng = np.random.default_rng(1)
@@ -357,7 +357,11 @@ def test_many_heads_name_only_the_labelled_ones():
     layer, head = np.divmod(np.arange(270), 9)
     figure = plotting.head_similarity_figure(js, layer, head, labelled=[(17, 4), (18, 6)])
     ax = next(a for a in figure.axes if a.images and a.images[0].get_array().shape == js.shape)
-    assert sorted(t.get_text() for t in ax.get_yticklabels()) == ["L17H4", "L18H6"]
+    names = {t.get_text() for t in ax.get_yticklabels()}
+    centres = {line.split("centre ")[1] for a in figure.axes for line in (t.get_text() for t in a.texts)
+               if "centre " in line}
+    assert {"L17H4", "L18H6"} <= names <= {"L17H4", "L18H6"} | centres  # issue 28: plus each cluster's centre
+    assert len(names) <= plotting.MAX_NAMED
     assert "270 heads in cluster order" in ax.get_xlabel()
 
 
