@@ -39,6 +39,10 @@ SINK, RECENT = 1, 3  # small, so that sink_window is defined on the test sentenc
 # typical rows (rounding errors of many scores cancel) and still far below the tenths to whole units by which a
 # structural fault (a mask, a row, a head, a logsumexp read off its place) moves them; precision is checked by the
 # float32 runs and by the float32 statistics of bfloat16 inputs against a float64 softmax.
+# aten's memory-efficient kernel multiplies float32 on GPUs of compute capability 8.0 and later as three TF32 products
+# (CUTLASS's 3xTF32, OpMultiplyAddFastF32): each product keeps about 2^-21 of its value, 8 times float32's 2^-24, so
+# what the CUDA kernel computes in float32 is held to 8 times float32's bound.
+CUDA_FLOAT32_TOLERANCE = 8 * FLOAT32_TOLERANCE
 BFLOAT16_UNIT = 2.0**-8
 MAX_LOGIT = 32.0  # the zoo's scores on the test sentences stay below this (test_the_zoo_s_scores_stay_below_max_logit)
 BFLOAT16_TOLERANCE = 2 * BFLOAT16_UNIT * MAX_LOGIT
@@ -93,10 +97,11 @@ def oracle(q, k, real, causal):
 
 
 def check_fused_against_a_float64_softmax(device: str, dtype: torch.dtype, causal: bool, n: int = 300,
-                                          logits: float = 40.0) -> None:
+                                          logits: float = 40.0, tolerance: float = FLOAT32_TOLERANCE) -> None:
     """fused_attend's every statistic (special tokens, token scores and the mass received, the value-weighted ones),
     example map and output against the float64 map of the same rounded inputs: the statistics are float32 whatever
-    the model's dtype, so to float32's bound; the output in the model's dtype to its own."""
+    the model's dtype, so to float32's bound (`tolerance`: the kernel's); the output in the model's dtype to its
+    own."""
     q, k, v, real = sharp_heads(n, logits, dtype, device)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 40, (2, n), generator=generator)  # [batch, seq]: ids under 40 repeat
@@ -113,18 +118,18 @@ def check_fused_against_a_float64_softmax(device: str, dtype: torch.dtype, causa
     expected = sentence_stats(p, cpu["real"].long(), causal, cpu["special"], sink=2, window=8, tokens=cpu["tokens"])
     got = {name: value.double().cpu() for name, value in sums.means().items()}
     for name, value in expected.items():
-        assert_close(got[name], value, name)
+        assert_close(got[name], value, name, tolerance)
     slices = projection.weight.detach().double().cpu().view(24, 4, 16).transpose(0, 1)  # [head, width, head size]
     norms = torch.einsum("hwd,bhkd->bhkw", slices, v.double().cpu().repeat_interleave(2, 1)).norm(dim=-1)
     weighted = p * norms[:, :, None, :]  # [batch, head, query, key]
     weighted = weighted / weighted.sum(dim=-1, keepdim=True)
     weighted_expected = sentence_stats(weighted, cpu["real"].long(), causal, None, sink=2, window=8)
     for name in VALUE_WEIGHTED:
-        assert_close(got[name + "_vw"], weighted_expected[name], name + "_vw")
-    assert_close(sums.received.double().cpu(), received(p, 0, cpu["real"].sum(dim=-1)), "received")
-    np.testing.assert_allclose(example.cpu(), p[1, :, :12, :12].float(), atol=FLOAT32_TOLERANCE)
+        assert_close(got[name + "_vw"], weighted_expected[name], name + "_vw", tolerance)
+    assert_close(sums.received.double().cpu(), received(p, 0, cpu["real"].sum(dim=-1)), "received", tolerance)
+    np.testing.assert_allclose(example.cpu(), p[1, :, :12, :12].float(), atol=tolerance)
     reference = (p @ v.double().cpu().repeat_interleave(2, 1)).transpose(1, 2)  # [batch, query, head, dim]
-    bound = FLOAT32_TOLERANCE if dtype == torch.float32 else 4 * torch.finfo(dtype).eps / 2  # 4 unit roundoffs
+    bound = tolerance if dtype == torch.float32 else 4 * torch.finfo(dtype).eps / 2  # 4 unit roundoffs
     assert output.dtype == dtype
     error = (output.double().cpu() - reference)[cpu["real"]].abs().max()
     assert float(error) < bound * max(1.0, float(reference.abs().max())), float(error)
@@ -227,9 +232,10 @@ def assert_paths_agree(folder, device: str, dtype: str) -> None:
     runs = {a: analyzed(loaded, a) for a in ("eager", "blocked", "fused")}
     assert runs["fused"].run["attention"]["path"] == "fused"
     assert runs["fused"].run["attention"]["fused_layers"] == list(range(loaded.num_layers))
-    tolerance = FLOAT32_TOLERANCE if dtype == "float32" else BFLOAT16_TOLERANCE
     eager = runs["eager"]
     for way in ("blocked", "fused"):
+        tolerance = BFLOAT16_TOLERANCE if dtype == "bfloat16" else \
+            CUDA_FLOAT32_TOLERANCE if device == "cuda" and way == "fused" else FLOAT32_TOLERANCE
         for column in eager.per_sentence.columns:
             if column != "category":
                 assert_close(runs[way].per_sentence[column], eager.per_sentence[column], f"{way} {column}", tolerance)
@@ -277,15 +283,15 @@ def test_the_zoo_s_scores_stay_below_max_logit(families, name, monkeypatch):
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_seam_equals_the_stand_in(dtype, causal):
     """The aten call through efficient_kernel against the stand-in on the same inputs: the logsumexp (float32 from the
-    rounded inputs) to float32's bound; the output in the inputs' dtype to 4 of its unit roundoffs."""
+    rounded inputs) to the kernel's float32 bound; the output in the inputs' dtype to 4 of its unit roundoffs."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 100, d).to(dtype) for d in (64, 64, 72))
     additive = torch.randn(2, 4, 1, 100).masked_fill_(torch.arange(100) > 80, float("-inf")).to(dtype)
     out, lse = kernel.flash(*(x.cuda() for x in (q, k, v)), causal, additive.cuda(), 0.125)
     ref_out, ref_lse = kernel.efficient_kernel(efficient_attention)(q, k, v, causal, additive, 0.125)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape == (2, 4, 100) and lse.dtype == torch.float32
-    assert_close(lse.cpu(), ref_lse, "logsumexp")
-    bound = FLOAT32_TOLERANCE if dtype == torch.float32 else 4 * torch.finfo(dtype).eps / 2
+    assert_close(lse.cpu(), ref_lse, "logsumexp", CUDA_FLOAT32_TOLERANCE)
+    bound = CUDA_FLOAT32_TOLERANCE if dtype == torch.float32 else 4 * torch.finfo(dtype).eps / 2
     assert float((out.cpu().double() - ref_out.double()).abs().max()) < bound * max(1.0, float(ref_out.abs().max()))
 
 
@@ -293,7 +299,7 @@ def test_cuda_seam_equals_the_stand_in(dtype, causal):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_statistics_equal_a_float64_softmax(causal, dtype):
-    check_fused_against_a_float64_softmax("cuda", dtype, causal, n=700, logits=48.0)
+    check_fused_against_a_float64_softmax("cuda", dtype, causal, n=700, logits=48.0, tolerance=CUDA_FLOAT32_TOLERANCE)
 
 
 @cuda_test
