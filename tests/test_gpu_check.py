@@ -97,3 +97,41 @@ def test_a_missing_module_names_the_wheel_and_the_download_line():
     hint = gpu_check.wheel_hint(["pytest"])
     assert "pytest iniconfig pluggy" in hint and "pip download --no-deps --only-binary=:all:" in hint
     assert "--python-version 3.12" in hint and "-d .whl" in hint and "\n" not in hint
+
+
+def gpu_json_from(dry_json: dict) -> dict:
+    """The dry run's JSON as a GPU run would write it (a GPU name, peak memory), for the figure's tests."""
+    found = json.loads(json.dumps(dry_json))
+    found["dry"] = False
+    found["environment"]["gpu"] = "NVIDIA H100 80GB HBM3"
+    for ways in (found["steps"]["bench"]["short"]["runs"], *found["steps"]["bench"]["long"].values()):
+        for run in ways.values():
+            run["peak_mib"] = 1000.0
+    found["targets"] = gpu_check.targets(found)
+    return found
+
+
+def test_the_gpu_figure_renders_a_gpu_run_and_refuses_the_dry_run(dry_run, tmp_path):
+    """figures/gpu.py: a GPU run's JSON renders with the GPU's name, every length and way, and the targets judged;
+    the dry run's JSON and a malformed one are refused with one line; no run yet renders without a number."""
+    from figures import build
+    from figures.gpu import GpuCheckError, read_gpu_check
+
+    _, out = dry_run
+    dry_json = json.loads((out / "gpu-check.json").read_text(encoding="utf-8"))
+    with pytest.raises(GpuCheckError, match="dry run"):
+        read_gpu_check(out / "gpu-check.json")
+    path = tmp_path / "gpu-check.json"
+    path.write_text(json.dumps(gpu_json_from(dry_json)), encoding="utf-8")
+    data = read_gpu_check(path)
+    body = build.render("gpu-check", data)
+    assert "NVIDIA H100 80GB HBM3" in body and "attnprobe fused statistics" in body
+    assert all(f"| {n} |" in body for n in gpu_check.DRY_LENGTHS)
+    assert "(met)" in body or "(missed)" in body
+    broken = gpu_json_from(dry_json)
+    broken["steps"]["bench"]["long"]["512"]["fused"]["seconds"] = -1
+    path.write_text(json.dumps(broken), encoding="utf-8")
+    with pytest.raises(GpuCheckError, match="positive number of seconds"):
+        read_gpu_check(path)
+    empty = build.render("gpu-check", {"measured": False})
+    assert "No GPU figures have been measured yet" in empty and not any(ch.isdigit() for ch in empty)
