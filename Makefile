@@ -70,10 +70,12 @@ figures: setup
 # The check a lent GPU machine runs in one command of at most 8 minutes (docs/development.md#gpu-check): the tests
 # marked cuda, the GPU benchmarks, torchrun with NCCL, and one JSON of results in $OUT (outputs/gpu-check/ when OUT
 # is unset). It needs no setup: the machine has no internet, so it runs the python3 that holds torch there (.venv's
-# python where there is one). DRY=1 runs the same script on CPU with tiny shapes (tests/test_gpu_check.py runs it).
+# python where there is one). DRY=1 runs the same script on CPU with tiny shapes (tests/test_gpu_check.py runs it);
+# STEPS=bench,torchrun reruns some steps (tests, bench, torchrun), BUDGET=300 caps the seconds.
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
-	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )--out "$${OUT:-outputs/gpu-check}"
+	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )$(if $(STEPS),--steps $(STEPS) )\
+	  $(if $(BUDGET),--budget $(BUDGET) )--out "$${OUT:-outputs/gpu-check}"
 
 # The two ends of the declared range, each in its own venv: the newest releases pip resolves today (what a new user
 # gets), and the lowest transformers pyproject.toml allows (the rest resolved for it).

@@ -2,7 +2,7 @@
 
 Run:  make gpu-check                    (on the lent machine; results in $OUT, else outputs/gpu-check/)
       make gpu-check DRY=1              (here, on CPU, in CI-sized time: proves the script itself works)
-      python3 benchmarks/gpu_check.py [--dry] [--out FOLDER] [--budget SECONDS]
+      python3 benchmarks/gpu_check.py [--dry] [--out FOLDER] [--budget SECONDS] [--steps tests,bench,torchrun]
 
 Steps, each in a process of its own with a time limit (a step that fails or runs out of time is recorded and the
 next one runs), and one JSON of results, FOLDER/gpu-check.json, rewritten after every step (a stopped run keeps what
@@ -63,8 +63,9 @@ SHORT = (64, 8, 8, 40)  # sentences, batch size, shortest and longest (tokens)
 DRY_SHORT = (8, 4, 8, 40)
 BLOCKED_MIB = 1024  # the blocked path's block budget on the GPU (the CPU default, 64 MiB, makes blocks of 2 rows)
 SINK, WINDOW = 4, 256  # attnprobe's defaults
-NEEDED = ("torch", "transformers", "tokenizers", "safetensors", "accelerate", "numpy", "pandas", "pyarrow", "scipy",
-          "matplotlib", "typer", "rich", "pytest")
+NEEDED = ("torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "accelerate", "numpy", "pandas",
+          "pyarrow", "scipy", "matplotlib", "typer", "rich", "pytest")
+STEPS = ("tests", "bench", "torchrun")  # after environment and install, which always run (--steps picks these)
 DISTRIBUTIONS = {"pyarrow": "pyarrow", "pytest": "pytest iniconfig pluggy"}  # module -> what to download
 DOWNLOAD = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
             "--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="where gpu-check.json goes ($OUT, else outputs/gpu-check)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"comma-separated steps to run after install (a rerun of some): {', '.join(STEPS)}")
     parser.add_argument("--child", choices=("bench", "group"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -240,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         return bench(args.dry, args.json)
     if args.child == "group":
         return group(args.json)
+    chosen = [step for step in args.steps.split(",") if step]
+    if not chosen or set(chosen) - set(STEPS):
+        parser.error(f"--steps: choose among {', '.join(STEPS)}")
     folder = args.out or Path(os.environ.get("OUT") or ROOT / "outputs" / "gpu-check")
     report = Report(folder.resolve(), args.dry)
     deadline = time.perf_counter() + args.budget
@@ -254,24 +260,26 @@ def main(argv: list[str] | None = None) -> int:
     extra = install(report, args, left("install"))
     env = child_env(extra)
 
-    report.data["steps"]["tests"] = tests = run(
-        report, "tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-rA", "-p", "no:cacheprovider",
-                          "tests/test_gpu.py"], left("tests"), env)
-    tests.update(pytest_outcomes(tests["tail"] if tests["timed_out"] else _full_log(report, "tests")))
-    tests["ok"] = tests["returncode"] == 0
-    report.save()
+    if "tests" in chosen:
+        report.data["steps"]["tests"] = tests = run(
+            report, "tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-rA", "-p", "no:cacheprovider",
+                              "tests/test_gpu.py"], left("tests"), env)
+        tests.update(pytest_outcomes(tests["tail"] if tests["timed_out"] else _full_log(report, "tests")))
+        tests["ok"] = tests["returncode"] == 0
+        report.save()
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-        results = Path(work) / "bench.json"
-        bench_run = run(report, "bench", [sys.executable, __file__, "--child", "bench", "--json", str(results),
-                                          *(["--dry"] if args.dry else [])], left("bench"), env)
-        found = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
-        report.data["steps"]["bench"] = {**bench_run, **found, "ok": bench_run["returncode"] == 0}
-        report.data["targets"] = targets(report.data)
-        report.save()
-
-        report.data["steps"]["torchrun"] = torchrun(report, args.dry, Path(work), left, env)
-        report.save()
+        if "bench" in chosen:
+            results = Path(work) / "bench.json"
+            bench_run = run(report, "bench", [sys.executable, __file__, "--child", "bench", "--json", str(results),
+                                              *(["--dry"] if args.dry else [])], left("bench"), env)
+            found = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
+            report.data["steps"]["bench"] = {**bench_run, **found, "ok": bench_run["returncode"] == 0}
+            report.data["targets"] = targets(report.data)
+            report.save()
+        if "torchrun" in chosen:
+            report.data["steps"]["torchrun"] = torchrun(report, args.dry, Path(work), left, env)
+            report.save()
     report.data["targets"] = targets(report.data)
     report.data["seconds"] = round(args.budget - (deadline - time.perf_counter()), 1)
     failed = [name for name, step in report.data["steps"].items() if not step.get("ok")]
