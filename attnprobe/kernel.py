@@ -582,6 +582,8 @@ def efficient_kernel(op: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tup
 
     def call(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Tensor | None,
              scale: float) -> tuple[Tensor, Tensor]:
+        query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))  # as the
+        # kernel reads them: each head's channels adjacent
         bias = None if additive is None else _kernel_bias(additive, query, key)  # [batch, head, query, key]
         out, lse = op(query, key, value, bias, True, 0.0, causal, scale=scale)[:2]
         return out, lse[..., : query.shape[2]]  # [batch, head, q, value width], [batch, head, q]

@@ -94,7 +94,8 @@ def read_gpu_check(path: str | Path) -> dict:
             "long": long_found, "short": short_found, "tests": {"counts": counts, "failed": failed[:20]},
             "torchrun": {"backend": group.get("backend"), "all_reduce_ok": group.get("all_reduce_ok")},
             "targets": {k: targets.get(k) for k in keep},
-            "eager_bfloat16": targets.get("fused_equals_eager_bfloat16"), "ok": bool(raw.get("ok"))}
+            "eager_bfloat16": targets.get("fused_equals_eager_bfloat16"), "ok": bool(raw.get("ok")),
+            "sdpa_fallback": sorted(int(n) for n in (bench.get("sdpa_fallback") or {}) if str(n).isdigit())}
 
 
 @figure("gpu-check", runs=("gpu-check",))
@@ -132,6 +133,10 @@ def _(d: dict) -> str:
         "",
         fmt.table(["tokens", "way", "time", "peak GPU MiB", "time / SDPA", "memory / SDPA"], rows),
     ]
+    if d.get("sdpa_fallback"):
+        parts += ["", "No fused SDPA kernel took the floor's inputs at "
+                  f"{fmt.listing([fmt.whole(n) for n in d['sdpa_fallback']])} tokens: there the floor is torch's own "
+                  "choice, the math kernel, slower than a fused one."]
     if d.get("short"):
         s = d["short"]
         short_rows = [[WAYS[name], run.get("error") or fmt.seconds(run["seconds"]),
