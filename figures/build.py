@@ -15,7 +15,7 @@ from pathlib import Path
 
 from figures import fmt, regions
 from figures.registry import FIGURES, Figure, Outputs
-from figures.runs import PARTS, ROOT, RUNS, execute, record
+from figures.runs import HERE, PARTS, ROOT, RUNS, execute, record
 
 MEASURED = ROOT / "figures" / "measured.json"
 IMAGES = ROOT / "docs" / "images"
@@ -76,7 +76,7 @@ def select(parts: list[str], only: list[str]) -> tuple[list[str], list[str]]:
         figures = [n for n in only if n in FIGURES] + [f.name for f in FIGURES.values()
                                                         if any(n in f.runs for n in only if n in RUNS)]
     else:
-        wanted = set(PARTS) if "all" in parts else set(parts)
+        wanted = set(HERE) if "all" in parts else set(parts)  # all: every part that runs here, not `gpu`
         bad = wanted - set(PARTS)
         if bad:
             raise SystemExit(f"unknown part: {', '.join(sorted(bad))} (parts: {', '.join(PARTS)}, all)")
@@ -122,7 +122,8 @@ def listing() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m figures", description=__doc__.splitlines()[0])
     parser.add_argument("--part", default=",".join(DEFAULT_PARTS),
-                        help=f"comma-separated parts to run: {', '.join(PARTS)} or all (default: results,bench)")
+                        help=f"comma-separated parts to run: {', '.join(PARTS)} or all (all but gpu; default: "
+                        "results,bench)")
     parser.add_argument("--only", default="", help="comma-separated figures or runs (instead of --part)")
     parser.add_argument("--reuse", action="store_true", help="run nothing: collect from the outputs in --work")
     parser.add_argument("--render", action="store_true",

@@ -7,7 +7,9 @@ where and how long into `<work>/_runs/<run>.json`; the figures read those folder
 
 Runs belong to a part: `results` (the real models' results, the default), `bench` (benchmarks that take a few
 minutes) and `slow` (those that take tens of minutes: the full SmolLM2 ablation, the dormant sinks' ablation,
-bench_ablate, bench_corpus, the thread comparison, the test suite). `python -m figures --part ...` chooses.
+bench_ablate, bench_corpus, the thread comparison, the test suite). `python -m figures --part ...` chooses. The part
+`gpu` runs nothing here: it checks and copies the results `make gpu-check` brought back from a lent GPU
+(`--part gpu` or `--only gpu-check`; never in `--part all`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = "corpora/sentences.txt"
 GPL3 = "/usr/share/common-licenses/GPL-3"
-PARTS = ("results", "bench", "slow")
+PARTS = ("results", "bench", "slow", "gpu")
+HERE = ("results", "bench", "slow")  # the parts that run on this machine (--part all); `gpu` reads a GPU run
 INDUCTION = "L17H4,L18H6,L17H3,L23H2"  # SmolLM2's top induction heads by `attnprobe probe` (the figures check it)
 ANALYZE_FILES = ("heads.csv", "layers.csv", "run.json", "positions.csv", "categories.csv", "examples.npz",
                  "example_attention.npz", "resamples.npz")
@@ -198,6 +201,9 @@ RUNS: dict[str, Run] = {run.name: run for run in (
     Run("threads", "slow", (helper("threads", "{out}/threads.json"),),
         about="`attnprobe ablate` on 24 sentences with 1 and 2 threads, interleaved", minutes=6),
     Run("suite", "slow", (helper("suite", "{out}/suite.json"),), about="the test suite's time", minutes=12),
+    Run("gpu-check", "gpu", (helper("gpu-result", "{out}/gpu-check.json"),),
+        about="the gpu-check.json `make gpu-check` wrote on a lent GPU (GPU_CHECK_JSON, else "
+        "outputs/gpu-check/gpu-check.json), checked and copied", minutes=0.1),
 )}
 
 

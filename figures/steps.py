@@ -263,10 +263,27 @@ def zoo(work: str, target: str) -> None:
     write_json(target, {"architectures": rows})
 
 
+def gpu_result(target: str) -> None:
+    """The gpu-check.json `make gpu-check` wrote on a lent GPU (GPU_CHECK_JSON, else outputs/gpu-check/), checked
+    (figures.gpu.read_gpu_check: a GPU run, not the dry run) and copied to `target`."""
+    from figures.gpu import GpuCheckError, read_gpu_check
+
+    source = Path(os.environ.get("GPU_CHECK_JSON") or ROOT / "outputs" / "gpu-check" / "gpu-check.json")
+    if not source.is_file():
+        raise SystemExit(f"no {source}: run `make gpu-check` on a lent GPU and put its gpu-check.json there (or set "
+                         "GPU_CHECK_JSON to it)")
+    try:
+        read_gpu_check(source)
+    except GpuCheckError as err:
+        raise SystemExit(str(err)) from None
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+
+
 STEPS = {"copy-analysis": copy_analysis, "screenshot": screenshot, "verify": verify, "gpt2-small": gpt2_small,
          "sink-groups": sink_groups, "startup": startup, "threads": threads, "suite": suite,
          "report-sizes": report_sizes, "batch-sizes": batch_sizes, "coverage": coverage,
-         "block-coverage": block_coverage, "zoo": zoo}
+         "block-coverage": block_coverage, "zoo": zoo, "gpu-result": gpu_result}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""`make gpu-check` (benchmarks/gpu_check.py): its CPU dry run end to end, and the parts that judge a GPU run.
+
+The dry run is the same script a lent GPU machine runs, on CPU with tiny shapes and gloo: every step must pass and
+the JSON must hold what a GPU run's figures are read from (figures/gpu.py), so that a lent machine's one call only
+has to run it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return done, out
+
+
+def test_the_dry_run_passes_every_step_and_writes_one_json(dry_run):
+    done, out = dry_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.log"]  # what $OUT brings back
+    found = json.loads((out / "gpu-check.json").read_text(encoding="utf-8"))
+    assert found["dry"] is True and found["ok"] is True
+    assert set(found["steps"]) == {"install", "tests", "bench", "torchrun"}
+    assert all(step["ok"] for step in found["steps"].values()), {k: v.get("tail") for k, v in found["steps"].items()}
+    environment = found["environment"]
+    assert environment["gpu"] is None and environment["torch"] and environment["transformers"]
+    assert "--dry-run" in found["steps"]["install"]["project"]["command"]  # the dry run installs nothing
+    tests = found["steps"]["tests"]
+    assert tests["counts"]["skipped"] > 0 and not tests["outcomes"]  # every cuda test skipped here
+    bench = found["steps"]["bench"]
+    assert bench["model"]["rope"]["rope_type"] == "llama3" and bench["model"]["rope"]["rope_theta"] == 500000.0
+    assert set(bench["short"]["runs"]) == {"sdpa", "fused", "fused+vw", "blocked"}
+    assert set(bench["long"]) == {str(n) for n in gpu_check.DRY_LENGTHS}
+    for ways in (bench["short"]["runs"], *bench["long"].values()):
+        assert all(r["seconds"] > 0 for r in ways.values()), ways
+    torchrun = found["steps"]["torchrun"]
+    assert torchrun["group"]["backend"] == "gloo" and torchrun["group"]["all_reduce_ok"] is True
+    assert torchrun["analyze"]["world_size"] == 1 and torchrun["analyze"]["path"] == "fused"
+    targets = found["targets"]
+    assert targets["judged"] is False and targets["time_met"] is None  # a CPU dry run judges nothing
+    assert targets["tokens"] == max(gpu_check.DRY_LENGTHS) and targets["fused_time_ratio"] > 0
+
+
+def test_the_model_has_the_published_llama_3_2_1b_shape():
+    shape = gpu_check.LLAMA_1B
+    assert (shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"],
+            shape["num_key_value_heads"], shape["intermediate_size"], shape["vocab_size"]) == \
+        (2048, 16, 32, 8, 8192, 128256)
+    assert gpu_check.ROPE["rope_theta"] == 500000.0 and gpu_check.ROPE["rope_type"] == "llama3"
+    assert gpu_check.LENGTHS == (4096, 16384, 32768)
+
+
+def gpu_report(sdpa: float, fused: float, sdpa_mib: float, fused_mib: float, tests: dict) -> dict:
+    runs = {"sdpa": {"seconds": sdpa, "peak_mib": sdpa_mib}, "fused": {"seconds": fused, "peak_mib": fused_mib}}
+    return {"dry": False, "steps": {"bench": {"long": {"4096": {"sdpa": {"seconds": 1.0}, "fused": {"seconds": 9.0}},
+                                                       "32768": runs}},
+                                    "tests": {"outcomes": tests}}}
+
+
+def test_targets_are_judged_at_the_longest_length_with_the_numbers():
+    passed = {"tests/test_gpu.py::test_cuda_fused_equals_blocked_equals_eager[bfloat16-llama]": "PASSED",
+              "tests/test_gpu.py::test_cuda_fused_equals_blocked_equals_eager[float32-llama]": "FAILED"}
+    found = gpu_check.targets(gpu_report(2.0, 2.9, 1000.0, 1099.0, passed))
+    assert found["tokens"] == 32768 and found["fused_time_ratio"] == 1.45 and found["time_met"] is True
+    assert found["fused_memory_ratio"] == 1.099 and found["memory_met"] is True and found["judged"] is True
+    assert found["fused_equals_eager_bfloat16"] == {"tests": 1, "passed": 1, "met": True}
+    missed = gpu_check.targets(gpu_report(2.0, 3.2, 1000.0, 1200.0, {"x::test_cuda_fused_equals_blocked_equals_eager"
+                                                                     "[bfloat16-bert]": "FAILED"}))
+    assert missed["time_met"] is False and missed["memory_met"] is False
+    assert missed["fused_equals_eager_bfloat16"]["met"] is False
+    assert gpu_check.targets({"steps": {}})["time_met"] is None  # nothing measured: nothing judged
+
+
+def test_pytest_outcomes_are_read_from_the_summary():
+    text = ("PASSED tests/test_gpu.py::test_a[x]\nFAILED tests/test_gpu.py::test_b - AssertionError\n"
+            "SKIPPED [3] tests/test_gpu.py:12: needs a CUDA GPU\n1 failed, 1 passed, 3 skipped in 2.0s\n")
+    found = gpu_check.pytest_outcomes(text)
+    assert found["outcomes"] == {"tests/test_gpu.py::test_a[x]": "PASSED", "tests/test_gpu.py::test_b": "FAILED"}
+    assert found["counts"] == {"passed": 1, "failed": 1, "skipped": 3}
+
+
+def test_a_missing_module_names_the_wheel_and_the_download_line():
+    assert gpu_check.missing_modules(("json", "no_such_module_here")) == ["no_such_module_here"]
+    hint = gpu_check.wheel_hint(["pytest"])
+    assert "pytest iniconfig pluggy" in hint and "pip download --no-deps --only-binary=:all:" in hint
+    assert "--python-version 3.12" in hint and "-d .whl" in hint and "\n" not in hint
+
+
+def gpu_json_from(dry_json: dict) -> dict:
+    """The dry run's JSON as a GPU run would write it (a GPU name, peak memory), for the figure's tests."""
+    found = json.loads(json.dumps(dry_json))
+    found["dry"] = False
+    found["environment"]["gpu"] = "NVIDIA H100 80GB HBM3"
+    for ways in (found["steps"]["bench"]["short"]["runs"], *found["steps"]["bench"]["long"].values()):
+        for run in ways.values():
+            run["peak_mib"] = 1000.0
+    found["targets"] = gpu_check.targets(found)
+    return found
+
+
+def test_the_gpu_figure_renders_a_gpu_run_and_refuses_the_dry_run(dry_run, tmp_path):
+    """figures/gpu.py: a GPU run's JSON renders with the GPU's name, every length and way, and the targets judged;
+    the dry run's JSON and a malformed one are refused with one line; no run yet renders without a number."""
+    from figures import build
+    from figures.gpu import GpuCheckError, read_gpu_check
+
+    _, out = dry_run
+    dry_json = json.loads((out / "gpu-check.json").read_text(encoding="utf-8"))
+    with pytest.raises(GpuCheckError, match="dry run"):
+        read_gpu_check(out / "gpu-check.json")
+    path = tmp_path / "gpu-check.json"
+    path.write_text(json.dumps(gpu_json_from(dry_json)), encoding="utf-8")
+    data = read_gpu_check(path)
+    body = build.render("gpu-check", data)
+    assert "NVIDIA H100 80GB HBM3" in body and "attnprobe fused statistics" in body
+    assert all(f"| {n} |" in body for n in gpu_check.DRY_LENGTHS)
+    assert "(met)" in body or "(missed)" in body
+    broken = gpu_json_from(dry_json)
+    broken["steps"]["bench"]["long"]["512"]["fused"]["seconds"] = -1
+    path.write_text(json.dumps(broken), encoding="utf-8")
+    with pytest.raises(GpuCheckError, match="positive number of seconds"):
+        read_gpu_check(path)
+    empty = build.render("gpu-check", {"measured": False})
+    assert "No GPU figures have been measured yet" in empty and not any(ch.isdigit() for ch in empty)
