@@ -74,7 +74,7 @@ def test_auto_uses_the_fused_path_for_supported_models(loaded):
     features = result.run["attention"].pop("features")
     assert result.run["attention"] == {"requested": "auto", "path": "fused", "block_budget_mib": 64,
                                        "sink_tokens": 4, "window": 256, "fused_min_tokens": 512,
-                                       "fused_layers": list(range(loaded.num_layers))}
+                                       "fused_layers": list(range(loaded.num_layers)), "sequences": {"blocked": 2}}
     assert features == {"causal": loaded.causal, "query_heads_per_kv_head": loaded.num_heads // loaded.num_kv_heads,
                         "sliding_window": None, "softcap": None, "attention_sinks": False,
                         "scale": [pytest.approx(loaded.head_dim**-0.5)]}

@@ -33,7 +33,7 @@ def test_split_file_is_one_sequence_on_the_blocked_path(long_results):
     run_info = json.loads((out / "run.json").read_text())
     assert run_info["sentences"] == 1 and run_info["longest_sequence"] == run_info["tokens"] > 60
     assert run_info["attention"] == {"requested": "auto", "path": "fused", "block_budget_mib": 64,
-                                     "fused_layers": [0, 1], "fused_min_tokens": 512,
+                                     "fused_layers": [0, 1], "fused_min_tokens": 512, "sequences": {"blocked": 1},
                                      "sink_tokens": 1, "window": 8, "features": {
                                          "causal": True, "query_heads_per_kv_head": 2, "sliding_window": None,
                                          "softcap": None, "attention_sinks": False, "scale": [8**-0.5]}}
