@@ -598,10 +598,20 @@ def _(d: dict) -> str:
     ])
 
 
-@figure("readme-speed", runs=("bench-analyze", "bench-long", "bench-long-user"))
+@figure("readme-speed", runs=("bench-analyze", "bench-long"))
 def readme_speed(out: Outputs) -> dict:
-    return {"short": bench_analyze_speed.collect(out), "long": bench_long_smollm2.collect(out),
-            "user": bench_long_user.collect(out)}
+    return {"short": bench_analyze_speed.collect(out), "long": bench_long_smollm2.collect(out)}
+
+
+@figure("readme-as-user", runs=("bench-analyze", "bench-long-user"))
+def readme_as_user(out: Outputs) -> dict:
+    return {"short": bench_analyze_speed.collect(out), "user": bench_long_user.collect(out)}
+
+
+@readme_as_user.renderer
+def _(d: dict) -> str:
+    return (as_a_user(d["short"], d["user"]) + "(`benchmarks/bench_analyze.py`, `benchmarks/bench_long.py --part "
+            "user`; [Threads](docs/performance.md#threads)).")
 
 
 @readme_speed.renderer
@@ -630,15 +640,13 @@ def _(d: dict) -> str:
             f"{fmt.whole(long['tokens'])}-token document SmolLM2's blocked statistics take {fmt.ratio(blocked)} x the "
             f"SDPA forward ({met(blocked, t['blocked_time'])}) and the fused ones {fmt.ratio(fused)} x "
             f"({met(fused, t['fused_time'])}, [why](docs/long-documents.md#speed-and-memory-measured); "
-            "`benchmarks/bench_long.py`). " + as_a_user(short, d.get("user")) +
+            "`benchmarks/bench_long.py`). "
             "The full tables: [Performance](docs/performance.md).")
 
 
-def as_a_user(short: dict, user: dict | None) -> str:
-    """readme-speed's sentence on the runs made as a user makes them: every default, torch's default threads."""
+def as_a_user(short: dict, user: dict) -> str:
+    """The README's sentence on the runs made as a user makes them: every default, torch's default threads."""
     med = short["speed"]["medians"]
-    if "defaults" not in med or user is None:
-        return ""
     key = "cpu" if is_busy(short) else "seconds"
     over = med["defaults"][key] / med["floor-default"][key]
     target = short["speed"]["targets"]["floor"]
@@ -647,7 +655,7 @@ def as_a_user(short: dict, user: dict | None) -> str:
             f"threads, whole processes): {fmt.ratio(over)} x on the short sentences (target <= "
             f"{target}: {'met' if over <= target else 'missed'})"
             f" and {fmt.ratio(long)} x on a {fmt.whole(user['tokens'])}-token document (target <= {user['target']}: "
-            f"{'met' if long <= user['target'] else 'missed'}). ")
+            f"{'met' if long <= user['target'] else 'missed'}) ")
 
 
 # ---- sizes researchers study: benchmarks/bench_scale.py -----------------------------------------------------------
