@@ -792,7 +792,7 @@ def run_info(
             "architecture": type(loaded.model).__name__, "layers": loaded.num_layers, "heads": loaded.num_heads,
             "kv_heads": loaded.num_kv_heads, "head_dim": loaded.head_dim, "causal": loaded.causal,
         },
-        "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256},
+        "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256, "split": corpus.split},
         "sentences": len(ids),
         "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never
         "limit": corpus.limit,  # --limit: only the corpus's first N sentences (None: all)
