@@ -390,3 +390,28 @@ def test_cli_streaming_needs_its_heads_in_one_line(models, corpus_file, tmp_path
     result = run("ablate", "--model", models["llama-gqa"].source, "--corpus", corpus_file, "--out", tmp_path / "o",
                  *args)
     assert_one_line_error(result, *fragments)
+
+
+def test_an_export_and_its_results_folder_give_the_same_heads(models, tmp_path):
+    """analyze -> export --format duo-attention -> ablate --method streaming --pattern: the exported folder and the
+    results folder it came from choose the same heads with the run's S and W."""
+    source = models["llama-gqa"].source
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["The bridge was painted by two workers in the early spring of last year ."] * 10),
+                      encoding="utf-8")
+    results, duo = tmp_path / "run", tmp_path / "duo"
+    assert run("analyze", "--model", source, "--corpus", corpus, "--out", results, "--sink-tokens", 2, "--window", 3,
+               "--resamples", 20, "--threads", 1).exit_code == 0
+    assert run("export", "--out", results, "--format", "duo-attention", "--to", duo).exit_code == 0
+    exported, analyzed = sh.read_pattern(duo), sh.read_pattern(results)
+    np.testing.assert_allclose(exported.scores, analyzed.scores, rtol=0, atol=1e-12)  # np.savetxt's %.18e
+    assert (exported.sink, exported.recent) == (analyzed.sink, analyzed.recent) == (2, 3)
+    out = tmp_path / "streaming"
+    result = run("ablate", "--model", source, "--corpus", corpus, "--out", out, "--method", "streaming", "--pattern",
+                 duo, "--no-pruning", "--resamples", 20)
+    assert result.exit_code == 0, result.output
+    recorded = json.loads((out / "streaming.json").read_text())
+    assert (recorded["sink_size"], recorded["recent_size"], recorded["kv_heads_streaming"]) == (2, 3, 2)
+    want = sh.first_share(sh.ranked(analyzed.scores), 0.5, 2, 2)
+    assert recorded["streaming_heads"] == [f"L{layer}H{head}" for layer, head in zip(*np.nonzero(want))]
+    assert pd.read_csv(out / "streaming.csv")["order"].tolist() == ["chosen"]
