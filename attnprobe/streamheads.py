@@ -221,6 +221,9 @@ def streaming(loaded: LoadedModel, heads: Tensor | np.ndarray, sink: int, recent
     try:
         with using_attention(loaded.model, NAME, streaming_attention, kernel.stats_mask):
             yield
+    except kernel.Unsupported as err:  # from the mask function: a KV cache, a chunked or custom mask
+        raise AttnprobeError(f"the streaming-head ablation does not implement {err.feature}: use a model whose "
+                             "attention is causal, with or without a sliding window") from None
     finally:
         _ACTIVE.reset(token)
 
@@ -393,13 +396,16 @@ def streaming_ablate_loaded(
                    for order, ranked_heads in orders.items() for share in shares]
     masks: dict[bytes, tuple[int, np.ndarray]] = {}
     columns = [masks.setdefault(mask.tobytes(), (len(masks), mask))[0] for _, _, mask in points]
-    ids = tokenize(loaded, corpus).ids
+    tokens = tokenize(loaded, corpus)
+    ids = tokens.ids
     if all(len(t) < 2 for t in ids):
         raise AttnprobeError("every sequence of the corpus is a single token: a decoder has nothing to predict")
     stack = ab.find_stack(loaded)
     batches = ab.make_batches(loaded, ids, batch_size)
-    values = measure(loaded, stack, batches, [mask for _, mask in masks.values()], sink, recent, progress)
-    summary, basis = summarize(values, len(masks), resamples, seed)
+    every_token = bootstrap_method(sum(len(t) > 1 for t in ids)) == BLOCK  # the block bootstrap needs each token's
+    values, counts = measure(loaded, stack, batches, [mask for _, mask in masks.values()], sink, recent,
+                             every_token, progress)
+    summary, basis = summarize(values, counts, len(masks), resamples, seed)
     rows = []
     for (order, share, mask), column in zip(points, columns):
         row: dict[str, Any] = {"order": order, "share": share, "kv_heads_streaming": int(mask.sum())}
@@ -410,21 +416,27 @@ def streaming_ablate_loaded(
     frame = pd.DataFrame(rows)
     run = run_info(loaded, corpus, ids, found, chosen, sink, recent, sparsity, shares if curve else (),
                    list(orders) if curve else [], batch_size, resamples, seed, basis, frame.iloc[0])
+    if tokens.cut:
+        run["notes"].append(f"{len(tokens.cut)} sequence{'' if len(tokens.cut) == 1 else 's'} cut to the model's "
+                            f"context of {loaded.max_length} tokens (the first at corpus line {tokens.cut[0][0]})")
     run["wall_seconds"] = round(time.perf_counter() - started, 3)
     return StreamingAblation(frame, run)
 
 
 @torch.inference_mode()
 def measure(loaded: LoadedModel, stack: Any, batches: list[Any], masks: list[np.ndarray], sink: int, recent: int,
-            progress: Progress | None = None) -> dict[int, np.ndarray]:
+            every_token: bool = True, progress: Progress | None = None
+            ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
     """Per sequence (corpus index) with a token to predict: [measure, mask, predicted token] of the loss, its change
-    and the KL against the same model with no head streaming (a mask with no head streaming: exactly 0)."""
+    and the KL against the same model with no head streaming (a mask with no head streaming: exactly 0), or without
+    `every_token` their sums over the tokens [measure, mask, 1]; and the tokens predicted per sequence."""
     from attnprobe import ablate as ab
 
     none = np.zeros((loaded.num_layers, loaded.num_kv_heads), dtype=bool)
     busy = [k for k, mask in enumerate(masks) if mask.any()]
     all_masks = torch.as_tensor(np.stack(masks), device=loaded.device)  # [mask, layer, kv head]
     out: dict[int, np.ndarray] = {}
+    counts: dict[int, int] = {}
     total, done = sum(len(b.indices) for b in batches), 0
     for batch in batches:
         with streaming(loaded, none, sink, recent):
@@ -444,22 +456,25 @@ def measure(loaded: LoadedModel, stack: Any, batches: list[Any], masks: list[np.
         for row, index in enumerate(batch.indices):
             mine = owner == row
             if mine.any():
-                out[index] = both[:, :, mine]  # [measure, mask, tokens], in position order
+                kept = both[:, :, mine]  # [measure, mask, tokens], in position order
+                out[index] = kept if every_token else kept.sum(-1, keepdims=True)  # [measure, mask, tokens or 1]
+                counts[index] = int(mine.sum())
         done += len(batch.indices)
         if progress:
             progress("streaming", done, total)
-    return out
+    return out, counts
 
 
-def summarize(values: dict[int, np.ndarray], masks: int, resamples: int, seed: int
+def summarize(values: dict[int, np.ndarray], tokens: dict[int, int], masks: int, resamples: int, seed: int
               ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The mean per predicted token over every sequence ([measure, mask]) and its 95% bootstrap interval: Poisson
     over sequences (a resample's tokens of the drawn sequences, pooled), or below FEW_SEQUENCES sequences the
-    circular block bootstrap over each sequence's tokens (bootstrap.BlockResampler)."""
+    circular block bootstrap over each sequence's tokens (bootstrap.BlockResampler), which needs `values` per token
+    ([measure, mask, token]; the Poisson bootstrap takes their sums [measure, mask, 1] too)."""
     indices = sorted(values)
     width = len(MEASURES) * masks
     sums = np.stack([values[i].reshape(width, -1).sum(-1) for i in indices])  # [sequence, measure x mask]
-    counts = np.array([values[i].shape[-1] for i in indices], dtype=np.float64)  # [sequence]
+    counts = np.array([tokens[i] for i in indices], dtype=np.float64)  # [sequence]
     mean = (sums.sum(0) / counts.sum()).reshape(len(MEASURES), masks)  # [measure, mask]
     method = bootstrap_method(len(indices))
     if method == POISSON:
@@ -470,7 +485,10 @@ def summarize(values: dict[int, np.ndarray], masks: int, resamples: int, seed: i
     else:
         total = np.zeros((resamples, width))
         for i in indices:
-            rows = values[i].shape[-1]
+            rows = tokens[i]
+            if values[i].shape[-1] != rows:
+                raise ValueError(f"the block bootstrap needs every token's values: sequence {i} has "
+                                 f"{values[i].shape[-1]} of {rows}")
             total += BlockResampler.draw(i, rows, resamples, seed).sums(values[i].reshape(width, rows))
         resampled = total / counts.sum()  # [resample, measure x mask]: each resample has every sequence's length
         basis = {"method": BLOCK, "over": "the predicted tokens of each sequence",

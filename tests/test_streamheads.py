@@ -317,12 +317,17 @@ def test_intervals_over_sequences_or_tokens():
     """Pooled mean per token; Poisson over sequences from 10 on, the block bootstrap over tokens below."""
     rng = np.random.default_rng(0)
     values = {i: rng.normal(size=(3, 2, 5 + i)) for i in range(12)}
-    summary, basis = sh.summarize(values, 2, 200, 0)
+    tokens = {i: 5 + i for i in range(12)}
+    summary, basis = sh.summarize(values, tokens, 2, 200, 0)
     everything = np.concatenate([v for v in values.values()], axis=-1)  # [measure, mask, tokens]
     np.testing.assert_allclose(summary["mean"], everything.mean(-1), rtol=1e-12)
     assert basis["method"] == "poisson"
+    sums = {i: v.sum(-1, keepdims=True) for i, v in values.items()}  # what measure keeps for the Poisson bootstrap
+    from_sums, _ = sh.summarize(sums, tokens, 2, 200, 0)
+    for part in ("mean", "low", "high"):
+        np.testing.assert_allclose(from_sums[part], summary[part], rtol=1e-12)
     few = {i: values[i] for i in range(3)}
-    summary, basis = sh.summarize(few, 2, 200, 0)
+    summary, basis = sh.summarize(few, tokens, 2, 200, 0)
     assert basis["method"] == "block" and len(basis["block_lengths"]) == 3
     assert (summary["low"] <= summary["mean"]).all() and (summary["mean"] <= summary["high"]).all()
     assert (summary["low"] < summary["high"]).all()
@@ -415,3 +420,23 @@ def test_an_export_and_its_results_folder_give_the_same_heads(models, tmp_path):
     want = sh.first_share(sh.ranked(analyzed.scores), 0.5, 2, 2)
     assert recorded["streaming_heads"] == [f"L{layer}H{head}" for layer, head in zip(*np.nonzero(want))]
     assert pd.read_csv(out / "streaming.csv")["order"].tolist() == ["chosen"]
+
+
+def test_ten_sequences_or_more_resample_sequences(models, tmp_path):
+    """From 10 sequences the measure keeps sums only; the means are those of every token's values."""
+    loaded = models["gpt2"]
+    path = tmp_path / "twelve.txt"
+    path.write_text("\n".join(SENTENCES + SENTENCES[:4]) + "\n", encoding="utf-8")
+    result = sh.streaming_ablate_loaded(loaded, read_corpus(path), heads=[(0, 1), (2, 3)], sink=1, recent=2,
+                                        curve=False, batch_size=5, resamples=100)
+    assert result.run["bootstrap"]["method"] == "poisson" and result.run["bootstrap"]["over"] == "sequences"
+    from attnprobe.analysis import tokenize
+
+    batches = ab.make_batches(loaded, tokenize(loaded, read_corpus(path)).ids, 5)
+    mask = np.zeros((3, 4), dtype=bool)
+    mask[0, 1] = mask[2, 3] = True
+    every, counts = sh.measure(loaded, ab.find_stack(loaded), batches, [mask], 1, 2, every_token=True)
+    pooled = np.concatenate(list(every.values()), axis=-1).mean(-1)[:, 0]  # [measure]
+    row = result.curve.iloc[0]
+    np.testing.assert_allclose([row[name] for name in sh.MEASURES], pooled, rtol=1e-12, atol=1e-15)
+    assert counts == {i: v.shape[-1] for i, v in every.items()}
