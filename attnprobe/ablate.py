@@ -424,13 +424,14 @@ def reference(stack: Stack, batch: Batch, final: Tensor, causal: bool) -> dict[s
     ref = {"pw": torch.cat(pw), "pb": torch.cat(pb)}  # [predicted, hidden], [predicted]
     log_z, target = normalizers(stack, picked, batch.targets)  # [predicted] each
     ref["log_z"], ref["expected"] = log_z.double(), expected_logit(ref, picked)  # [predicted] each
-    nll = log_z.double() - target.double()  # [predicted]
-    ref["loss"] = per_sentence(nll[None], batch.rows, len(batch.indices))[0]  # [batch]
+    ref["nll"] = log_z.double() - target.double()  # [predicted]
+    ref["loss"] = per_sentence(ref["nll"][None], batch.rows, len(batch.indices))[0]  # [batch]
     return ref
 
 
-def decoder_measures(stack: Stack, batch: Batch, ref: dict[str, Tensor], final: Tensor) -> dict[str, Tensor]:
-    """Per copy and sentence: the ablated loss and KL(unablated p || ablated q); final [copies * batch, seq, hidden].
+def token_measures(stack: Stack, batch: Batch, ref: dict[str, Tensor], final: Tensor) -> tuple[Tensor, Tensor]:
+    """Per copy and predicting position: the ablated next-token loss and KL(unablated p || ablated q), each
+    [copies, predicted]; final [copies * batch, seq, hidden].
 
     With log q_v = logit_v - log Z: KL = sum_v p_v log p_v - sum_v p_v log q_v
     = (E_p[logit] - log Z)_unablated - (E_p[logit] - log Z)_ablated, and E_p[logit] needs no logits
@@ -443,6 +444,14 @@ def decoder_measures(stack: Stack, batch: Batch, ref: dict[str, Tensor], final: 
     nll = (log_z.double() - target.double()).view(copies, n)  # [copies, predicted]
     mine = expected_logit(ref, picked) - log_z.double()  # [copies * predicted]
     kl = ((ref["expected"] - ref["log_z"]).repeat(copies) - mine).view(copies, n)  # [copies, predicted]
+    return nll, kl
+
+
+def decoder_measures(stack: Stack, batch: Batch, ref: dict[str, Tensor], final: Tensor) -> dict[str, Tensor]:
+    """Per copy and sentence: the ablated loss, its change and KL(unablated p || ablated q) (`token_measures`,
+    averaged over each sentence's positions); final [copies * batch, seq, hidden]."""
+    size = len(batch.indices)
+    nll, kl = token_measures(stack, batch, ref, final)  # [copies, predicted] each
     loss = per_sentence(nll, batch.rows, size)  # [copies, batch]
     return {"loss": loss, "loss_change": loss - ref["loss"], "kl": per_sentence(kl, batch.rows, size)}
 
@@ -783,7 +792,7 @@ def run_info(
             "architecture": type(loaded.model).__name__, "layers": loaded.num_layers, "heads": loaded.num_heads,
             "kv_heads": loaded.num_kv_heads, "head_dim": loaded.head_dim, "causal": loaded.causal,
         },
-        "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256},
+        "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256, "split": corpus.split},
         "sentences": len(ids),
         "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never
         "limit": corpus.limit,  # --limit: only the corpus's first N sentences (None: all)

@@ -1066,6 +1066,10 @@ def _ci(bounds) -> str:
 class MethodChoice(str, Enum):
     zero = "zero"
     mean = "mean"
+    streaming = "streaming"
+
+
+STREAMING_ONLY = ("--pattern", "--sparsity", "--sink-size", "--recent-size", "--shares")  # need --method streaming
 
 
 @app.command()
@@ -1075,14 +1079,43 @@ def ablate(
     corpus: CorpusOption,
     out: OutOption = DEFAULT_OUT,
     method: Annotated[
-        MethodChoice, typer.Option("--method", help="zero: an ablated head outputs 0; mean: its mean over the corpus.")
+        MethodChoice, typer.Option("--method", help="zero: an ablated head outputs 0; mean: its mean over the corpus; "
+                                   "streaming: chosen KV heads see only the first --sink-size and last --recent-size "
+                                   "keys (DuoAttention's streaming heads).")
     ] = MethodChoice.zero,
-    heads: Annotated[str, typer.Option("--heads", help="all, or the heads to ablate, e.g. L0H1,L2H3 (or 0.1,2.3).")] = (
-        "all"),
+    heads: Annotated[str, typer.Option("--heads", help="all, or the heads to ablate, e.g. L0H1,L2H3 (or 0.1,2.3); "
+                                       "with --method streaming, the KV heads to make streaming.")] = "all",
     layers: Annotated[bool, typer.Option("--layers", help="Also ablate each whole attention layer.")] = False,
     pruning: Annotated[
-        bool, typer.Option("--pruning/--no-pruning", help="Also remove heads cumulatively (pruning.csv).")
+        bool, typer.Option("--pruning/--no-pruning", help="Also remove heads cumulatively (pruning.csv); with "
+                           "--method streaming, the curve over --shares of KV heads streaming.")
     ] = True,
+    pattern: Annotated[
+        Path | None, typer.Option("--pattern", parser=folder, metavar="DIR", help="--method streaming: the heads' "
+                                  "scores, an `attnprobe export --format duo-attention` folder (or an analyze --out "
+                                  "folder); the lowest-scoring --sparsity share of KV heads become streaming.")
+    ] = None,
+    sparsity: Annotated[
+        float | None, typer.Option("--sparsity", help="--method streaming with --pattern: the share of KV heads made "
+                                   "streaming, lowest scores first (kvpress's head_compression_ratio).  [default: 0.5]",
+                                   show_default=False)
+    ] = None,
+    sink_size: Annotated[
+        int | None, typer.Option("--sink-size", metavar="S", help="--method streaming: the first keys a streaming "
+                                 "head keeps (default: the pattern's config.json, else 128).")
+    ] = None,
+    recent_size: Annotated[
+        int | None, typer.Option("--recent-size", metavar="W", help="--method streaming: the last keys a streaming "
+                                 "head keeps, its own included (default: the pattern's config.json, else 256).")
+    ] = None,
+    shares: Annotated[
+        str | None, typer.Option("--shares", help="--method streaming: the curve's shares of KV heads made "
+                                 "streaming.  [default: 0,0.25,0.5,0.75,1]", show_default=False)
+    ] = None,
+    split: Annotated[
+        SplitChoice, typer.Option("--split", help="One sequence per line, per blank-line paragraph, or the whole file "
+                                  "(long documents for --method streaming).")
+    ] = SplitChoice.lines,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Sentences per forward pass.")] = 8,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
     dtype: DTypeOption = DTypeChoice.auto,
@@ -1096,17 +1129,28 @@ def ablate(
     bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
-    """Ablate each head: loss change and KL (decoders) or embedding change (encoders), gradient importance, pruning."""
+    """Ablate each head: loss change and KL (decoders) or embedding change (encoders), gradient importance, pruning;
+    or make KV heads streaming (sink + recent keys only) and measure the loss change."""
     from attnprobe import io, plotting
     from attnprobe.ablate import ablate_loaded, check_settings, parse_heads
     from attnprobe.corpus import read_corpus
 
+    given = dict(zip(STREAMING_ONLY, (pattern, sparsity, sink_size, recent_size, shares)))
+    if method is MethodChoice.streaming:
+        return ablate_streaming(model, corpus, out, pattern=pattern, heads=heads, sparsity=sparsity, sink=sink_size,
+                                recent=recent_size, shares=shares, curve=pruning, layers=layers, split=split.value,
+                                batch_size=batch_size, device=device.value, dtype=dtype.value, resamples=resamples,
+                                seed=seed, limit=limit, bos=bos.value, threads=threads)
+    misplaced = [name for name, value in given.items() if value is not None]
+    if misplaced:
+        raise AttnprobeError(f"{misplaced[0]} applies to --method streaming only: add --method streaming, or drop "
+                             f"{misplaced[0]}")
     check_settings(method.value, batch_size, resamples, seed)
     check_placement(device_map, max_memory)
     chosen = parse_heads(heads)
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
-    sentences = read_corpus(corpus).head(limit)
+    sentences = read_corpus(corpus, split=split.value).head(limit)
     threads_used = apply_threads(threads)
     loaded = load(model, device.value, dtype.value, device_map, max_memory, lm_head=True)
     set_bos(loaded, bos.value)
@@ -1126,6 +1170,79 @@ def ablate(
         err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(importance_table(result.heads, result.run))
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def ablate_streaming(model: str, corpus: Path, out: Path, *, pattern: Path | None, heads: str, sparsity: float | None,
+                     sink: int | None, recent: int | None, shares: str | None, curve: bool, layers: bool, split: str,
+                     batch_size: int, device: str, dtype: str, resamples: int, seed: int, limit: int | None, bos: str,
+                     threads: str) -> None:
+    """`ablate --method streaming`: streaming.csv, streaming.json and streaming.png."""
+    from attnprobe import io, naming, plotting, streamheads
+    from attnprobe.analysis import check_options
+    from attnprobe.corpus import read_corpus
+    from attnprobe.model import load_model
+
+    if layers:
+        raise AttnprobeError("--layers ablates whole layers, not streaming heads: drop --layers with --method "
+                             "streaming")
+    check_options(batch_size, resamples, seed)
+    chosen = None if heads.strip().lower() == "all" else naming.parse_heads(heads)
+    if pattern is not None and chosen is not None:
+        raise AttnprobeError("--pattern and --heads both choose the streaming heads: pass one of them")
+    if pattern is None and chosen is None:
+        raise AttnprobeError("--method streaming needs the heads to make streaming: --pattern DIR (an `attnprobe "
+                             "export --format duo-attention` folder) or --heads L0H1,... (KV heads)")
+    if sparsity is not None and pattern is None:
+        raise AttnprobeError("--sparsity picks the lowest-scoring share of a --pattern's KV heads: add --pattern DIR, "
+                             "or drop --sparsity")
+    share_list = streamheads.SHARES if shares is None else tuple(number_list(shares, float, "--shares"))
+    if not share_list:
+        raise AttnprobeError("--shares names no share: give e.g. 0,0.25,0.5,0.75,1")
+    for name, value in (("--sparsity", sparsity), *(("--shares", s) for s in share_list)):
+        if value is not None:
+            streamheads.check_fraction(name, value)
+    if sink is not None or recent is not None:
+        streamheads.check_sizes(streamheads.DUO_SINK if sink is None else sink,
+                                streamheads.DUO_RECENT if recent is None else recent)
+    io.check_out_dir(out)
+    io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
+    documents = read_corpus(corpus, split=split).head(limit)
+    threads_used = apply_threads(threads)
+    with err_console.status(f"Loading {model}"):
+        loaded = load_model(model, device, dtype, lm_head=True)
+    set_bos(loaded, bos)
+    if pattern is not None:  # before the run: a pattern of another model fails at once
+        streamheads.check_pattern(streamheads.read_pattern(pattern), loaded)
+    with stage_progress("sequences") as progress:
+        result = streamheads.streaming_ablate_loaded(
+            loaded, documents, pattern=pattern, heads=chosen,
+            sparsity=streamheads.DEFAULT_SPARSITY if sparsity is None else sparsity, sink=sink, recent=recent,
+            shares=share_list, curve=curve, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress)
+    result.run["threads"] = threads_used
+    run = result.run
+    title = (f"{model} on {Path(corpus).name}: streaming heads keep {run['sink_size']} sink + {run['recent_size']} "
+             "recent keys")
+    written = io.write_streaming(out, result, plotting.streaming_figure(result.curve, title))
+    for note in run.get("notes", []):
+        err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
+    out_console.print(streaming_table(result.curve, run))
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+
+
+def streaming_table(curve, run: dict) -> Table:
+    """The chosen heads' loss change and KL, then the curve, with their 95% intervals."""
+    heading = (f"{run['model']['spec']}: {run['kv_heads_streaming']} of {run['kv_heads']} KV heads streaming "
+               f"(sink {run['sink_size']} + recent {run['recent_size']}), {run['sequences']} sequences, "
+               f"{run['predicted_tokens']} tokens predicted")
+    table = Table(title=Text(visible(heading)), caption="per predicted token, against no head streaming; loss of "
+                  f"the full cache {run['result']['loss'] - run['result']['loss_change']:.4f} nats")
+    for column in ("order", "KV heads streaming", "loss change", "95% interval", "KL", "95% interval"):
+        table.add_column(column, justify="right")
+    for _, row in curve.iterrows():
+        table.add_row(str(row["order"]), f"{int(row['kv_heads_streaming'])} ({100 * row['share']:.0f}%)",
+                      f"{row['loss_change']:+.4f}", _ci((row["loss_change_ci_low"], row["loss_change_ci_high"])),
+                      f"{row['kl']:.4f}", f"[{row['kl_ci_low']:.4f}, {row['kl_ci_high']:.4f}]")
+    return table
 
 
 @contextmanager

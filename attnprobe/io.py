@@ -55,6 +55,9 @@ COMPARE_FOLDER = "compare"  # where `compare A OUT` writes by default
 RETRIEVAL_FILE = "retrieval_heads.csv"  # retrieval: per query head, the mean retrieval score and its interval
 RETRIEVAL_SCORES_FILE = "head_score.json"  # retrieval: Wu et al.'s {"L-H": [score per trial]}
 RETRIEVAL_RUN_FILE = "retrieval.json"  # retrieval: provenance, settings, every trial and whether it copied
+STREAMING_FILE = "streaming.csv"  # ablate --method streaming: the chosen heads and the curve over shares streaming
+STREAMING_RUN_FILE = "streaming.json"  # ablate --method streaming: provenance, settings, the chosen heads' result
+STREAMING_FIGURE = "streaming.png"
 # `plot`'s figures, in any of FIGURE_FORMATS (importance.png is ablate's, drawn from importance.csv alone)
 PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "head_patterns_selected", "position_profile",
                 "importance_vs_type", "head_similarity", "head_map")
@@ -113,7 +116,7 @@ def is_result_name(name: str) -> bool:
              PROBE_FILE, PROBE_RUN_FILE, PROBE_FIGURE, POSITIONS_FILE, SENTENCES_FILE, KV_CACHE_FILE, RESAMPLES_FILE,
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
              IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE, RETRIEVAL_FILE,
-             RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE}
+             RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE, STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE}
     fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,
@@ -526,6 +529,7 @@ MODEL_OUTPUTS = (
     ("rollout", ROLLOUT_FILE, (ROLLOUT_FILE, ROLLOUT_FIGURE)),
     ("related", SIMILARITY_FILE, (SIMILARITY_FILE,)),
     ("retrieval", RETRIEVAL_RUN_FILE, (RETRIEVAL_FILE, RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE)),
+    ("ablate --method streaming", STREAMING_RUN_FILE, (STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE)),
 )
 
 
@@ -809,6 +813,13 @@ def write_ablation(out: str | Path, ablation: Any, figures: dict[str, Any]) -> l
             files[name] = csv_writer(frame)
     files.update({name: figure_writer(figure) for name, figure in figures.items()})
     return write_files(out, files, remove=stale)
+
+
+def write_streaming(out: str | Path, ablation: Any, figure: Any) -> list[Path]:
+    """streaming.csv, streaming.json and streaming.png for `attnprobe ablate --method streaming` (a
+    streamheads.StreamingAblation and its figure), each to a temporary name, then renamed."""
+    return write_files(out, {STREAMING_FILE: csv_writer(ablation.curve), STREAMING_RUN_FILE: json_writer(ablation.run),
+                             STREAMING_FIGURE: figure_writer(figure)})
 
 
 def write_retrieval(out: str | Path, retrieval: Any) -> list[Path]:

@@ -854,6 +854,39 @@ def pruning_figure(pruning: pd.DataFrame, title: str | None = None) -> Figure:
     return figure
 
 
+STREAMING_COLORS = {"pattern": "#1f77b4", "random": "#7f7f7f"}
+STREAMING_LABELS = {"loss_change": "loss change (nats/token)", "kl": "KL(full cache || streaming) (nats/token)"}
+
+
+@any_script_figure
+def streaming_figure(curve: pd.DataFrame, title: str | None = None) -> Figure:
+    """streaming.csv: the loss change and the KL against the share of KV heads made streaming, one line per order
+    (the pattern's, lowest score first, and random) with its 95% interval as a band; the chosen heads as a star."""
+    figure = Figure(figsize=(13.5, 4.6), layout="constrained")
+    axes = np.atleast_1d(figure.subplots(1, len(STREAMING_LABELS)))
+    for ax, name in zip(axes, STREAMING_LABELS):
+        for k, (order, group) in enumerate(curve[curve["order"] != "chosen"].groupby("order", sort=False)):
+            group = group.sort_values("share")
+            color = STREAMING_COLORS.get(str(order), CATEGORY_COLORS[k % len(CATEGORY_COLORS)])
+            percent = 100 * group["share"]
+            ax.fill_between(percent, group[f"{name}_ci_low"], group[f"{name}_ci_high"], color=color, alpha=0.15,
+                            linewidth=0)
+            ax.plot(percent, group[name], marker="o", markersize=3, color=color, label=plain_text(str(order)))
+        for _, row in curve[curve["order"] == "chosen"].iterrows():
+            low, high = row[name] - row[f"{name}_ci_low"], row[f"{name}_ci_high"] - row[name]
+            ax.errorbar([100 * row["share"]], [row[name]], yerr=[[max(low, 0.0)], [max(high, 0.0)]], marker="*",
+                        markersize=11, color="#d62728", capsize=3, linestyle="none",
+                        label=f"chosen ({int(row['kv_heads_streaming'])} KV heads)")
+        ax.axhline(0.0, color="black", linewidth=0.6)
+        ax.set_xlabel("KV heads streaming (% of all KV heads)")
+        ax.set_ylabel(STREAMING_LABELS[name])
+        ax.set_title(f"{name} as KV heads keep only sink + recent keys (bands: 95% intervals)", fontsize=10)
+        ax.legend(loc="upper left", fontsize=8, title="order (lowest score first)")
+    if title is not None:
+        figure.suptitle(plain_text(title))
+    return figure
+
+
 @any_script_figure
 def layer_importance_figure(layers: pd.DataFrame, title: str | None = None) -> Figure:
     """layer_importance.csv: per layer, each measure with every head of the layer ablated at once, as bars with
