@@ -1599,7 +1599,9 @@ def retrieval(
                                    "counts (deterministic; for models too small to copy).")
     ] = DecodeChoice.greedy,
     device: Annotated[DeviceChoice, typer.Option("--device", help="Where to run the model.")] = DeviceChoice.auto,
-    dtype: Annotated[DTypeChoice, typer.Option("--dtype", help="Model precision.")] = DTypeChoice.float32,
+    dtype: DTypeOption = DTypeChoice.auto,
+    device_map: DeviceMapOption = None,
+    max_memory: MaxMemoryOption = None,
     resamples: Annotated[int, typer.Option("--resamples", help="Bootstrap resamples of the trials.")] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap.")] = 0,
     bos: BosOption = BosChoice.auto,
@@ -1609,7 +1611,6 @@ def retrieval(
     head_score.json and retrieval.json."""
     from attnprobe import io
     from attnprobe import retrieval as finding
-    from attnprobe.model import load_model
 
     length_list = number_list(lengths, int, "--lengths") if lengths is not None else None
     depth_list = number_list(depths, float, "--depths")
@@ -1617,16 +1618,21 @@ def retrieval(
     text = finding.read_haystack(haystack)
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--haystack": haystack, "--model": model})
+    check_placement(device_map, max_memory)
     threads_used = apply_threads(threads)
-    with loading(model) as on_status:
-        loaded = load_model(model, device.value, dtype.value, lm_head=True, on_status=on_status)
+    loaded = load(model, device.value, dtype.value, device_map, max_memory, lm_head=True)
     set_bos(loaded, bos.value)
-    with stage_progress("trials") as progress:
-        result = finding.retrieval(
-            loaded, text, lengths=length_list, depths=depth_list, needle=needle or finding.DEFAULT_NEEDLE,
-            question=question or finding.DEFAULT_QUESTION, decode=decode.value, resamples=resamples, seed=seed,
-            haystack_name=str(haystack), progress=lambda done, total: progress("retrieval", done, total))
+    try:
+        with stage_progress("trials") as progress:
+            result = finding.retrieval(
+                loaded, text, lengths=length_list, depths=depth_list, needle=needle or finding.DEFAULT_NEEDLE,
+                question=question or finding.DEFAULT_QUESTION, decode=decode.value, resamples=resamples, seed=seed,
+                haystack_name=str(haystack), progress=lambda done, total: progress("retrieval", done, total))
+    finally:
+        release_offload(loaded)
     result.info["threads"] = threads_used["threads"]
+    result.info.setdefault("dtype", loaded.dtype)
+    result.info.setdefault("dtype_requested", loaded.dtype_requested)
     written = io.write_retrieval(out, result)
     info = result.info
     out_console.print(f"{model}: {info['trials_total']} trials ({decode.value}), the needle copied in "

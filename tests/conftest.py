@@ -178,10 +178,11 @@ def planted_dir(tmp_path_factory) -> Path:
 
 
 def make_llama(folder: Path, texts: list[str] = SENTENCES, *, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-               max_positions: int = 128, hidden: int = 32, seed: int = 0) -> Path:
-    """Save a random tiny Llama (grouped-query attention, a BOS token) to `folder`."""
+               max_positions: int = 128, hidden: int = 32, seed: int = 0, lm_head: bool = False) -> Path:
+    """Save a random tiny Llama (grouped-query attention, a BOS token) to `folder`; `lm_head`: with its (untied)
+    LM head, as a causal-LM checkpoint (what ablate and retrieval load)."""
     import torch
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
     torch.manual_seed(seed)
     vocab_size = save_tokenizer(folder, texts, bos=True)
@@ -189,7 +190,7 @@ def make_llama(folder: Path, texts: list[str] = SENTENCES, *, layers: int = 2, h
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=max_positions, initializer_range=0.4, bos_token_id=0,
                          eos_token_id=0)
-    LlamaModel(config).save_pretrained(folder)
+    (LlamaForCausalLM if lm_head else LlamaModel)(config).save_pretrained(folder)
     return folder
 
 

@@ -98,9 +98,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("retrieval")
     return {
         "gpt2": make_gpt2(root / "gpt2", n_positions=128),
-        "llama-gqa": make_llama(root / "llama", layers=2, heads=4, kv_heads=2),
+        "llama-gqa": make_llama(root / "llama", layers=2, heads=4, kv_heads=2, lm_head=True),
         # a window of 16: the needle at depth 100 lies inside it, at depth 0 outside (the cache drops those keys)
-        "mistral-window": make("mistral (sliding window)", root / "mistral", sliding_window=16),
+        "mistral-window": make("mistral (sliding window)", root / "mistral", lm_head=True, sliding_window=16),
     }
 
 

@@ -97,8 +97,8 @@ def models(tmp_path_factory):
     return {
         "gpt2": load_model(str(make_gpt2(root / "gpt2")), "cpu", lm_head=True),
         "llama-gqa": load_model(str(make_llama_lm(root / "llama")), "cpu", lm_head=True),
-        "mistral-window": load_model(str(make("mistral (sliding window)", root / "mistral", sliding_window=5)), "cpu",
-                                     lm_head=True),
+        "mistral-window": load_model(str(make("mistral (sliding window)", root / "mistral", lm_head=True,
+                                              sliding_window=5)), "cpu", lm_head=True),
     }
 
 

@@ -62,9 +62,10 @@ ZOO: dict[str, tuple[str, dict]] = {
 }
 
 
-def make(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
+def make(name: str, folder: Path, seed: int = 0, lm_head: bool = False, **overrides) -> Path:
     """Save the zoo's `name` (random weights, initializer range 0.4 for sharp, varied heads) to `folder`;
-    `overrides` change its settings (the long-document benchmark asks for more positions and a wider window)."""
+    `overrides` change its settings (the long-document benchmark asks for more positions and a wider window);
+    `lm_head`: the causal-LM class with its head (what ablate and retrieval load)."""
     import torch
     import transformers
 
@@ -74,7 +75,8 @@ def make(name: str, folder: Path, seed: int = 0, **overrides) -> Path:
     config = getattr(transformers, class_name)(vocab_size=max(vocab, 64), pad_token_id=0,
                                                **{**settings, **overrides})
     config.initializer_range = 0.4
-    model = transformers.AutoModel.from_config(config, attn_implementation="eager")
+    auto = transformers.AutoModelForCausalLM if lm_head else transformers.AutoModel
+    model = auto.from_config(config, attn_implementation="eager")
     model.save_pretrained(folder)
     return folder
 
