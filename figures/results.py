@@ -7,6 +7,7 @@ import os
 import re
 
 import numpy as np
+import pandas as pd
 
 from figures import fmt
 from figures.registry import Outputs, figure
@@ -613,3 +614,68 @@ def _(d: dict) -> str:
             f"{d['changed']} of the {d['points']} depth points differ. {pct(f['copy'][0])} of SmolLM2's heads are "
             f"copy (attention-sink) heads against {pct(f['copy'][1])} of MiniLM's; MiniLM's are mostly mixed "
             f"({pct(f['mixed'][1])}) and broad ({pct(f['broad'][1])}).")
+
+
+# ---- KV-cache heads: retrieval, export, streaming (docs/kv-cache.md) ------------------------------------------------
+
+@figure("kv-smollm2", runs=("kv-smollm2", "probe-smollm2"), images={
+    "kv-smollm2/streaming/streaming.png": "smollm2-135m-streaming.png"})
+def kv_smollm2(out: Outputs) -> dict:
+    found = {}
+    for decode in ("retrieval", "forced"):
+        info = out.json("kv-smollm2", f"{decode}/retrieval.json")
+        path = out.path("kv-smollm2", f"{decode}/retrieval_heads.csv")
+        heads = pd.read_csv(path) if path.is_file() else None
+        best = [] if heads is None else [
+            {"head": fmt.head(r["layer"], r["head"]), "mean": float(r["mean"]), "low": float(r["ci_low"]),
+             "high": float(r["ci_high"])}
+            for _, r in heads.sort_values(["mean", "layer", "head"], ascending=[False, True, True]).head(10).iterrows()]
+        found[decode] = {"total": info["trials_total"], "copied": info["trials_copied"],
+                         "scored": info["trials_scored"], "lengths": info.get("lengths"), "top": best}
+    induction = [h["head"] for h in top(out.csv("probe-smollm2", "probe.csv"), "induction", 10)]
+    curve = out.csv("kv-smollm2", "streaming/streaming.csv")
+    streaming = out.json("kv-smollm2", "streaming/streaming.json")
+    points = [{"order": r["order"], "share": float(r["share"]), "kv_heads": int(r["kv_heads_streaming"]),
+               "change": float(r["loss_change"]), "low": float(r["loss_change_ci_low"]),
+               "high": float(r["loss_change_ci_high"])}
+              for _, r in curve[curve["order"].isin(["pattern", "random"])].iterrows()]
+    return {"retrieval": found, "induction": induction, "curve": points,
+            "sink": streaming.get("sink_size"), "recent": streaming.get("recent_size"),
+            "tokens": streaming.get("tokens"), "date": out.when("kv-smollm2")["date"]}
+
+
+@kv_smollm2.renderer
+def _(d: dict) -> str:
+    greedy, forced = d["retrieval"]["retrieval"], d["retrieval"]["forced"]
+    used = greedy if greedy["top"] else forced
+    which = "greedy decoding" if used is greedy else "forced decoding (`--decode forced`)"
+    top10 = [h["head"] for h in used["top"]]
+    both = [h for h in top10 if h in d["induction"]]
+    rows = [[h["head"], fmt.num(h["mean"], 3), f"{fmt.num(h['low'], 3)} to {fmt.num(h['high'], 3)}",
+             "yes" if h["head"] in d["induction"] else ""] for h in used["top"]]
+    curve = [[p["order"], fmt.num(p["share"], 2), str(p["kv_heads"]), fmt.num(p["change"], 3),
+              f"{fmt.num(p['low'], 3)} to {fmt.num(p['high'], 3)}"] for p in d["curve"]]
+    return "\n".join([
+        f"Greedy decoding copied the needle in {greedy['copied']} of {greedy['total']} trials (contexts of "
+        f"{', '.join(fmt.whole(n) for n in greedy['lengths'] or [])} tokens); forced decoding scores all "
+        f"{forced['total']}. The top retrieval heads under {which}:",
+        "",
+        fmt.table(["head", "retrieval score", "95% interval", f"among `probe`'s top {len(d['induction'])} "
+                   "induction heads"], rows),
+        "",
+        f"{len(both)} of these {len(top10)} heads are among the top induction heads that `attnprobe probe` finds"
+        + (f" ({', '.join(both)})" if both else "") + ".",
+        "",
+        f"The streaming curve: KV heads made streaming (S = {d['sink']} sink and W = {d['recent']} recent keys) in "
+        "the order of the DuoAttention export of the `gpl3` run (lowest score first) and in a random order, loss "
+        "change per token against the unablated model:",
+        "",
+        fmt.table(["order", "share of KV heads", "KV heads", "loss change (nats/token)", "95% interval"], curve),
+        "",
+        "![SmolLM2-135M: loss against the share of KV heads made streaming](images/smollm2-135m-streaming.png)",
+        "",
+        fmt.source("`attnprobe retrieval --model smollm2-135m --haystack /usr/share/common-licenses/GPL-3 --lengths "
+                   "1024,2048` (and `--decode forced`), `attnprobe export` of the `gpl3` run, and `attnprobe ablate "
+                   "--method streaming --pattern DUO` on the licence's first 9,000 characters (`--split file`); "
+                   + d["date"]),
+    ])

@@ -114,6 +114,18 @@ RUNS: dict[str, Run] = {run.name: run for run in (
            key="analyze"),
         ap("classify", "--out", "{out}", "--scheme", "kv", key="classify"), ap("plot", "--out", "{out}")),
         about="SmolLM2 on the GPL-3 licence as one sequence, `classify --scheme kv`", minutes=1.5),
+    Run("kv-smollm2", "results", (
+        ap("retrieval", "--model", "smollm2-135m", "--haystack", GPL3, "--lengths", "1024,2048", "--out",
+           "{out}/retrieval", key="retrieval"),
+        ap("retrieval", "--model", "smollm2-135m", "--haystack", GPL3, "--lengths", "1024,2048", "--decode",
+           "forced", "--out", "{out}/forced", key="forced"),
+        ap("export", "--out", "{work}/gpl3", "--format", "duo-attention", "--to", "{out}/duo"),
+        Step(("{py}", "-c", "import sys; open(sys.argv[2], 'w').write(open(sys.argv[1]).read()[:9000])", GPL3,
+              "{out}/gpl3-start.txt")),
+        ap("ablate", "--model", "smollm2-135m", "--corpus", "{out}/gpl3-start.txt", "--split", "file", "--method",
+           "streaming", "--pattern", "{out}/duo", "--out", "{out}/streaming", key="streaming")),
+        needs=("gpl3", "probe-smollm2"), about="SmolLM2's retrieval heads (Wu et al.) on the GPL-3 licence, the "
+        "DuoAttention export of `gpl3` and its streaming curve", minutes=6),
     Run("rollout", "results", (
         ap("rollout", "--model", "smollm2-135m", "--corpus", CORPUS, "--out", "{out}/smollm2"),
         ap("rollout", "--model", "smollm2-135m", "--corpus", CORPUS, "--residual", "0.9", "--out",
