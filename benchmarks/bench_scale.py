@@ -57,23 +57,45 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }
 
 
+WORDS = 2000  # distinct words of the corpora: few enough that the tokenizer makes each one token
+
+
+def word(i: int) -> str:
+    """The i-th word: letters only (some tokenizers split digits one by one)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return "z" + letters[i // 676 % 26] + letters[i // 26 % 26] + letters[i % 26]
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer trained on the corpora's words (each word one token). A plain word-level one is
+    not enough: transformers 5 loads some model types' own tokenizer class from tokenizer.json (a qwen2 folder gets
+    Qwen2Tokenizer, which reads a word-level vocabulary as empty); a byte-level BPE reads the same in every
+    class."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(1)
+    lines = [" ".join(word(rng.randrange(WORDS)) for _ in range(40)) for _ in range(3000)]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=4 * WORDS, special_tokens=["<unk>", "<s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="<s>",
+                            pad_token="<unk>").save_pretrained(folder)
+
+
 def build(work: Path, name: str) -> Path:
-    """The model at `name`'s shape, random bf16 weights, with a word-level tokenizer, saved once into work/name."""
+    """The model at `name`'s shape, random bf16 weights, with its tokenizer, saved once into work/name."""
     folder = work / name
-    if (folder / "config.json").exists():
+    save_tokenizer(folder)
+    if (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists():
         return folder
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModel, PreTrainedTokenizerFast
+    from transformers import AutoModel
 
     class_name, settings = SHAPES[name]
-    vocab = settings["vocab_size"]
-    words = ["<unk>", "<s>", *(f"w{i}" for i in range(min(vocab, 50000) - 2))]
-    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="<s>",
-                            pad_token="<unk>").save_pretrained(folder)
     torch.manual_seed(0)
     config = getattr(transformers, class_name)(**settings, bos_token_id=1, eos_token_id=1, pad_token_id=0)
     config.dtype = "bfloat16"
@@ -88,10 +110,10 @@ def write_corpora(work: Path, document_tokens: int) -> tuple[Path, Path]:
     """30 sentences of 8-40 words, and one document of `document_tokens` words (one word = one token)."""
     rng = random.Random(0)
     short = work / "sentences.txt"
-    short.write_text("\n".join(" ".join(f"w{rng.randrange(49000)}" for _ in range(rng.randint(8, 40)))
+    short.write_text("\n".join(" ".join(word(rng.randrange(WORDS)) for _ in range(rng.randint(8, 40)))
                                for _ in range(SENTENCES)) + "\n", encoding="utf-8")
     long = work / f"document-{document_tokens}.txt"
-    long.write_text(" ".join(f"w{rng.randrange(49000)}" for _ in range(document_tokens)) + "\n", encoding="utf-8")
+    long.write_text(" ".join(word(rng.randrange(WORDS)) for _ in range(document_tokens)) + "\n", encoding="utf-8")
     return short, long
 
 
