@@ -29,17 +29,18 @@ BFLOAT16_TOLERANCE = 8 * LAYERS * BFLOAT16_U
 
 
 def saved_as(source, folder, dtype):
-    """A copy of the checkpoint in `source`, saved in `dtype` (config.json records it) with its tokenizer."""
-    from transformers import AutoModel, AutoTokenizer
+    """A copy of the checkpoint in `source` (a causal LM with its head), saved in `dtype` (config.json records it)
+    with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    AutoModel.from_pretrained(source).to(dtype).save_pretrained(folder)
+    AutoModelForCausalLM.from_pretrained(source).to(dtype).save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
 def llama32(tmp_path_factory):
-    return make_llama(tmp_path_factory.mktemp("llama32"), layers=LAYERS)
+    return make_llama(tmp_path_factory.mktemp("llama32"), layers=LAYERS, lm_head=True)
 
 
 @pytest.fixture(scope="module")

@@ -41,11 +41,12 @@ def test_verify_recomputes_a_small_grouped_query_llama(tmp_path):
     assert all(c.passed and not c.skipped for c in checks), checks
 
 
-def test_verify_skips_a_rope_type_it_does_not_recompute(tmp_path):
+def test_verify_recomputes_linear_rope_scaling(tmp_path):
+    """Linear rope scaling was skipped before verify recomputed every rope type (recompute.py); now it is checked."""
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     loaded = load_model(str(make_llama(tmp_path / "linear", rope)), "cpu")
     check = verify(loaded, list(DEFAULT_SENTENCES))[3]
-    assert check.skipped and check.passed and "linear" in check.note
+    assert check.name.startswith("softmax") and not check.skipped and check.passed, check
 
 
 def test_verify_says_when_a_check_had_nothing_to_compare(gpt2_dir):
