@@ -244,3 +244,16 @@ def restamp(out: Path) -> None:
     run[io.RUN_FILES_KEY] = {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
                              for name in io.RUN_FILES if (out / name).is_file()}
     path.write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
+
+
+def unstamp(out: Path) -> None:
+    """Make `out` an older run's folder: run.json without the `files` record, whose files nothing can tell from
+    another run's but their own checks (shapes, intervals, heads). A test of those checks calls this."""
+    import json
+
+    from attnprobe import io
+
+    path = out / io.RUN_FILE
+    run = json.loads(path.read_text(encoding="utf-8"))
+    run.pop(io.RUN_FILES_KEY, None)
+    path.write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
