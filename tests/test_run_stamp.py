@@ -132,6 +132,9 @@ def test_compare_refuses_copied_resamples(two_runs, tmp_path):
     target = tmp_path / "run"
     shutil.copytree(a, target)
     shutil.copy2(b / io.RESAMPLES_FILE, target / io.RESAMPLES_FILE)
+    assert_one_line_error(run("compare", a, target, "--out", tmp_path / "cmp"),
+                          f"{io.RESAMPLES_FILE} in {target} was not written by the run")
+    assert not (tmp_path / "cmp").exists()
     with pytest.raises(AttnprobeError, match=r"resamples.npz in .* was not written by the run"):
         io.read_resamples(target)
 
