@@ -404,7 +404,6 @@ def analyze(
     files = {
         io.HEADS_FILE: io.csv_writer(result.heads),
         io.LAYERS_FILE: io.csv_writer(result.layers),
-        io.RUN_FILE: io.json_writer(result.run),
         io.EXAMPLE_FILE: io.npz_writer(
             maps=result.example["maps"], tokens=result.example["tokens"], sentence=result.example["sentence"],
             total_tokens=result.example["total_tokens"],
@@ -420,15 +419,14 @@ def analyze(
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
     if result.top_tokens is not None:
         files[io.TOP_TOKENS_FILE] = io.csv_writer(result.top_tokens)
-    stale = [] if result.categories is not None else [io.CATEGORIES_FILE]  # from an earlier, tagged corpus
-    if result.top_tokens is None:
-        stale.append(io.TOP_TOKENS_FILE)  # from an earlier run with --top-tokens
-    if not per_sentence:
-        stale.append(io.SENTENCES_FILE)  # from an earlier run
+    # from an earlier run that wrote what this one did not (a tagged corpus' categories.csv, --top-tokens, resamples,
+    # --per-sentence's sentences.parquet): run.json's record of this run's files would refuse them anyway
+    stale = [name for name in io.RUN_FILES if name not in files and not (per_sentence and name == io.SENTENCES_FILE)]
     # and what classify, plot, report and compare made from the earlier run: only in a folder that held one
     earlier = (Path(out) / io.RUN_FILE).is_file()
     stale = [name for name in stale if (Path(out) / name).is_file()] + io.derived_files(out) if earlier else []
-    written = [*io.write_files(out, files, remove=io.checkpoint_files(out)), *parquet]  # checkpoints: run complete
+    # run.json last, with the sha256 of every other file (plot, report, ... refuse one from another run)
+    written = [*io.write_run(out, files, result.run, remove=io.checkpoint_files(out), written=parquet), *parquet]
     io.remove_files(out, stale)
     io.remove_stale_temps(out, started)
     run = result.run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -194,10 +195,13 @@ def check_inputs_apart(out: str | Path, inputs: dict[str, str | Path | None]) ->
                     )
 
 
-def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[str] = ()) -> list[Path]:
+def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[str] = (),
+                last: tuple[str, Callable[[dict[str, str]], Writer]] | None = None) -> list[Path]:
     """Write every file to a temporary name, then rename them all into place.
 
     `remove` names files left by an earlier run that would now be wrong; they go once the rest is in place.
+    `last`: (name, make_writer) of a file written after the others, from their sha256 by name (computed from the
+    temporary files, before any rename: see `write_run`); it is renamed into place last.
     """
     out = check_out_dir(out)
     staged: list[tuple[Path, Path]] = []
@@ -206,11 +210,11 @@ def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[st
         out.mkdir(parents=True, exist_ok=True)
         for name, write in writers.items():
             current = out / name
-            current.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=current.parent, prefix=temp_prefix(current.name), suffix=".tmp")
-            os.close(fd)
-            staged.append((Path(tmp), current))
-            write(Path(tmp))
+            _stage(staged, current, write)
+        if last is not None:
+            hashes = {name: _hash_file(tmp) for name, (tmp, _) in zip(writers, staged)}
+            current = out / last[0]
+            _stage(staged, current, last[1](hashes))
         mode = 0o666 & ~_umask()
         for tmp, final in staged:
             current = final
@@ -225,6 +229,96 @@ def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[st
     for name in remove:
         (out / name).unlink(missing_ok=True)
     return [final for _, final in staged]
+
+
+def _stage(staged: list[tuple[Path, Path]], final: Path, write: Writer) -> None:
+    """Write one file of write_files under a temporary name beside `final` (appended to `staged` first, so that a
+    failure removes it)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=temp_prefix(final.name), suffix=".tmp")
+    os.close(fd)
+    staged.append((Path(tmp), final))
+    write(Path(tmp))
+
+
+# analyze's result files: run.json's `files` records the sha256 of each it wrote, and the readers check it
+RUN_FILES = (HEADS_FILE, LAYERS_FILE, EXAMPLE_FILE, EXAMPLES_FILE, RESAMPLES_FILE, POSITIONS_FILE, CATEGORIES_FILE,
+             TOP_TOKENS_FILE, SENTENCES_FILE)
+RUN_FILES_KEY = "files"
+
+
+def write_run(out: str | Path, writers: dict[str, Writer], run: dict[str, Any], remove: Iterable[str] = (),
+              written: Iterable[Path] = ()) -> list[Path]:
+    """analyze's results (`writers`) and, last, run.json: `run` with `files`, the sha256 of every file of this run
+    by name (those of `writers`, from their temporary files, and those already `written` in `out`, such as
+    sentences.parquet). One write_files: all temporary files, then all renames, run.json's the last."""
+    before = {Path(path).name: _hash_file(Path(path)) for path in written}
+
+    def stamped(hashes: dict[str, str]) -> Writer:
+        return json_writer({**run, RUN_FILES_KEY: {**hashes, **before}})
+
+    return write_files(out, writers, remove, last=(RUN_FILE, stamped))
+
+
+_HASHES: dict[tuple[str, int, int, int, int], str] = {}  # (path, device, inode, size, mtime_ns) -> sha256
+
+
+def _hash_file(path: Path) -> str:
+    """The sha256 of a file, remembered for this process under its path, inode, size and modification time: plot
+    and report check the same file more than once."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        _HASHES[key] = digest.hexdigest()
+    return _HASHES[key]
+
+
+def recorded_files(out: str | Path) -> dict[str, str] | None:
+    """run.json's `files` record in `out` (name -> sha256), or None where there is none (no run.json, or one
+    written before attnprobe recorded them); a run.json that cannot be read gives None too: read_run says why."""
+    path = Path(out) / RUN_FILE
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(run, dict) or RUN_FILES_KEY not in run:
+        return None
+    record = run[RUN_FILES_KEY]
+    good = isinstance(record, dict) and all(
+        isinstance(name, str) and isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)
+        for name, digest in record.items())
+    if not good:
+        raise AttnprobeError(f"{path} holds a `{RUN_FILES_KEY}` record that is not a file name -> sha256 object: "
+                             f"run `attnprobe analyze --out {out}` again")
+    return record
+
+
+def check_written_by_run(out: str | Path, name: str) -> None:
+    """Refuse `name` (one of analyze's RUN_FILES) in `out` when run.json records the files of its run and this is
+    not one of them: its sha256 differs (a copy from another run, even of a model of the same shape), or the run
+    wrote none (a leftover). Without a record (an older run), nothing is checked. Call it after the file's own
+    checks, so that a damaged file is named as damaged."""
+    path = Path(out) / name
+    if name not in RUN_FILES or not path.is_file():
+        return
+    record = recorded_files(out)
+    if record is None:
+        return
+    if name not in record:
+        raise AttnprobeError(f"{name} in {out} was not written by the run that wrote {RUN_FILE} (the run wrote no "
+                             f"{name}): remove it, or run `attnprobe analyze --out {out}` again")
+    try:
+        digest = _hash_file(path)
+    except OSError as err:
+        raise AttnprobeError(f"{path} is unreadable ({err.strerror}); run `attnprobe analyze` again") from err
+    if digest != record[name]:
+        raise AttnprobeError(f"{name} in {out} was not written by the run that wrote {RUN_FILE} (its sha256 differs "
+                             f"from the one {RUN_FILE} records): run `attnprobe analyze --out {out}` again, or copy "
+                             "the whole folder")
 
 
 def write_error(path: Path, err: OSError) -> AttnprobeError:
@@ -364,6 +458,7 @@ def read_sentences(out: str | Path) -> Any:
     path = Path(out) / SENTENCES_FILE
     if not path.is_file():
         raise AttnprobeError(f"no {SENTENCES_FILE} in {out}: run `attnprobe analyze --per-sentence --out {out}`")
+    check_written_by_run(out, SENTENCES_FILE)
     return pq.ParquetFile(path)
 
 
@@ -464,6 +559,7 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
     key = [c for c in ("category", "layer", "head", "bin") if c in columns]
     if key and frame.duplicated(key).any():
         raise AttnprobeError(f"{path} repeats a ({', '.join(key)}) row: run `{made_by}` again")
+    check_written_by_run(out, name)  # last: a damaged file is named as damaged
     return frame
 
 
@@ -688,9 +784,11 @@ def read_example(out: str | Path) -> dict[str, Any] | None:
             tokens = [str(t) for t in data["tokens"]]
             total = int(data["total_tokens"]) if "total_tokens" in data else len(tokens)
             _check_maps(data["maps"], "maps")
-            return {"maps": data["maps"], "tokens": tokens, "sentence": str(data["sentence"]), "total_tokens": total}
+            found = {"maps": data["maps"], "tokens": tokens, "sentence": str(data["sentence"]), "total_tokens": total}
     except (OSError, KeyError, ValueError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+    check_written_by_run(out, EXAMPLE_FILE)
+    return found
 
 
 def _check_maps(maps: np.ndarray, name: str) -> None:
@@ -755,9 +853,10 @@ def read_examples(out: str | Path) -> list[dict[str, Any]]:
                     "category": str(optional.get("category", "")), "index": int(optional.get("index", -1)),
                     "line": int(optional.get("line", -1)),
                 })
-            return examples
     except (OSError, KeyError, ValueError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+    check_written_by_run(out, EXAMPLES_FILE)
+    return examples
 
 
 def text_writer(text: str) -> Writer:
@@ -776,9 +875,11 @@ def read_resamples(out: str | Path) -> dict[str, np.ndarray]:
         raise AttnprobeError(f"no {RESAMPLES_FILE} in {out}: run `attnprobe analyze --out {out}` again")
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {key: data[key] for key in data.files}
+            found = {key: data[key] for key in data.files}
     except (OSError, ValueError) as err:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
+    check_written_by_run(out, RESAMPLES_FILE)
+    return found
 
 
 def read_compare(out: str | Path) -> tuple[dict[str, Any], pd.DataFrame | None, pd.DataFrame, pd.DataFrame | None]:

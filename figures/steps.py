@@ -198,6 +198,7 @@ def report_sizes(folder: str, target: str, layers: int = 30, heads: int = 9, tok
             if (run["model"]["layers"], run["model"]["heads"]) != (layers, heads):
                 raise SystemExit(f"{folder} is not a {layers} x {heads} model")
             run["model"]["causal"] = causal
+            run.pop(io.RUN_FILES_KEY, None)  # the run's record of its files: the examples below are not its own
             (Path(tmp) / "run.json").write_text(json.dumps(run))
             (Path(tmp) / "example_attention.npz").unlink(missing_ok=True)
             logits = rng.normal(0, 3, (io.MAX_EXAMPLES, layers, heads, tokens, tokens))

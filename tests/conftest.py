@@ -223,3 +223,38 @@ def copy_of(run_dir, tmp_path):
     target = tmp_path / "run"
     shutil.copytree(run_dir, target)
     return target
+
+
+def restamp(out: Path) -> None:
+    """Record the files of analyze now in `out` as its run's: run.json's `files` gets the sha256 of each.
+
+    analyze records every file it writes (io.write_run), and plot, report, classify, compare and export refuse a
+    file whose sha256 is not the recorded one: a copy from another run. A test that stands for a legitimate
+    later rewrite of such a file with the run's own content (adding example sentences, setting up one column of
+    heads.csv for a case, giving the run a categories.csv it would have written on a tagged corpus) calls this
+    after the rewrite, as if analyze had written it. A run.json without a record (an older run) stays without."""
+    import hashlib
+    import json
+
+    from attnprobe import io
+
+    path = out / io.RUN_FILE
+    run = json.loads(path.read_text(encoding="utf-8"))
+    if io.RUN_FILES_KEY not in run:
+        return
+    run[io.RUN_FILES_KEY] = {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
+                             for name in io.RUN_FILES if (out / name).is_file()}
+    path.write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
+
+
+def unstamp(out: Path) -> None:
+    """Make `out` an older run's folder: run.json without the `files` record, whose files nothing can tell from
+    another run's but their own checks (shapes, intervals, heads). A test of those checks calls this."""
+    import json
+
+    from attnprobe import io
+
+    path = out / io.RUN_FILE
+    run = json.loads(path.read_text(encoding="utf-8"))
+    run.pop(io.RUN_FILES_KEY, None)
+    path.write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")

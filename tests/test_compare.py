@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import SENTENCES, make_llama
+from conftest import SENTENCES, make_llama, unstamp
 from test_cli import assert_one_line_error, run
 
 RESAMPLES = "200"  # enough for intervals, quick
@@ -189,7 +189,10 @@ def test_bad_inputs_get_one_line(runs, tmp_path):
     ]
     stale = shutil.copytree(a, tmp_path / "stale", ignore=shutil.ignore_patterns("compare"))
     shutil.copy(runs["llama"] / "resamples.npz", stale / "resamples.npz")  # another run's resamples
-    cases.append(((a, stale), ["resamples.npz", "does not match run.json", "attnprobe analyze"]))
+    cases.append(((a, stale), ["resamples.npz", "not written by the run that wrote run.json", "attnprobe analyze"]))
+    older = shutil.copytree(stale, tmp_path / "older")
+    unstamp(older)  # an older run records no files: the resamples' own shape check tells them apart
+    cases.append(((a, older), ["resamples.npz", "does not match run.json", "attnprobe analyze"]))
     retyped = shutil.copytree(a, tmp_path / "retyped", ignore=shutil.ignore_patterns("compare"))
     shutil.copy(runs["planted"] / "head_types.csv", retyped / "head_types.csv")  # classified from another run
     cases.append(((retyped, a), ["head_types.csv does not match heads.csv", "attnprobe classify"]))

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import make_llama
+from conftest import make_llama, restamp, unstamp
 from typer.testing import CliRunner
 
 from attnprobe import io
@@ -163,6 +163,7 @@ def test_results_without_the_needed_scores_are_refused(gqa_run, tmp_path):
     heads = pd.read_csv(folder / "heads.csv")
     heads["sink_window"] = np.nan  # no sequence reached past the sinks and the window
     heads.to_csv(folder / "heads.csv", index=False)
+    restamp(folder)  # as analyze writes it for such a corpus
     with pytest.raises(AttnprobeError, match="sink_window is empty"):
         load_scores(folder)
     heads.drop(columns="sink_window").to_csv(folder / "heads.csv", index=False)
@@ -170,10 +171,12 @@ def test_results_without_the_needed_scores_are_refused(gqa_run, tmp_path):
         load_scores(folder)
     heads = pd.read_csv(gqa_run / "heads.csv").iloc[:-1]
     heads.to_csv(folder / "heads.csv", index=False)
+    unstamp(folder)  # an older run, without run.json's record of its files: only the count of heads tells
     with pytest.raises(AttnprobeError, match="holds 11 heads, not the model's 3 layers x 4 heads"):
         load_scores(folder)
     run = json.loads((gqa_run / "run.json").read_text())
     run["model"]["causal"] = False
+    run.pop("files")  # an older run's
     (folder / "run.json").write_text(json.dumps(run))
     with pytest.raises(AttnprobeError, match="is an encoder"):
         load_scores(folder)

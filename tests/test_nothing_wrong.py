@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import make_gpt2
+from conftest import make_gpt2, unstamp
 from test_cli import assert_one_line_error, run
 
 from attnprobe import io
@@ -702,22 +702,31 @@ def other_runs(tmp_path_factory, gpt2_dir):
     return folders
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["recorded", "older"])
 @pytest.mark.parametrize("name", ["positions.csv", "categories.csv", "layers.csv"])
 @pytest.mark.parametrize("command", ["plot", "report"])
-def test_a_table_of_a_run_of_another_shape_is_refused(other_runs, tmp_path, name, command):
+def test_a_table_of_a_run_of_another_shape_is_refused(other_runs, tmp_path, name, command, older):
+    """run.json's record of its files tells the copy; in an older run without one, its layers and heads do."""
     results = tmp_path / "results"
     shutil.copytree(other_runs["llama"], results)  # 2 layers
     shutil.copy(other_runs["gpt2"] / name, results / name)  # 3 layers
-    assert_one_line_error(run(command, "--out", results), name, "another run")
+    if older:
+        unstamp(results)
+    assert_one_line_error(run(command, "--out", results), name,
+                          "another run" if older else "not written by the run that wrote run.json")
     assert not list(results.glob("*.png")) and not (results / "report.html").exists()
 
 
-def test_resamples_of_another_seed_are_not_paired(other_runs, tmp_path):
+@pytest.mark.parametrize("older", [False, True], ids=["recorded", "older"])
+def test_resamples_of_another_seed_are_not_paired(other_runs, tmp_path, older):
+    """run.json's record of its files tells the copy; in an older run without one, its intervals do."""
     results = tmp_path / "results"
     shutil.copytree(other_runs["gpt2"], results)
     shutil.copy(other_runs["seed1"] / "resamples.npz", results / "resamples.npz")
+    if older:
+        unstamp(results)
     result = run("compare", other_runs["gpt2"], results, "--out", tmp_path / "cmp")
-    assert_one_line_error(result, "resamples.npz", "another run")
+    assert_one_line_error(result, "resamples.npz", "another run" if older else "not written by the run")
     assert not (tmp_path / "cmp").exists()
     assert run("compare", other_runs["gpt2"], other_runs["seed1"], "--out", tmp_path / "ok").exit_code == 0
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import SENTENCES
+from conftest import SENTENCES, restamp
 from test_cli import assert_one_line_error, run
 
 from attnprobe import io
@@ -53,7 +53,7 @@ def run_dir(tmp_path_factory, gpt2_dir) -> Path:
 
 def with_examples(folder: Path, count: int = 3) -> list[dict]:
     """Add examples.npz: the run's own example, then synthetic ones of other lengths (the third one full, as an
-    encoder's: every key for every query)."""
+    encoder's: every key for every query); recorded in run.json as the run's own (restamp), as analyze would."""
     rng = np.random.default_rng(1)
     own = io.read_example(folder)
     layers, heads = own["maps"].shape[:2]
@@ -64,6 +64,7 @@ def with_examples(folder: Path, count: int = 3) -> list[dict]:
                          "tokens": [f" w{j}" for j in range(n)], "sentence": f"synthetic sentence {i}",
                          "total_tokens": n + i, "category": "long", "index": i, "line": 10 + i})
     io.write_files(folder, {io.EXAMPLES_FILE: io.examples_writer(examples)})
+    restamp(folder)
     return examples
 
 
@@ -162,6 +163,7 @@ def test_a_long_document_heads_its_panel_with_its_start_only(copy_of):
     text = "word " * 3000
     io.write_files(copy_of, {io.EXAMPLES_FILE: io.examples_writer([{**own, "sentence": text,
                                                                      "total_tokens": 7657}])})
+    restamp(copy_of)  # as analyze of a long document would have written it
     example = page_data(build_report(copy_of).html)["examples"][0]
     assert len(example["sentence"]) <= SENTENCE_CHARS and example["sentence"].endswith("\u2026")
     assert text.startswith(example["sentence"][:-1]) and example["total"] == 7657
@@ -197,6 +199,7 @@ def synthetic_run(template: Path, folder: Path, layers: int, heads: int, example
     io.write_files(folder, {io.EXAMPLES_FILE: io.examples_writer([
         {"maps": softmax_maps(rng, layers, heads, n, causal), "tokens": [f" token{j}" for j in range(n)],
          "sentence": "x " * n, "category": "c0"} for _ in range(examples)])})
+    restamp(folder)  # the template's run.json records the template's files: these stand for this run's own
     return folder
 
 
@@ -249,6 +252,8 @@ def test_bad_folders_get_one_line(tmp_path, copy_of):
     maps = np.zeros((2, 2, 3, 3), dtype=np.float32)
     io.write_files(copy_of, {io.EXAMPLES_FILE: io.examples_writer([{"maps": maps, "tokens": list("abc"),
                                                                      "sentence": "abc"}])})
+    assert_one_line_error(run("report", "--out", copy_of), "examples.npz", "not written by the run")
+    restamp(copy_of)  # recorded as the run's own: the shape check still guards an older run, which has no record
     assert_one_line_error(run("report", "--out", copy_of), "example 0", "heads.csv")
     (copy_of / io.EXAMPLES_FILE).write_bytes(b"not an npz")
     assert_one_line_error(run("report", "--out", copy_of), "examples.npz is unreadable")
