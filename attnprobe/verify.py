@@ -223,6 +223,8 @@ def eager_equals_sdpa(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> C
     """The model's output under eager attention (what attnprobe reads) and under SDPA agree."""
     model = loaded.model
     name = "eager output = SDPA output"
+    if getattr(model.config, "attn_logit_softcapping", None):  # SDPA has no soft-capping: its output must differ
+        return Check(name, None, 0.0, "SDPA cannot soft-cap scores")
     with torch.inference_mode():
         eager = model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [batch, seq, embed]
         try:
