@@ -778,12 +778,9 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def run_info(
-    loaded: LoadedModel, corpus: Corpus, ids: list[Any], method: str, heads: list[tuple[int, int]] | None,
-    layers: bool, batch_size: int, resamples: int, seed: int, primary: str, rho: float | None,
-) -> dict[str, Any]:
-    import transformers
-
+def record_header(loaded: LoadedModel, corpus: Corpus) -> dict[str, Any]:
+    """What every ablation record (ablate.json, streaming.json) starts with: the version, the time, the model and
+    the corpus."""
     return {
         "attnprobe_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -793,6 +790,17 @@ def run_info(
             "kv_heads": loaded.num_kv_heads, "head_dim": loaded.head_dim, "causal": loaded.causal,
         },
         "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256, "split": corpus.split},
+    }
+
+
+def run_info(
+    loaded: LoadedModel, corpus: Corpus, ids: list[Any], method: str, heads: list[tuple[int, int]] | None,
+    layers: bool, batch_size: int, resamples: int, seed: int, primary: str, rho: float | None,
+) -> dict[str, Any]:
+    import transformers
+
+    return {
+        **record_header(loaded, corpus),
         "sentences": len(ids),
         "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never
         "limit": corpus.limit,  # --limit: only the corpus's first N sentences (None: all)

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from attnprobe.errors import AttnprobeError, plain
+from attnprobe.pids import alive
 
 HEADS_FILE = "heads.csv"
 LAYERS_FILE = "layers.csv"
@@ -149,7 +150,7 @@ def remove_stale_temps(out: str | Path, before: float) -> list[str]:
             if not ours or not path.is_file() or path.is_symlink():
                 continue
             if pid is not None and pid != os.getpid():
-                stale = not _alive(pid)
+                stale = not alive(pid)
             else:
                 stale = path.stat().st_mtime < before
             if stale:
@@ -164,19 +165,6 @@ def temp_prefix(name: str) -> str:
     """The prefix of a temporary file that will be renamed to `name`: with this process's pid, so that a cleanup
     removes it only once its writer is gone (remove_stale_temps)."""
     return f".{name}.{os.getpid()}-"
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, OSError):
-        return False
-    return True
 
 
 def check_inputs_apart(out: str | Path, inputs: dict[str, str | Path | None]) -> None:

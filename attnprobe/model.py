@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from attnprobe.errors import AttnprobeError
+from attnprobe.pids import alive
 from attnprobe.sources import resolve
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
@@ -304,7 +305,7 @@ def remove_stale_offload() -> None:
 
     for folder in Path(tempfile.gettempdir()).glob(f"{OFFLOAD_PREFIX}*"):
         pid = folder.name[len(OFFLOAD_PREFIX):].split("-")[0]
-        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _alive(int(pid)):
+        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -326,18 +327,6 @@ def release_offload(loaded: LoadedModel | None) -> None:
     if loaded is not None and loaded.offload:
         shutil.rmtree(loaded.offload, ignore_errors=True)
         loaded.offload = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    except (OverflowError, OSError):
-        return False  # no such pid can exist
-    return True
 
 
 def _loaded(

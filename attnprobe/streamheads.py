@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from attnprobe import __version__, defaults
+from attnprobe import defaults
 from attnprobe.bootstrap import (
     BLOCK,
     CONFIDENCE,
@@ -520,15 +519,10 @@ def run_info(
                      "use longer documents (--split file or paragraphs)")
     note = few_items_note(len(predicted), "sequence") if basis["method"] == POISSON else None
     notes += [note] if note else []
+    from attnprobe.ablate import record_header
+
     return {
-        "attnprobe_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": {
-            "spec": loaded.spec, "source": loaded.source, **loaded.origin, "revision": loaded.revision,
-            "architecture": type(loaded.model).__name__, "layers": loaded.num_layers, "heads": loaded.num_heads,
-            "kv_heads": loaded.num_kv_heads, "head_dim": loaded.head_dim, "causal": loaded.causal,
-        },
-        "corpus": {"path": str(corpus.path.resolve()), "sha256": corpus.sha256, "split": corpus.split},
+        **record_header(loaded, corpus),
         "sequences": len(ids),
         "bos": loaded.bos,
         "limit": corpus.limit,
