@@ -7,8 +7,8 @@ Run:  .venv/bin/python benchmarks/bench_scale.py                       (every mo
 Each model is built once from its published config with random weights (bfloat16, saved with save_pretrained into
 --work; Phi-3-mini is 7.6 GB on disk) and loaded by path as a user's checkpoint. Per model, each in its own process
 (the model loaded before the clock starts):
-  forward  - the bare base model under SDPA, no attention output, the corpus in attnprobe's own length-sorted
-             batches of 8 (the floor);
+  forward  - the bare base model under SDPA (eager where transformers refuses SDPA, as for Gemma 2), no attention
+             output, the corpus in attnprobe's own length-sorted batches of 8 (the floor);
   analyze  - `analyze_loaded` with every default score (value-weighted, output_norm, top tokens), batches of 8;
   checkpoint - the same run stopped after its first batch: the size of checkpoint.npz and the seconds to write it;
   related  - `attnprobe related` on the analyze results (the whole process, its model load included);
@@ -134,7 +134,11 @@ def child(way: str, folder: Path, corpus: Path, split: str, out: Path) -> dict:
     started, cpu = time.perf_counter(), time.process_time()
     result: dict = {}
     if way == "forward":
-        loaded.model.set_attn_implementation("sdpa")
+        try:
+            loaded.model.set_attn_implementation("sdpa")
+            result["attention"] = "sdpa"
+        except ValueError:  # transformers refuses SDPA for some models (Gemma 2's soft-capping): their own eager
+            result["attention"] = "eager"
         ids = tokenize(loaded, text).ids
         with torch.inference_mode():
             for batch in length_batches(ids, 8):

@@ -677,8 +677,9 @@ def _(d: dict) -> str:
         heads = shape["num_hidden_layers"] * shape["num_attention_heads"]
         document = r.get("document")
         related = (r.get("related") or {}).get("seconds")
+        floor = r["short"]["forward"].get("attention", "sdpa")
         rows.append([
-            SCALE_NAMES.get(name, name),
+            SCALE_NAMES.get(name, name) + ("" if floor == "sdpa" else f" ({floor} floor: no SDPA)"),
             f"{shape['num_hidden_layers']} x {shape['num_attention_heads']} ({fmt.whole(heads)} heads, "
             f"{shape.get('num_key_value_heads', shape['num_attention_heads'])} KV)",
             fmt.ratio(r["short"]["cpu_ratio"]), fmt.ratio(document["cpu_ratio"]) if document else "-",
