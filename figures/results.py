@@ -672,6 +672,7 @@ def _(d: dict) -> str:
         "",
         fmt.table(["order", "share of KV heads", "KV heads", "loss change (nats/token)", "95% interval"], curve),
         "",
+        *([half_sentence(d["curve"]), ""] if half_sentence(d["curve"]) else []),
         "![SmolLM2-135M: loss against the share of KV heads made streaming](images/smollm2-135m-streaming.png)",
         "",
         fmt.source("`attnprobe retrieval --model smollm2-135m --haystack /usr/share/common-licenses/GPL-3 --lengths "
@@ -679,3 +680,14 @@ def _(d: dict) -> str:
                    "--method streaming --pattern DUO` on the licence's first 9,000 characters (`--split file`); "
                    + d["date"]),
     ])
+
+
+def half_sentence(curve: list[dict]) -> str:
+    """What making half of the KV heads streaming costs in the export's order and in a random order."""
+    at = {p["order"]: p for p in curve if abs(p["share"] - 0.5) < 1e-9}
+    if not {"pattern", "random"} <= set(at):
+        return ""
+    pattern, random = at["pattern"], at["random"]
+    return (f"With half of the KV heads streaming, the export's choice costs {fmt.num(pattern['change'], 3)} nats per "
+            f"token ({fmt.num(pattern['low'], 3)} to {fmt.num(pattern['high'], 3)}), a random choice of as many "
+            f"{fmt.num(random['change'], 3)} ({fmt.num(random['low'], 3)} to {fmt.num(random['high'], 3)}).")
