@@ -1137,8 +1137,9 @@ def ablate(
     if method is MethodChoice.streaming:
         return ablate_streaming(model, corpus, out, pattern=pattern, heads=heads, sparsity=sparsity, sink=sink_size,
                                 recent=recent_size, shares=shares, curve=pruning, layers=layers, split=split.value,
-                                batch_size=batch_size, device=device.value, dtype=dtype.value, resamples=resamples,
-                                seed=seed, limit=limit, bos=bos.value, threads=threads)
+                                batch_size=batch_size, device=device.value, dtype=dtype.value, device_map=device_map,
+                                max_memory=max_memory, resamples=resamples, seed=seed, limit=limit, bos=bos.value,
+                                threads=threads)
     misplaced = [name for name, value in given.items() if value is not None]
     if misplaced:
         raise AttnprobeError(f"{misplaced[0]} applies to --method streaming only: add --method streaming, or drop "
@@ -1172,18 +1173,18 @@ def ablate(
 
 def ablate_streaming(model: str, corpus: Path, out: Path, *, pattern: Path | None, heads: str, sparsity: float | None,
                      sink: int | None, recent: int | None, shares: str | None, curve: bool, layers: bool, split: str,
-                     batch_size: int, device: str, dtype: str, resamples: int, seed: int, limit: int | None, bos: str,
-                     threads: str) -> None:
+                     batch_size: int, device: str, dtype: str, device_map: str | None, max_memory: str | None,
+                     resamples: int, seed: int, limit: int | None, bos: str, threads: str) -> None:
     """`ablate --method streaming`: streaming.csv, streaming.json and streaming.png."""
     from attnprobe import io, naming, plotting, streamheads
     from attnprobe.analysis import check_options
     from attnprobe.corpus import read_corpus
-    from attnprobe.model import load_model
 
     if layers:
         raise AttnprobeError("--layers ablates whole layers, not streaming heads: drop --layers with --method "
                              "streaming")
     check_options(batch_size, resamples, seed)
+    check_placement(device_map, max_memory)
     chosen = None if heads.strip().lower() == "all" else naming.parse_heads(heads)
     if pattern is not None and chosen is not None:
         raise AttnprobeError("--pattern and --heads both choose the streaming heads: pass one of them")
@@ -1206,16 +1207,19 @@ def ablate_streaming(model: str, corpus: Path, out: Path, *, pattern: Path | Non
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     documents = read_corpus(corpus, split=split).head(limit)
     threads_used = apply_threads(threads)
-    with err_console.status(f"Loading {model}"):
-        loaded = load_model(model, device, dtype, lm_head=True)
+    loaded = load(model, device, dtype, device_map, max_memory, lm_head=True)
     set_bos(loaded, bos)
-    if pattern is not None:  # before the run: a pattern of another model fails at once
-        streamheads.check_pattern(streamheads.read_pattern(pattern), loaded)
-    with stage_progress("sequences") as progress:
-        result = streamheads.streaming_ablate_loaded(
-            loaded, documents, pattern=pattern, heads=chosen,
-            sparsity=streamheads.DEFAULT_SPARSITY if sparsity is None else sparsity, sink=sink, recent=recent,
-            shares=share_list, curve=curve, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress)
+    try:
+        if pattern is not None:  # before the run: a pattern of another model fails at once
+            streamheads.check_pattern(streamheads.read_pattern(pattern), loaded)
+        with stage_progress("sequences") as progress:
+            result = streamheads.streaming_ablate_loaded(
+                loaded, documents, pattern=pattern, heads=chosen,
+                sparsity=streamheads.DEFAULT_SPARSITY if sparsity is None else sparsity, sink=sink, recent=recent,
+                shares=share_list, curve=curve, batch_size=batch_size, resamples=resamples, seed=seed,
+                progress=progress)
+    finally:
+        release_offload(loaded)
     result.run["threads"] = threads_used
     run = result.run
     title = (f"{model} on {Path(corpus).name}: streaming heads keep {run['sink_size']} sink + {run['recent_size']} "
