@@ -240,7 +240,9 @@ def write_run(out: str | Path, writers: dict[str, Writer], run: dict[str, Any], 
     """analyze's results (`writers`) and, last, run.json: `run` with `files`, the sha256 of every file of this run
     by name (those of `writers`, from their temporary files, and those already `written` in `out`, such as
     sentences.parquet). One write_files: all temporary files, then all renames, run.json's the last."""
-    before = {Path(path).name: _hash_file(Path(path)) for path in written}
+    from attnprobe.sources import file_sha256
+
+    before = {Path(path).name: file_sha256(Path(path)) for path in written}
 
     def stamped(hashes: dict[str, str]) -> Writer:
         return json_writer({**run, RUN_FILES_KEY: {**hashes, **before}})
@@ -248,21 +250,14 @@ def write_run(out: str | Path, writers: dict[str, Writer], run: dict[str, Any], 
     return write_files(out, writers, remove, last=(RUN_FILE, stamped))
 
 
-_HASHES: dict[tuple[str, int, int, int, int], str] = {}  # (path, device, inode, size, mtime_ns) -> sha256
-
-
 def _hash_file(path: Path) -> str:
-    """The sha256 of a file, remembered for this process under its path, inode, size and modification time: plot
-    and report check the same file more than once."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    if key not in _HASHES:
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        _HASHES[key] = digest.hexdigest()
-    return _HASHES[key]
+    """The sha256 of a temporary file about to be renamed into place (not remembered: its name will not be read
+    again). Files in place go through sources.file_sha256, which remembers them across commands."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def recorded_files(out: str | Path) -> dict[str, str] | None:
@@ -299,8 +294,10 @@ def check_written_by_run(out: str | Path, name: str) -> None:
     if name not in record:
         raise AttnprobeError(f"{name} in {out} was not written by the run that wrote {RUN_FILE} (the run wrote no "
                              f"{name}): remove it, or run `attnprobe analyze --out {out}` again")
+    from attnprobe.sources import file_sha256
+
     try:
-        digest = _hash_file(path)
+        digest = file_sha256(path)  # remembered on disk under path, size, inode and mtime (git's index does the same)
     except OSError as err:
         raise AttnprobeError(f"{path} is unreadable ({err.strerror}); run `attnprobe analyze` again") from err
     if digest != record[name]:
