@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -165,12 +167,6 @@ def recompute_bound(dtype: str, expected: Tensor, magnitude: Tensor) -> Tensor:
     return expected * (shift + u) + FLOAT32_MAPS  # [batch, head, query, key]
 
 
-def recompute_tolerance(dtype: str, magnitude: Tensor, rows: Tensor) -> float:
-    """The largest bound of a layer (a weight of 1 in its row of largest magnitude), for the note and the tests."""
-    largest = torch.where(rows[..., 0], magnitude, 0.0).max()
-    return float(recompute_bound(dtype, torch.ones(()), largest))
-
-
 def recomputed_from_projections(loaded: LoadedModel, batched: Capture, keys: Tensor, rows: Tensor) -> Check:
     """Each layer's softmax(Q K^T * scale + bias), recomputed from the input its attention module was called with,
     its own projection weights and the config (attnprobe.recompute), against the maps read."""
@@ -179,22 +175,30 @@ def recomputed_from_projections(loaded: LoadedModel, batched: Capture, keys: Ten
     if scores_of is None:
         return Check(RECOMPUTED, None, 1e-5, f"no recomputation for {config.model_type} models")
     worst: tuple[float, float] = (0.0, 1e-5)  # (diff, tolerance) of the layer nearest its bound
+    try:
+        for pair in _layer_errors(loaded, batched, keys, rows, scores_of):
+            worst = max(worst, pair, key=lambda found: found[0] / found[1])
+    except recompute.CannotRecompute as err:
+        return Check(RECOMPUTED, None, 1e-5, f"not recomputed: {err}"[:NOTE_WIDTH])
+    note = "" if loaded.dtype == "float32" else f"{loaded.dtype}: bound per weight"
+    if worst[0] > worst[1] and config.model_type == "falcon" and config.alibi and all(
+            diff <= bound for diff, bound in _layer_errors(
+                loaded, batched, keys, rows, functools.partial(recompute.falcon_scores, alibi_times=2))):
+        note = "maps add ALiBi twice (transformers bug)"  # Falcon's eager path
+    return Check(RECOMPUTED, worst[0], worst[1], note)
+
+
+def _layer_errors(loaded: LoadedModel, batched: Capture, keys: Tensor, rows: Tensor,
+                  scores_of: Callable[..., Any]) -> Iterator[tuple[float, float]]:
+    """Per layer, (|recomputed - read|, its bound) at the weight nearest its bound: `scores_of(module, hidden,
+    config, layer)` recomputes the layer's scores from the input its attention module was called with."""
     modules = [module for module, _ in attention_modules(loaded.model)]
     for layer, (module, p, (args, kwargs)) in enumerate(zip(modules, batched.maps, batched.inputs)):
         hidden = (args[0] if args else kwargs["hidden_states"]).float()  # [batch, seq, embed]
-        try:
-            with torch.inference_mode():
-                scores = scores_of(module, hidden, config, layer)
-        except recompute.CannotRecompute as err:
-            return Check(RECOMPUTED, None, 1e-5, f"not recomputed: {err}"[:NOTE_WIDTH])
+        with torch.inference_mode():
+            scores = scores_of(module, hidden, loaded.model.config, layer)
         expected = recompute.probabilities(scores, keys)  # [batch, head, query, key]
-        worst = max(worst, _worst_against_bound(expected, p, recompute_bound(loaded.dtype, expected, scores.magnitude),
-                                                rows), key=lambda pair: pair[0] / pair[1])
-    note = "" if loaded.dtype == "float32" else f"{loaded.dtype}: bound per weight"
-    if worst[0] > worst[1] and config.model_type == "falcon" and config.alibi and \
-            _recomputed_passes(loaded, batched, keys, rows, alibi_times=2):
-        note = "maps add ALiBi twice (transformers bug)"  # Falcon's eager path
-    return Check(RECOMPUTED, worst[0], worst[1], note)
+        yield _worst_against_bound(expected, p, recompute_bound(loaded.dtype, expected, scores.magnitude), rows)
 
 
 def _worst_against_bound(expected: Tensor, p: Tensor, bound: Tensor, rows: Tensor) -> tuple[float, float]:
@@ -202,21 +206,6 @@ def _worst_against_bound(expected: Tensor, p: Tensor, bound: Tensor, rows: Tenso
     ratio = torch.where(rows, (expected - p).abs() / bound, 0.0)  # [batch, head, query, key]
     at = int(ratio.argmax())
     return float((expected - p).abs().flatten()[at]), float(bound.flatten()[at])
-
-
-def _recomputed_passes(loaded: LoadedModel, batched: Capture, keys: Tensor, rows: Tensor, **options: Any) -> bool:
-    """Whether Falcon's maps equal its recomputation under `options` (alibi_times=2: the cause named above)."""
-    modules = [module for module, _ in attention_modules(loaded.model)]
-    for layer, (module, p, (args, kwargs)) in enumerate(zip(modules, batched.maps, batched.inputs)):
-        hidden = (args[0] if args else kwargs["hidden_states"]).float()  # [batch, seq, embed]
-        with torch.inference_mode():
-            scores = recompute.falcon_scores(module, hidden, loaded.model.config, layer, **options)
-        expected = recompute.probabilities(scores, keys)  # [batch, head, query, key]
-        diff, bound = _worst_against_bound(expected, p, recompute_bound(loaded.dtype, expected, scores.magnitude),
-                                           rows)
-        if diff > bound:
-            return False
-    return True
 
 
 def eager_equals_sdpa(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> Check:
