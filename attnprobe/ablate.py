@@ -19,7 +19,6 @@ along the batch dimension with a different head ablated in each copy.
 
 from __future__ import annotations
 
-import platform
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -797,7 +796,7 @@ def run_info(
     loaded: LoadedModel, corpus: Corpus, ids: list[Any], method: str, heads: list[tuple[int, int]] | None,
     layers: bool, batch_size: int, resamples: int, seed: int, primary: str, rho: float | None,
 ) -> dict[str, Any]:
-    import transformers
+    from attnprobe.analysis import versions
 
     return {
         **record_header(loaded, corpus),
@@ -821,7 +820,6 @@ def run_info(
         "bootstrap": {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "over": "sentences",
                       "method": "poisson"},
         "notes": [note for note in (few_items_note(len(ids), "sentence"),) if note],
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "versions": versions(),
     }
 

@@ -54,7 +54,6 @@ from attnprobe.scores import OUTPUT_NORM
 
 NAME = "attnprobe_stats"
 DEFAULT_BUDGET_MIB = defaults.BLOCK_MIB
-FUSED_DEVICES = ("cpu", "cuda")  # where the fused kernel's logsumexp is read (KERNELS; elsewhere blocked runs)
 FUSED_MIN_TOKENS = 512  # --attention auto: the fused kernel from this length on (both paths are exact)
 UNDERFLOW_GAP = 60.0  # _sink_window: ln of the largest factor a view may put on the first view's weights (below 1e-38)
 TEMPORARIES = 6  # float32 tensors of a block's size alive at once: scores, softmax, statistics' temporaries
@@ -191,7 +190,7 @@ class Discovery:
 
     def fused_layers(self, device: torch.device | None = None) -> list[int]:
         """The layers the fused path computes on `device` (the others run blocked)."""
-        if device is not None and device.type not in FUSED_DEVICES:
+        if device is not None and device.type not in KERNELS:
             return []
         return [k for k, f in enumerate(self.features or ()) if fusable(f)]
 
@@ -413,7 +412,7 @@ def stats_attention(
     projections = batch_info.projections
     factors = None if projections is None else values.head_factors(projections[layer], query.shape[1])
     if batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features) \
-            and query.device.type in FUSED_DEVICES:
+            and query.device.type in KERNELS:
         sums, example, output = fused_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
                                              need_output=need_output, factors=factors)
         batch_info.ran.add("fused")
@@ -546,7 +545,7 @@ def flash(query: Tensor, key: Tensor, value: Tensor, causal: bool, additive: Ten
     """
     found = KERNELS.get(query.device.type)
     if found is None:
-        raise AttnprobeError(f"the fused path runs on {', '.join(FUSED_DEVICES)}, not {query.device.type}: use "
+        raise AttnprobeError(f"the fused path runs on {', '.join(KERNELS)}, not {query.device.type}: use "
                              "--attention blocked")
     width = value.shape[-1]
     if found.one_head_size and key.shape[-1] != width:
@@ -620,7 +619,7 @@ def _cuda_efficient(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
     return torch.ops.aten._scaled_dot_product_efficient_attention(*args, **kwargs)
 
 
-KERNELS: dict[str, FusedKernel] = {
+KERNELS: dict[str, FusedKernel] = {  # the devices the fused path runs on (elsewhere the blocked path runs)
     "cpu": FusedKernel("aten flash attention for CPU", _cpu_flash, one_head_size=True),
     "cuda": FusedKernel("aten memory-efficient attention (CUDA)", efficient_kernel(_cuda_efficient),
                         one_head_size=False),

@@ -21,7 +21,6 @@ streaming, in the order a pattern ranks them (lowest score first, as kvpress tak
 from __future__ import annotations
 
 import json
-import platform
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +48,7 @@ from attnprobe.bootstrap import (
 )
 from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
+from attnprobe.export import DUO_CONFIG_FILE, DUO_SCORES_FILE
 from attnprobe.model import LoadedModel, attention_modules, load_model, using_attention
 from attnprobe.naming import head_name
 
@@ -57,8 +57,6 @@ DUO_SINK, DUO_RECENT = 128, 256  # DuoAttention's sink_size and recent_size, whe
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # the curve's shares of KV heads made streaming
 DEFAULT_SPARSITY = 0.5
 MEASURES = ("loss", "loss_change", "kl")
-PATTERN_SCORES = "full_attention_heads.tsv"  # export.DUO_SCORES_FILE
-PATTERN_CONFIG = "config.json"  # export.DUO_CONFIG_FILE
 Progress = Any  # ablate.Progress: (stage, done, total)
 
 
@@ -260,10 +258,10 @@ def read_pattern(folder: str | Path) -> Pattern:
     if not folder.is_dir():
         raise AttnprobeError(f"--pattern {folder} is not a folder: pass an `attnprobe export --format duo-attention` "
                              "folder or an `attnprobe analyze` results folder")
-    table = folder / PATTERN_SCORES
+    table = folder / DUO_SCORES_FILE
     if not table.is_file():
         if not (folder / io.RUN_FILE).is_file() and not (folder / io.RETRIEVAL_RUN_FILE).is_file():
-            raise AttnprobeError(f"--pattern {folder} holds no {PATTERN_SCORES} and no results: write one with "
+            raise AttnprobeError(f"--pattern {folder} holds no {DUO_SCORES_FILE} and no results: write one with "
                                  "`attnprobe export --format duo-attention --to DIR`, or pass an analyze --out folder")
         scores = export.load_scores(folder)
         pooled = export.pool_kv_heads(scores.per_query, scores.model["kv_heads"])  # [layer, kv head]
@@ -277,7 +275,7 @@ def read_pattern(folder: str | Path) -> Pattern:
     if values.size == 0 or not np.isfinite(values).all():
         raise AttnprobeError(f"{table} is empty or holds a value that is not a finite number: write it again with "
                              "`attnprobe export --format duo-attention`")
-    sink, recent = read_pattern_config(folder / PATTERN_CONFIG)
+    sink, recent = read_pattern_config(folder / DUO_CONFIG_FILE)
     return Pattern(np.clip(values, 0.0, 1.0), sink, recent, str(table))
 
 
@@ -502,8 +500,7 @@ def run_info(
     recent: int, sparsity: float, shares: tuple[float, ...], orders: list[str], batch_size: int, resamples: int,
     seed: int, basis: dict[str, Any], result: pd.Series,
 ) -> dict[str, Any]:
-    import transformers
-
+    from attnprobe.analysis import versions
     from attnprobe.bootstrap import few_items_note
 
     predicted = [len(t) - 1 for t in ids if len(t) > 1]
@@ -546,6 +543,5 @@ def run_info(
         "batch_size": batch_size,
         "bootstrap": {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, **basis},
         "notes": notes,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "versions": versions(),
     }
