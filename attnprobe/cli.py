@@ -23,7 +23,7 @@ from attnprobe import __version__, defaults, limits
 from attnprobe.allocator import reuse_freed_memory
 from attnprobe.errors import AttnprobeError
 from attnprobe.help_panels import in_panel, panel_command
-from attnprobe.naming import head_name, visible
+from attnprobe.naming import counted, head_name, sequence_noun, visible
 from attnprobe.threads import apply as apply_threads
 from attnprobe.threads import limit_numpy_threads
 from attnprobe.threads import parse as parse_threads
@@ -324,7 +324,7 @@ def analyze(
         TimeRemainingColumn,
     )
 
-    from attnprobe import distributed, io
+    from attnprobe import distributed, io, layer_progress
     from attnprobe.analysis import Options, analyze_loaded, check_options
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model, parse_max_memory
@@ -345,7 +345,8 @@ def analyze(
     io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
     if world.size == 1:  # under torchrun another rank may be writing already: rank 0 cleans at the end
         hold_out(out)  # a second run into this folder is refused
-        io.remove_stale_temps(out, started)  # what a killed run left (a half-written checkpoint, rows)
+        # what a killed run left (a half-written checkpoint, rows), never the run's inputs
+        io.remove_stale_temps(out, started, keep=(corpus, model))
     io.check_checkpoint_slots(out)  # a folder named checkpoint.npz: refused now, not at the first save
     # under torchrun every rank saves its own; under --overwrite under another name, so that the stopped run's
     # checkpoint stays until this run completes (and --resume continues the replacing run where it left one)
@@ -367,8 +368,8 @@ def analyze(
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
                             device_map=device_map, max_memory=parse_max_memory(max_memory), on_status=on_status)
     set_bos(loaded, bos.value)
-    columns = (TextColumn("sentences"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(), TextColumn("ETA"),
-               TimeRemainingColumn())  # advances layer by layer: a single long document moves too
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+               TextColumn("ETA"), TimeRemainingColumn())  # advances layer by layer: a single long document moves too
     try:
         with Progress(*columns, console=err_console, transient=True, disable=not world.is_main) as bar, \
                 stop_requests() as stop, \
@@ -376,11 +377,14 @@ def analyze(
                                 per_sentence and measures_value_weighted(loaded, options)) as rows:
             if checkpointing is not None:
                 checkpointing.should_stop = stop
-            task = bar.add_task("analyze", total=None)
+            task = bar.add_task("sentences", total=None)
+            shown = layer_progress.Shown("sentences", log=None if err_console.is_terminal or not world.is_main else
+                                         lambda line: err_console.print(line, markup=False, highlight=False))
             result = analyze_loaded(
                 loaded, sentences, batch_size=batch_size, resamples=resamples, seed=seed, options=options,
                 on_start=lambda total: bar.update(task, total=total),
-                progress=lambda done: bar.advance(task, done), checkpointing=checkpointing,
+                progress=lambda done, within=None: shown.advance(bar, task, done, within),
+                checkpointing=checkpointing,
                 on_batch=rows.write if rows else None,
             )
             parquet = [rows.commit()] if rows else []
@@ -425,10 +429,13 @@ def analyze(
     # and what classify, plot, report and compare made from the earlier run: only in a folder that held one
     earlier = (Path(out) / io.RUN_FILE).is_file()
     stale = [name for name in stale if (Path(out) / name).is_file()] + io.derived_files(out) if earlier else []
+    before = io.readable_record(out) if earlier else None
     # run.json last, with the sha256 of every other file (plot, report, ... refuse one from another run)
     written = [*io.write_run(out, files, result.run, remove=io.checkpoint_files(out), written=parquet), *parquet]
+    if before is not None and before == io.readable_record(out):
+        stale = []  # the same results, file for file (a rerun): what classify, plot, ... made from them still match
     io.remove_files(out, stale)
-    io.remove_stale_temps(out, started)
+    io.remove_stale_temps(out, started, keep=(corpus, model))
     run = result.run
     if stale:
         err_console.print(f"Note: removed {len(stale)} file(s) made from the earlier run in {out}, which no longer "
@@ -548,9 +555,10 @@ def summary_table(run: dict) -> Table:
     from attnprobe.bootstrap import interval_basis, over_sentences
 
     s, n = run["summary"], run["sentences"]
+    unit = sequence_noun((run.get("corpus") or {}).get("split", run.get("split")))
     table = Table(
         title=Text(visible(f"{run['model']['spec']}: {run['model']['layers']} layers x {run['model']['heads']} heads, "
-                           f"{n} sentence{'' if n == 1 else 's'}, {run['tokens']} tokens"))
+                           f"{counted(n, unit)}, {run['tokens']} tokens"))
     )
     table.add_column("layers")
     table.add_column("mean entropy (nats)", justify="right")
@@ -846,10 +854,10 @@ def verify(
     finally:
         release_offload(loaded)
     shape = f"{loaded.num_layers} layers x {loaded.num_heads} heads"
-    table = Table(title=Text(visible(f"verify {model}: {len(texts)} sentences, {shape}, {dtype_label(loaded)}, "
-                                     f"{threads_used['threads']} torch thread(s)")))
+    table = Table(title=Text(visible(f"verify {model}: {counted(len(texts), 'sentence')}, {shape}, "
+                                     f"{dtype_label(loaded)}, {threads_used['threads']} torch thread(s)")))
     table.add_column("check", no_wrap=True)
-    table.add_column("max abs diff", justify="right")
+    table.add_column("diff at tightest", justify="right")  # the difference where it is nearest its tolerance
     table.add_column("tolerance", justify="right")
     table.add_column("result")
     table.add_column("note")
@@ -1067,7 +1075,9 @@ class MethodChoice(str, Enum):
     streaming = "streaming"
 
 
-STREAMING_ONLY = ("--pattern", "--sparsity", "--sink-size", "--recent-size", "--shares")  # need --method streaming
+STREAMING_ONLY = ("--pattern", "--sparsity", "--sink-size", "--recent-size", "--shares", "--client", "--task",
+                  "--continuation", "--random-orders", "--haystack", "--needle", "--question", "--lengths",
+                  "--depths")  # need --method streaming
 
 
 @app.command()
@@ -1110,6 +1120,47 @@ def ablate(
         str | None, typer.Option("--shares", help="--method streaming: the curve's shares of KV heads made "
                                  "streaming.  [default: 0,0.25,0.5,0.75,1]", show_default=False)
     ] = None,
+    client: Annotated[
+        str | None, typer.Option("--client", metavar="kvpress|duo-attention", help="--method streaming: whose "
+                                 "streaming heads to model. kvpress (0.5.5's DuoAttentionPress): the context is "
+                                 "prefilled in full, then what follows misses the context keys [S, L - W); "
+                                 "duo-attention: sink + recent keys at every position.  [default: kvpress]",
+                                 show_default=False)
+    ] = None,
+    task: Annotated[
+        str | None, typer.Option("--task", metavar="both|text|needle", help="--method streaming: what to score. "
+                                 "text: the corpus (kvpress: each document's last --continuation tokens after its "
+                                 "context); needle: the needle answered after `retrieval`'s prompts.  [default: both]",
+                                 show_default=False)
+    ] = None,
+    continuation: Annotated[
+        int | None, typer.Option("--continuation", metavar="N", help="--method streaming --client kvpress: the "
+                                 "tokens scored after each document's context.  [default: 64]", show_default=False)
+    ] = None,
+    random_orders: Annotated[
+        int | None, typer.Option("--random-orders", metavar="N", help="--method streaming: random orders of the KV "
+                                 "heads the curve compares with (their mean).  [default: 3]", show_default=False)
+    ] = None,
+    haystack: Annotated[
+        Path | None, typer.Option("--haystack", metavar="FILE", help="--method streaming, needle task: the text the "
+                                  "needle is hidden in [default: --corpus].", show_default=False)
+    ] = None,
+    needle: Annotated[
+        str | None, typer.Option("--needle", metavar="TEXT", help="--method streaming, needle task: the sentence "
+                                 "hidden and then scored as the answer [default: Wu et al.'s].", show_default=False)
+    ] = None,
+    question: Annotated[
+        str | None, typer.Option("--question", metavar="TEXT", help="--method streaming, needle task: the question "
+                                 "after the context [default: Wu et al.'s].", show_default=False)
+    ] = None,
+    lengths: Annotated[
+        str | None, typer.Option("--lengths", metavar="N,N", help="--method streaming, needle task: prompt lengths "
+                                 "in tokens.  [default: 1000,2000, those that fit]", show_default=False)
+    ] = None,
+    depths: Annotated[
+        str | None, typer.Option("--depths", metavar="P,P", help="--method streaming, needle task: percent of the "
+                                 "context before the needle.  [default: 0,25,50,75,100]", show_default=False)
+    ] = None,
     split: Annotated[
         SplitChoice, typer.Option("--split", help="One sequence per line, per blank-line paragraph, or the whole file "
                                   "(long documents for --method streaming).")
@@ -1133,13 +1184,17 @@ def ablate(
     from attnprobe.ablate import ablate_loaded, check_settings, parse_heads
     from attnprobe.corpus import read_corpus
 
-    given = dict(zip(STREAMING_ONLY, (pattern, sparsity, sink_size, recent_size, shares)))
+    streaming_options = (pattern, sparsity, sink_size, recent_size, shares, client, task, continuation,
+                         random_orders, haystack, needle, question, lengths, depths)
+    given = dict(zip(STREAMING_ONLY, streaming_options))
     if method is MethodChoice.streaming:
-        return ablate_streaming(model, corpus, out, pattern=pattern, heads=heads, sparsity=sparsity, sink=sink_size,
-                                recent=recent_size, shares=shares, curve=pruning, layers=layers, split=split.value,
-                                batch_size=batch_size, device=device.value, dtype=dtype.value, device_map=device_map,
-                                max_memory=max_memory, resamples=resamples, seed=seed, limit=limit, bos=bos.value,
-                                threads=threads)
+        from attnprobe.commands.streaming import StreamingOptions, ablate_streaming
+
+        options = StreamingOptions(*streaming_options)
+        return ablate_streaming(model, corpus, out, options, heads=heads, curve=pruning, layers=layers,
+                                split=split.value, batch_size=batch_size, device=device.value, dtype=dtype.value,
+                                device_map=device_map, max_memory=max_memory, resamples=resamples, seed=seed,
+                                limit=limit, bos=bos.value, threads=threads)
     misplaced = [name for name, value in given.items() if value is not None]
     if misplaced:
         raise AttnprobeError(f"{misplaced[0]} applies to --method streaming only: add --method streaming, or drop "
@@ -1171,94 +1226,20 @@ def ablate(
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
-def ablate_streaming(model: str, corpus: Path, out: Path, *, pattern: Path | None, heads: str, sparsity: float | None,
-                     sink: int | None, recent: int | None, shares: str | None, curve: bool, layers: bool, split: str,
-                     batch_size: int, device: str, dtype: str, device_map: str | None, max_memory: str | None,
-                     resamples: int, seed: int, limit: int | None, bos: str, threads: str) -> None:
-    """`ablate --method streaming`: streaming.csv, streaming.json and streaming.png."""
-    from attnprobe import io, naming, plotting, streamheads
-    from attnprobe.analysis import check_options
-    from attnprobe.corpus import read_corpus
-
-    if layers:
-        raise AttnprobeError("--layers ablates whole layers, not streaming heads: drop --layers with --method "
-                             "streaming")
-    check_options(batch_size, resamples, seed)
-    check_placement(device_map, max_memory)
-    chosen = None if heads.strip().lower() == "all" else naming.parse_heads(heads)
-    if pattern is not None and chosen is not None:
-        raise AttnprobeError("--pattern and --heads both choose the streaming heads: pass one of them")
-    if pattern is None and chosen is None:
-        raise AttnprobeError("--method streaming needs the heads to make streaming: --pattern DIR (an `attnprobe "
-                             "export --format duo-attention` folder) or --heads L0H1,... (KV heads)")
-    if sparsity is not None and pattern is None:
-        raise AttnprobeError("--sparsity picks the lowest-scoring share of a --pattern's KV heads: add --pattern DIR, "
-                             "or drop --sparsity")
-    share_list = streamheads.SHARES if shares is None else tuple(number_list(shares, float, "--shares"))
-    if not share_list:
-        raise AttnprobeError("--shares names no share: give e.g. 0,0.25,0.5,0.75,1")
-    for name, value in (("--sparsity", sparsity), *(("--shares", s) for s in share_list)):
-        if value is not None:
-            streamheads.check_fraction(name, value)
-    if sink is not None or recent is not None:
-        streamheads.check_sizes(streamheads.DUO_SINK if sink is None else sink,
-                                streamheads.DUO_RECENT if recent is None else recent)
-    io.check_out_dir(out)
-    io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
-    documents = read_corpus(corpus, split=split).head(limit)
-    threads_used = apply_threads(threads)
-    loaded = load(model, device, dtype, device_map, max_memory, lm_head=True)
-    set_bos(loaded, bos)
-    try:
-        if pattern is not None:  # before the run: a pattern of another model fails at once
-            streamheads.check_pattern(streamheads.read_pattern(pattern), loaded)
-        with stage_progress("sequences") as progress:
-            result = streamheads.streaming_ablate_loaded(
-                loaded, documents, pattern=pattern, heads=chosen,
-                sparsity=streamheads.DEFAULT_SPARSITY if sparsity is None else sparsity, sink=sink, recent=recent,
-                shares=share_list, curve=curve, batch_size=batch_size, resamples=resamples, seed=seed,
-                progress=progress)
-    finally:
-        release_offload(loaded)
-    result.run["threads"] = threads_used
-    run = result.run
-    title = (f"{model} on {Path(corpus).name}: streaming heads keep {run['sink_size']} sink + {run['recent_size']} "
-             "recent keys")
-    written = io.write_streaming(out, result, plotting.streaming_figure(result.curve, title))
-    for note in run.get("notes", []):
-        err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
-    out_console.print(streaming_table(result.curve, run))
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
-
-
-def streaming_table(curve, run: dict) -> Table:
-    """The chosen heads' loss change and KL, then the curve, with their 95% intervals."""
-    heading = (f"{run['model']['spec']}: {run['kv_heads_streaming']} of {run['kv_heads']} KV heads streaming "
-               f"(sink {run['sink_size']} + recent {run['recent_size']}), {run['sequences']} sequences, "
-               f"{run['predicted_tokens']} tokens predicted")
-    table = Table(title=Text(visible(heading)), caption="per predicted token, against no head streaming; loss of "
-                  f"the full cache {run['result']['loss'] - run['result']['loss_change']:.4f} nats")
-    for column in ("order", "KV heads streaming", "loss change", "95% interval", "KL", "95% interval"):
-        table.add_column(column, justify="right")
-    for _, row in curve.iterrows():
-        table.add_row(str(row["order"]), f"{int(row['kv_heads_streaming'])} ({100 * row['share']:.0f}%)",
-                      f"{row['loss_change']:+.4f}", _ci((row["loss_change_ci_low"], row["loss_change_ci_high"])),
-                      f"{row['kl']:.4f}", f"[{row['kl_ci_low']:.4f}, {row['kl_ci_high']:.4f}]")
-    return table
-
-
 @contextmanager
 def stage_progress(unit: str = "sentences"):
     """A progress bar per stage (mean, ablate, gradient, pruning), fed with (stage, done, total); where stderr is
     no terminal (a log file, a job scheduler) a bar shows nothing, so each step is one plain line on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    if not err_console.is_terminal:
-        started = time.monotonic()
+    from attnprobe.layer_progress import Shown
 
-        def log(stage: str, done: int, total: int) -> None:
-            err_console.print(f"{stage}: {done}/{total} {unit} ({time.monotonic() - started:.1f} s)",
-                              markup=False, highlight=False, soft_wrap=True)
+    shown = Shown(unit)  # `within`: a long sequence's layer (layer_progress), next to the bar or as a line
+    if not err_console.is_terminal:
+        def log(stage: str, done: int, total: int, within=None) -> None:
+            line = shown.line(stage, done, total, within)
+            if line is not None:
+                err_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
         yield log
         return
@@ -1268,10 +1249,10 @@ def stage_progress(unit: str = "sentences"):
     with Progress(*columns, console=err_console, transient=True) as bar:
         tasks: dict[str, int] = {}
 
-        def update(stage: str, done: int, total: int) -> None:
+        def update(stage: str, done: int, total: int, within=None) -> None:
             if stage not in tasks:
                 tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done)
+            bar.update(tasks[stage], completed=done, description=shown.description(stage, done, total, within))
 
         yield update
 
@@ -1282,7 +1263,7 @@ def importance_table(frame, run: dict) -> Table:
     ranked = frame.sort_values("rank")
     shown = ranked if len(ranked) <= 10 else ranked.iloc[list(range(5)) + list(range(len(ranked) - 5, len(ranked)))]
     rho = "n/a" if run["spearman"] is None else f"{run['spearman']:.3f}"
-    heading = f"{run['model']['spec']}: {run['method']} ablation, {run['sentences']} sentences"
+    heading = f"{run['model']['spec']}: {run['method']} ablation, {counted(run['sentences'], 'sentence')}"
     table = Table(title=Text(visible(heading)),
                   caption=f"rank 1 = most important; Spearman(gradient, {measure}) = {rho}")
     for column in ("rank", "head", measure, "95% interval", "gradient"):
@@ -1552,8 +1533,8 @@ def related(
     if len(result.indices) < min(sentences, len(corpus)):
         cut += (f" (not {sentences}: {result.js.shape[0]} heads keep pairs of heads x query rows within "
                 f"--pair-rows {pair_rows})")
-    out_console.print(f"{result.sentences} sentences{cut}, {result.rows} query rows, {seconds:.1f} s", markup=False,
-                      highlight=False)
+    out_console.print(f"{counted(result.sentences, 'sentence')}{cut}, {counted(result.rows, 'query row')}, "
+                      f"{seconds:.1f} s", markup=False, highlight=False)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -1609,14 +1590,16 @@ def retrieval(
     bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
-    """Retrieval heads (Wu et al. 2024): which heads copy a needle from a long context; write retrieval_heads.csv,
-    head_score.json and retrieval.json."""
+    """Find retrieval heads, the heads that copy a needle from a long context; write retrieval_heads.csv,
+    head_score.json and retrieval.json. The method of Wu et al. 2024."""
     from attnprobe import io
     from attnprobe import retrieval as finding
 
     length_list = number_list(lengths, int, "--lengths") if lengths is not None else None
     depth_list = number_list(depths, float, "--depths")
     finding.check_settings(length_list or list(finding.DEFAULT_LENGTHS), depth_list, decode.value, resamples)
+    finding.check_text("--needle", needle)
+    finding.check_text("--question", question)
     text = finding.read_haystack(haystack)
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--haystack": haystack, "--model": model})
@@ -1629,7 +1612,8 @@ def retrieval(
             result = finding.retrieval(
                 loaded, text, lengths=length_list, depths=depth_list, needle=needle or finding.DEFAULT_NEEDLE,
                 question=question or finding.DEFAULT_QUESTION, decode=decode.value, resamples=resamples, seed=seed,
-                haystack_name=str(haystack), progress=lambda done, total: progress("retrieval", done, total))
+                haystack_name=str(haystack),
+                progress=lambda done, total, within=None: progress("retrieval", done, total, within))
     finally:
         release_offload(loaded)
     result.info["threads"] = threads_used["threads"]
@@ -1671,7 +1655,10 @@ def export(
         Path, typer.Option("--to", parser=folder, metavar="PATH", help="Folder to write the exported files into "
                            "(created if missing).")
     ],
-    out: ResultsOption = DEFAULT_OUT,
+    out: Annotated[
+        Path, typer.Option("--out", parser=folder, metavar="PATH", help="Results folder to read the scores from: "
+                           "`attnprobe retrieval`'s and `attnprobe analyze`'s (see --scores).")
+    ] = DEFAULT_OUT,
     format: Annotated[
         ExportFormat, typer.Option("--format", help="duo-attention: full_attention_heads.tsv [layer, KV head] and "
                                    "config.json, as DuoAttention and kvpress's DuoAttentionPress load them; "
@@ -1679,30 +1666,30 @@ def export(
     ] = ExportFormat.duo_attention,
     scores: Annotated[
         ExportScores, typer.Option("--scores", help="Per-head scores: retrieval (from `attnprobe retrieval`), kv "
-                                   "(1 - sink_window from `attnprobe analyze`), or auto: retrieval where it ran "
+                                   "(the far share (1 - sink_window) / (1 - first_token) from `attnprobe analyze`), "
+                                   "or auto: retrieval where it ran "
                                    "into --out, else kv.")
     ] = ExportScores.auto,
     sink_size: Annotated[
-        int | None, typer.Option("--sink-size", metavar="S", help="config.json's sink_size (default: run.json's "
-                                 "--sink-tokens).")
+        int | None, typer.Option("--sink-size", metavar="S", help="config.json's sink_size, 0 to 10,000,000 "
+                                 "(default: run.json's --sink-tokens; without run.json analyze's default 4).")
     ] = None,
     recent_size: Annotated[
-        int | None, typer.Option("--recent-size", metavar="W", help="config.json's recent_size (default: run.json's "
-                                 "--window).")
+        int | None, typer.Option("--recent-size", metavar="W", help="config.json's recent_size, 1 to 10,000,000 "
+                                 "(default: run.json's --window; without run.json analyze's default 256).")
     ] = None,
 ) -> None:
     """Write the heads that need a full KV cache in the files KV-cache compression tools load."""
     from attnprobe import export as exporting
-    from attnprobe import io
 
     head_scores = exporting.load_scores(out, scores.value, sink_size, recent_size)
-    io.check_out_dir(to)
-    written = io.write_files(to, exporting.export_files(head_scores, format.value))
+    written = exporting.write_export(to, head_scores, format.value)
     model = head_scores.model
-    what = "1 - sink_window (analyze)" if head_scores.source == "kv" else "retrieval scores (retrieval)"
+    what = exporting.KV_SCORE if head_scores.source == "kv" else "retrieval scores (retrieval)"
+    sizes = f"; sink {head_scores.sink}, recent {head_scores.recent} (from {head_scores.sizes_from})" \
+        if format is ExportFormat.duo_attention else ""
     out_console.print(f"{model['spec']}: {model['layers']} layers x {model['kv_heads']} KV heads "
-                      f"({model['heads']} query heads) from {what}; sink {head_scores.sink}, recent "
-                      f"{head_scores.recent}", markup=False, highlight=False)
+                      f"({model['heads']} query heads) from {what}{sizes}", markup=False, highlight=False)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 

@@ -168,7 +168,8 @@ def few_note(which: str, run: Run) -> str | None:
     if run.info.get("bootstrap", {}).get("method") == BLOCK:
         return (f"{which} has only {n} sequence{'' if n == 1 else 's'}: its intervals, and those of the differences, "
                 "come from a block bootstrap over query rows within them: they say nothing about other sentences")
-    return f"{which} has only {n} sentences: its intervals mean little, and so do those of the differences"
+    return f"{which} has only {n} sentence{'' if n == 1 else 's'}: its intervals mean little, and so do those of the " \
+        "differences"
 
 
 def choose_pairing(a: Run, b: Run, paired: bool | None) -> tuple[str, str]:

@@ -12,15 +12,39 @@ Two formats:
   `{"L-H": [score per trial]}`, keyed per **query head**.
 
 The per-query-head score, in [0, 1], comes from `attnprobe retrieval` where it ran into the folder (each head's mean
-retrieval score over the trials) and otherwise from `analyze`'s sink_window: 1 - sink_window, the share of the head's
-attention that a sink + window cache would drop. Under grouped-query attention several query heads read one KV head,
-and a KV head can be made streaming only if all of them can: its score is the largest of its query heads' scores
-(for the sink_window score, 1 - the smallest sink_window among them). A head whose sink_window is undefined (no row
-reached past the sinks and the window) keeps its full cache: score 1.
+retrieval score over the trials) and otherwise from `analyze`'s heads.csv (the kv score, `kv_scores`): the far share
+(1 - sink_window) / (1 - first_token), clipped to [0, 1], i.e. of the attention a head does not park on the first
+token, the share that a sink + window cache would drop. Dividing by 1 - first_token matters for retrieval (copy,
+induction) heads: on ordinary text they park most of their attention on the first token and look local by
+1 - sink_window (the score until 2026-11-27, which in kvpress did worse than a random choice of heads with 75% of
+them streaming), but the little they spend elsewhere goes far back. Under grouped-query attention several query heads
+read one KV head, and a KV head can be made streaming only if all of them can: its score is the largest of its query
+heads' scores. A head whose sink_window is undefined (no row reached past the sinks and the window) keeps its full
+cache: score 1; an undefined or absent first_token counts as 0 (the score is then 1 - sink_window).
+
+Ties: kvpress ranks the table with `np.argsort`, whose default sort is not stable, so tied scores (with a few
+retrieval trials a third of a model's KV heads can score 0) would be made streaming in an order nobody chose. The
+exported table has no ties: within each group of equal scores a secondary score (`HeadScores.secondary`, pooled over
+a KV head's query heads by its largest value like the score) orders the heads, then the layer, head order, and each
+head gets `rank x eps` added (or, for a group at 1, subtracted), eps = min(smallest gap between distinct scores, 0.5)
+/ (number of KV heads + 1): distinct scores keep their order and the values stay in [0, 1]. The secondary score of a
+retrieval export is the far share (KV_SCORE) where `analyze` ran into the same folder, else the mean attention mass a
+head puts on the needle while it is decoded (retrieval_heads.csv's `needle_mass`); of a kv export the retrieval score
+where `retrieval` ran there too. The retrieval-head JSON keeps the measured scores as they are (they are the trials'
+own).
+
+Provenance: `export` writes `attnprobe.json` beside the exported files (DuoAttention and kvpress read only
+full_attention_heads.tsv and config.json's sink_size and recent_size): per format, the model record (spec, source,
+shape, weights fingerprint), the results folder, where the scores and the sizes came from, and the sha256 of each file
+written. `ablate --method streaming --pattern` checks the model against it, and `export` writes over a file in --to
+only when attnprobe.json records it unchanged: never over a file attnprobe did not write.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,13 +52,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnprobe import io
+from attnprobe import defaults, io, limits
 from attnprobe.errors import AttnprobeError, plain
 
 FORMATS = ("duo-attention", "retrieval-head")
 SOURCES = ("auto", "retrieval", "kv")  # --scores: where the per-head scores come from
 DUO_SCORES_FILE = "full_attention_heads.tsv"
 DUO_CONFIG_FILE = "config.json"
+PROVENANCE_FILE = "attnprobe.json"  # export's record of what it wrote, and from which model (no tool reads it)
+WRITTEN_BY = "attnprobe export"
 
 
 @dataclass
@@ -47,6 +73,10 @@ class HeadScores:
     sink: int  # sink_size: the first tokens a streaming head keeps
     recent: int  # recent_size: the last tokens a streaming head keeps
     per_trial: dict[str, list[float]] | None = None  # retrieval's {"L-H": [score per trial]}; None from kv
+    secondary: np.ndarray | None = None  # [layer, head]: orders tied scores (higher: later); None: layer, head order
+    secondary_name: str | None = None  # what `secondary` is, in words
+    sizes_from: str = "run.json"  # where sink and recent came from, in words
+    results: str | None = None  # the results folder read
 
 
 def pool_kv_heads(per_query: np.ndarray, kv_heads: int) -> np.ndarray:
@@ -59,15 +89,36 @@ def pool_kv_heads(per_query: np.ndarray, kv_heads: int) -> np.ndarray:
     return per_query.reshape(layers, kv_heads, heads // kv_heads).max(axis=-1)  # [layer, kv head]
 
 
+KV_SCORE = "(1 - sink_window) / (1 - first_token) (analyze)"  # the kv score, in words
+
+
 def kv_scores(heads: pd.DataFrame, layers: int, per_layer: int) -> np.ndarray:
-    """[layer, head]: 1 - sink_window from heads.csv (1 where sink_window is undefined: keep the full cache)."""
-    grid = _grid(heads, "sink_window", layers, per_layer, io.HEADS_FILE, "attnprobe analyze")
-    if np.isnan(grid).all():
+    """[layer, head]: the far share of each head's attention, far_share(sink_window, first_token) from heads.csv.
+    A head whose sink_window is undefined keeps its full cache (1); an undefined or absent first_token counts as 0."""
+    window = _grid(heads, "sink_window", layers, per_layer, io.HEADS_FILE, "attnprobe analyze")  # [layer, head]
+    if np.isnan(window).all():
         raise AttnprobeError(f"{io.HEADS_FILE}'s sink_window is empty: no sequence was longer than the sink + window "
                              "tokens; run `attnprobe analyze` on longer text (or a smaller --window)")
-    if ((grid < -1e-6) | (grid > 1 + 1e-6)).any():
-        raise AttnprobeError(f"{io.HEADS_FILE} has a sink_window outside [0, 1]: run `attnprobe analyze` again")
-    return np.where(np.isnan(grid), 1.0, 1.0 - np.clip(grid, 0.0, 1.0))
+    first = np.zeros_like(window)  # [layer, head]
+    if "first_token" in heads.columns:
+        if not pd.api.types.is_numeric_dtype(heads["first_token"]):
+            raise AttnprobeError(f"{io.HEADS_FILE} has values that are not numbers in first_token: run `attnprobe "
+                                 "analyze` again")
+        first = np.nan_to_num(_grid(heads, "first_token", layers, per_layer, io.HEADS_FILE, "attnprobe analyze"))
+    for name, grid in (("sink_window", window), ("first_token", first)):
+        if ((grid < -1e-6) | (grid > 1 + 1e-6)).any():
+            raise AttnprobeError(f"{io.HEADS_FILE} has a {name} outside [0, 1]: run `attnprobe analyze` again")
+    return far_share(window, first)
+
+
+def far_share(sink_window: np.ndarray, first_token: np.ndarray) -> np.ndarray:
+    """clip((1 - sink_window) / (1 - first_token), 0, 1), elementwise: of the attention a head does not park on the
+    first token, the share that reaches past the sinks and the recent window. A head that parks everything there
+    (1 - first_token = 0) scores 0 if nothing reaches past them, else 1; an undefined sink_window (NaN) scores 1."""
+    far = 1.0 - np.clip(sink_window, 0.0, 1.0)  # mass a sink + window cache drops
+    unparked = 1.0 - np.clip(first_token, 0.0, 1.0)  # mass not on the first token
+    share = np.divide(far, unparked, out=(far > 0).astype(float), where=unparked > 0)
+    return np.where(np.isnan(sink_window), 1.0, np.clip(share, 0.0, 1.0))
 
 
 def retrieval_scores(table: pd.DataFrame, layers: int, per_layer: int) -> np.ndarray:
@@ -102,19 +153,27 @@ def _shape(model: Any, where: str) -> dict[str, Any]:
                              f"({', '.join(plain(v) for v in numbers)}): run the command that made it again")
     if model.get("causal", True) is False:
         raise AttnprobeError(f"{model['spec']} is an encoder: it keeps no KV cache, so there is nothing to export")
-    return {k: model[k] for k in ("spec", "layers", "heads", "kv_heads")} | {"source": model.get("source")}
+    return {k: model[k] for k in ("spec", "layers", "heads", "kv_heads")} | {"source": model.get("source"),
+                                                                             "weights": model.get("weights")}
+
+
+def check_sizes(sink: int, recent: int) -> None:
+    """config.json's sink_size (0 or more) and recent_size (1 or more: kvpress masks a streaming head's context keys
+    `[sink:-recent]`, and with recent 0 that slice, `[sink:-0]`, is empty: nothing masked), both up to
+    limits.MAX_POSITIONS."""
+    limits.check_whole("--sink-size", sink, 0, limits.MAX_POSITIONS, defaults.SINK_TOKENS)
+    limits.check_whole("--recent-size", recent, 1, limits.MAX_POSITIONS, defaults.WINDOW)
 
 
 def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
                 recent: int | None = None) -> HeadScores:
     """The per-head scores of the results folder `out`: retrieval's where `attnprobe retrieval` wrote there (and
     `scores` is auto or retrieval), else sink_window's from `analyze` (kv). `sink`/`recent` override the run's
-    S and W (run.json's attention.sink_tokens and window); without run.json they must be given."""
+    S and W (run.json's attention.sink_tokens and window); without run.json (retrieval alone) analyze's defaults
+    defaults.SINK_TOKENS and defaults.WINDOW stand in, the S and W `analyze` would have measured with."""
     if scores not in SOURCES:
         raise AttnprobeError(f"--scores {scores!r}: use one of {', '.join(SOURCES)}")
-    for name, value in (("--sink-size", sink), ("--recent-size", recent)):
-        if value is not None and value < 0:
-            raise AttnprobeError(f"{name} {value} is below 0: use 0 or more")
+    check_sizes(defaults.SINK_TOKENS if sink is None else sink, defaults.WINDOW if recent is None else recent)
     out = Path(out)
     if not out.is_dir():
         raise AttnprobeError(f"--out {out} is not a results folder: run `attnprobe analyze` or `attnprobe retrieval` "
@@ -137,13 +196,18 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
             raise AttnprobeError(f"no {io.RUN_FILE} in {out}: run `attnprobe analyze --out {out}` (or "
                                  "`attnprobe retrieval`) first")
         model = _shape(run["model"], str(out / io.RUN_FILE))
+    given = [name for name, value in (("--sink-size", sink), ("--recent-size", recent)) if value is not None]
     if run is not None:
         sink = int(run["attention"]["sink_tokens"]) if sink is None else sink
         recent = int(run["attention"]["window"]) if recent is None else recent
-    if sink is None or recent is None:
-        raise AttnprobeError(f"no {io.RUN_FILE} in {out} to take the sink and window sizes from: pass --sink-size "
-                             "and --recent-size (the tokens a streaming head keeps)")
+        sizes_from = f"{io.RUN_FILE}'s --sink-tokens and --window"
+    else:  # retrieval alone: analyze's defaults, what `analyze` would have measured sink_window with
+        sizes_from = f"analyze's defaults S = {defaults.SINK_TOKENS}, W = {defaults.WINDOW}: no {io.RUN_FILE}"
+        sink = defaults.SINK_TOKENS if sink is None else sink
+        recent = defaults.WINDOW if recent is None else recent
+    sizes_from = " and ".join(given) if len(given) == 2 else f"{sizes_from}, and {given[0]}" if given else sizes_from
     layers, heads = model["layers"], model["heads"]
+    secondary, secondary_name = None, None
     if source == "retrieval":
         table = io.read_table(out, io.RETRIEVAL_FILE, ["layer", "head", "mean"], "attnprobe retrieval")
         per_query = retrieval_scores(table, layers, heads)
@@ -153,10 +217,32 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
                                  "scores with --scores kv")
         trials = io.read_json(out, io.RETRIEVAL_SCORES_FILE, "attnprobe retrieval")
         per_trial = _check_trials(trials, layers, heads, out / io.RETRIEVAL_SCORES_FILE)
+        if run is not None and (out / io.HEADS_FILE).is_file():
+            try:
+                heads_table = io.read_table(out, io.HEADS_FILE, ["layer", "head", "sink_window"],
+                                            "attnprobe analyze")
+                secondary, secondary_name = kv_scores(heads_table, layers, heads), KV_SCORE
+            except AttnprobeError:
+                secondary = None  # damaged or another run's: the needle mass, else layer, head order
+        if secondary is None and "needle_mass" in table.columns \
+                and pd.api.types.is_numeric_dtype(table["needle_mass"]):
+            mass = _grid(table, "needle_mass", layers, heads, io.RETRIEVAL_FILE, "attnprobe retrieval")
+            if np.isfinite(mass).all():
+                secondary, secondary_name = mass, "attention mass on the needle (retrieval)"
     else:
         table = io.read_table(out, io.HEADS_FILE, ["layer", "head", "sink_window"], "attnprobe analyze")
         per_query, per_trial = kv_scores(table, layers, heads), None
-    return HeadScores(per_query, source, model, int(sink), int(recent), per_trial)
+        if has_retrieval and (out / io.RETRIEVAL_FILE).is_file():
+            try:
+                retrieval = io.read_json(out, io.RETRIEVAL_RUN_FILE, "attnprobe retrieval")
+                _check_same_model(_shape(retrieval.get("model"), str(out / io.RETRIEVAL_RUN_FILE)), model)
+                means = io.read_table(out, io.RETRIEVAL_FILE, ["layer", "head", "mean"], "attnprobe retrieval")
+                secondary = retrieval_scores(means, layers, heads)
+                secondary_name = "retrieval scores (retrieval)"
+            except AttnprobeError:
+                secondary = None  # another model's, or damaged: the layer, head order breaks the ties
+    return HeadScores(per_query, source, model, int(sink), int(recent), per_trial, secondary, secondary_name,
+                      sizes_from, str(out))
 
 
 def _check_same_model(retrieval: dict[str, Any], analyzed: dict[str, Any]) -> None:
@@ -188,14 +274,47 @@ def _head_order(name: str) -> tuple[int, int]:
 
 
 def duo_attention(scores: HeadScores) -> tuple[np.ndarray, dict[str, int]]:
-    """DuoAttention's `full_attention_heads` [layer, kv head] in [0, 1] and its config {sink_size, recent_size}."""
-    table = pool_kv_heads(scores.per_query, scores.model["kv_heads"])  # [layer, kv head]
-    return np.clip(table, 0.0, 1.0), {"sink_size": int(scores.sink), "recent_size": int(scores.recent)}
+    """DuoAttention's `full_attention_heads` [layer, kv head] in [0, 1], without ties (`break_ties`), and its config
+    {sink_size, recent_size}."""
+    kv_heads = scores.model["kv_heads"]
+    table = np.clip(pool_kv_heads(scores.per_query, kv_heads), 0.0, 1.0)  # [layer, kv head]
+    secondary = None if scores.secondary is None else pool_kv_heads(scores.secondary, kv_heads)
+    return break_ties(table, secondary), {"sink_size": int(scores.sink), "recent_size": int(scores.recent)}
+
+
+def break_ties(primary: np.ndarray, secondary: np.ndarray | None = None) -> np.ndarray:
+    """`primary` (values in [0, 1]) with no two values equal, so that any sort (kvpress's np.argsort, not stable)
+    gives one order: within a group of equal values the heads are ordered by `secondary` (lower first; NaN as
+    lowest), then by their place in the array (layer, head order), and the r-th of a group of k gets v + r x eps
+    (v - (k - 1 - r) x eps where that would pass 1). eps = min(smallest gap between distinct values, 0.5) / (size +
+    1): a group moves by less than half the gap to its neighbours, so distinct values keep their order, and the
+    values stay in [0, 1]."""
+    flat = np.asarray(primary, dtype=np.float64).reshape(-1)
+    size = flat.size
+    distinct = np.unique(flat)
+    if len(distinct) == size:
+        return np.asarray(primary, dtype=np.float64).copy()
+    gap = float(np.diff(distinct).min()) if len(distinct) > 1 else 1.0
+    eps = min(gap, 0.5) / (size + 1)
+    second = np.zeros(size) if secondary is None else np.nan_to_num(np.asarray(secondary, float).reshape(-1),
+                                                                     nan=-np.inf)
+    order = np.lexsort((np.arange(size), second, flat))  # by primary, then secondary, then position
+    result = flat.copy()
+    start = 0
+    while start < size:
+        end = start
+        while end < size and flat[order[end]] == flat[order[start]]:
+            end += 1
+        group, value = order[start:end], flat[order[start]]
+        steps = np.arange(len(group)) * eps
+        result[group] = value + steps if value + steps[-1] <= 1.0 else value - steps[::-1]
+        start = end
+    return result.reshape(np.shape(primary))
 
 
 def retrieval_head_json(scores: HeadScores) -> dict[str, list[float]]:
     """Wu et al.'s `{"L-H": [score per trial]}`: retrieval's own trials, or from sink_window one value per head
-    (1 - sink_window: the mass a sink + window cache would drop), keyed per query head in layer, head order."""
+    (the far share, KV_SCORE), keyed per query head in layer, head order."""
     if scores.per_trial is not None:
         return scores.per_trial
     layers, heads = scores.per_query.shape
@@ -218,3 +337,92 @@ def export_files(scores: HeadScores, fmt: str) -> dict[str, io.Writer]:
     if fmt == "retrieval-head":
         return {f"{file_stem(scores.model['spec'])}.json": io.compact_json_writer(retrieval_head_json(scores))}
     raise AttnprobeError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+
+
+def write_export(to: str | Path, scores: HeadScores, fmt: str) -> list[Path]:
+    """Write format `fmt`'s files into `to` and, last, attnprobe.json (`provenance`). Refused before anything is
+    written where `to` holds a file of those names that attnprobe did not write (`check_targets`)."""
+    to = io.check_out_dir(to, "--to")
+    files = export_files(scores, fmt)
+    earlier = check_targets(to, list(files))
+
+    def record(hashes: dict[str, str]) -> io.Writer:
+        return io.json_writer(provenance(earlier, scores, fmt, hashes, to))
+
+    return io.write_files(to, files, last=(PROVENANCE_FILE, record), option="--to")
+
+
+def provenance(earlier: dict[str, Any], scores: HeadScores, fmt: str, hashes: dict[str, str],
+               to: Path) -> dict[str, Any]:
+    """attnprobe.json: the earlier record's other formats whose files are still there, and this export's."""
+    from attnprobe import __version__
+
+    exports = {name: entry for name, entry in earlier.get("exports", {}).items() if name != fmt
+               and all(_sha256(to / f) == sha for f, sha in entry.get("files", {}).items())}
+    entry: dict[str, Any] = {
+        "attnprobe_version": __version__,
+        "model": scores.model,
+        "results": None if scores.results is None else str(Path(scores.results).resolve()),
+        "scores": scores.source,
+        "ties": scores.secondary_name or "layer, head order",
+        "files": hashes,
+    }
+    if fmt == "duo-attention":
+        entry |= {"sink_size": int(scores.sink), "recent_size": int(scores.recent), "sizes_from": scores.sizes_from}
+    return {"written_by": WRITTEN_BY, "exports": {**exports, fmt: entry}}
+
+
+def read_provenance(folder: str | Path, option: str = "--to") -> dict[str, Any]:
+    """`folder`'s attnprobe.json ({} where there is none); refused when it is not export's record."""
+    path = Path(folder) / PROVENANCE_FILE
+    if not os.path.lexists(path):
+        return {}
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict) or record.get("written_by") != WRITTEN_BY \
+            or not isinstance(record.get("exports"), dict) \
+            or not all(isinstance(e, dict) and isinstance(e.get("files", {}), dict)
+                       for e in record["exports"].values()):
+        raise AttnprobeError(f"{option} {folder} holds a {PROVENANCE_FILE} that `attnprobe export` did not write: "
+                             f"pass another {option}, or move {PROVENANCE_FILE} away")
+    return record
+
+
+def check_targets(to: Path, names: list[str]) -> dict[str, Any]:
+    """Refuse an export into `to` over a file attnprobe did not write: one of `names` that attnprobe.json does not
+    record with its present sha256 (a model's config.json, DuoAttention's own pattern, an edited file). Returns the
+    earlier attnprobe.json ({} where none)."""
+    record = read_provenance(to)
+    recorded = {name: sha for entry in record.get("exports", {}).values()
+                for name, sha in entry.get("files", {}).items()}
+    for name in names:
+        path = to / name
+        if not os.path.lexists(path):
+            continue
+        if path.is_symlink() or not path.is_file():
+            raise AttnprobeError(f"--to {to} holds {name}, which is not a plain file: pass another --to, or move "
+                                 f"{name} away")
+        if recorded.get(name) != _sha256(path):
+            what = _foreign_config(path) if name == DUO_CONFIG_FILE else ""
+            raise AttnprobeError(f"--to {to} already holds {name}{what}, which `attnprobe export` did not write (or "
+                                 f"which changed since): pass another --to (a new or empty folder), or move {name} "
+                                 "away")
+    return record
+
+
+def _foreign_config(path: Path) -> str:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return ""
+    extra = sorted(set(config) - {"sink_size", "recent_size"}) if isinstance(config, dict) else []
+    return f" (a config with {', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}: a model's?)" if extra else ""
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None

@@ -71,25 +71,26 @@ TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for
 Writer = Callable[[Path], None]  # writes one file at the given (temporary) path
 
 
-def check_out_dir(out: str | Path) -> Path:
-    """Fail early if results could not be written to `out`; creates nothing."""
+def check_out_dir(out: str | Path, option: str = "--out") -> Path:
+    """Fail early if results could not be written to `out` (the folder of `option`, named in the message);
+    creates nothing."""
     out = Path(out)
-    _check_links(out)
+    _check_links(out, option)
     if out.exists() and not out.is_dir():
-        raise AttnprobeError(f"--out {out} is a file: pass a folder (it is created if missing)")
+        raise AttnprobeError(f"{option} {out} is a file: pass a folder (it is created if missing)")
     if out.is_dir():
-        _check_writable(out)
+        _check_writable(out, option)
         return out
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise AttnprobeError(f"--out {out} cannot be created: {parent} is a file; pass another folder")
-    _check_writable(parent)
+        raise AttnprobeError(f"{option} {out} cannot be created: {parent} is a file; pass another folder")
+    _check_writable(parent, option)
     return out
 
 
-def _check_links(out: Path) -> None:
+def _check_links(out: Path, option: str = "--out") -> None:
     """Refuse an --out that is (or lies under) a symlink pointing nowhere or at itself: the folder could not be
     created, and only after the whole run."""
     path = out
@@ -101,11 +102,11 @@ def _check_links(out: Path) -> None:
             pass
         except OSError as err:  # ELOOP: a symlink loop; ENOTDIR: a file in the path
             if err.errno == errno.ELOOP:
-                raise AttnprobeError(f"--out {out}: {path} is a symlink loop: remove it or pass another folder") \
-                    from None
+                raise AttnprobeError(f"{option} {out}: {path} is a symlink loop: remove it or pass another "
+                                     "folder") from None
             return  # check_out_dir says what else is wrong
         if path.is_symlink():
-            raise AttnprobeError(f"--out {out}: {path} is a symlink to {os.readlink(path)}, which does not exist: "
+            raise AttnprobeError(f"{option} {out}: {path} is a symlink to {os.readlink(path)}, which does not exist: "
                                  "remove the link, create its target, or pass another folder")
         if path.parent == path:
             return
@@ -126,28 +127,33 @@ def is_result_name(name: str) -> bool:
     return name in fixed or bool(_CHECKPOINT_NAME.fullmatch(name))
 
 
-# write_files' and SentenceWriter's (mkstemp, after temp_prefix: the writer's pid; older versions wrote none)
-_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.(?:(?P<pid>\d+)-)?[A-Za-z0-9_]{8}\.tmp")
+# write_files' and SentenceWriter's: mkstemp's name after temp_prefix (the writer's pid), mkstemp's 8 characters
+# (lowercase letters, digits, _) and .tmp. A name without the pid (as older versions wrote) is not taken for ours:
+# it may be anybody's file, even the run's own corpus
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-[a-z0-9_]{8}\.tmp")
 _PART_NAME = re.compile(r"\.sentences\.parquet\.rank\d+\.part")  # sentence_part's
 
 
-def remove_stale_temps(out: str | Path, before: float) -> list[str]:
-    """Remove what a killed run of attnprobe left in `out`: temporary files of its own names
-    (`.heads.csv.1234-abc123_x.tmp`, `.checkpoint.npz.*.tmp`, `.sentences.parquet.*.tmp`) and torchrun's sentence
-    parts. A temporary file named with its writer's pid goes only when that process is gone (another command
-    may be writing it now, however long ago it began); one without (an older version's, a part) when it was
-    last written before `before` (a time.time(): a file of a run going on now is newer). Nobody else's files:
-    only names attnprobe itself makes. Returns the names removed."""
+def remove_stale_temps(out: str | Path, before: float, keep: Iterable[str | Path | None] = ()) -> list[str]:
+    """Remove what a killed run of attnprobe left in `out`: temporary files of its own names, as write_files and
+    SentenceWriter name them (`.heads.csv.1234-abc123_x.tmp`: a result file's name, the writer's pid, mkstemp's 8
+    characters), and torchrun's sentence parts. A temporary file goes only when its writer's process is gone
+    (another command may be writing it now, however long ago it began), or, when the writer was this process (or
+    for a part), when it was last written before `before` (a time.time(): a file of a run going on now is newer).
+    Nobody else's files: only names attnprobe itself makes (a name without the writer's pid, such as
+    `.heads.csv.abcd1234.tmp`, is kept), and never a path of `keep` (the run's inputs: a corpus, a model file).
+    Returns the names removed."""
     folder = Path(out)
     if not folder.is_dir():
         return []
+    inputs = [Path(p) for p in keep if p is not None and str(p) and Path(p).exists()]
     removed = []
     for path in folder.iterdir():
         temp = _TEMP_NAME.fullmatch(path.name)
         ours = bool(temp and is_result_name(temp["name"])) or bool(_PART_NAME.fullmatch(path.name))
-        pid = int(temp["pid"]) if temp and temp["pid"] else None
+        pid = int(temp["pid"]) if temp else None
         try:
-            if not ours or not path.is_file() or path.is_symlink():
+            if not ours or not path.is_file() or path.is_symlink() or any(_same_file(path, p) for p in inputs):
                 continue
             if pid is not None and pid != os.getpid():
                 stale = not alive(pid)
@@ -159,6 +165,13 @@ def remove_stale_temps(out: str | Path, before: float) -> list[str]:
         except OSError:
             continue  # gone already, or not ours to remove
     return sorted(removed)
+
+
+def _same_file(path: Path, other: Path) -> bool:
+    try:
+        return path.samefile(other)
+    except OSError:
+        return False
 
 
 def temp_prefix(name: str) -> str:
@@ -184,14 +197,16 @@ def check_inputs_apart(out: str | Path, inputs: dict[str, str | Path | None]) ->
 
 
 def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[str] = (),
-                last: tuple[str, Callable[[dict[str, str]], Writer]] | None = None) -> list[Path]:
+                last: tuple[str, Callable[[dict[str, str]], Writer]] | None = None,
+                option: str = "--out") -> list[Path]:
     """Write every file to a temporary name, then rename them all into place.
 
     `remove` names files left by an earlier run that would now be wrong; they go once the rest is in place.
     `last`: (name, make_writer) of a file written after the others, from their sha256 by name (computed from the
-    temporary files, before any rename: see `write_run`); it is renamed into place last.
+    temporary files, before any rename: see `write_run`); it is renamed into place last. `option`: the option
+    that named `out`, for the messages.
     """
-    out = check_out_dir(out)
+    out = check_out_dir(out, option)
     staged: list[tuple[Path, Path]] = []
     current = out
     try:
@@ -212,7 +227,7 @@ def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[st
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
         if isinstance(err, OSError):
-            raise write_error(current, err) from err
+            raise write_error(current, err, option) from err
         raise
     for name in remove:
         (out / name).unlink(missing_ok=True)
@@ -280,6 +295,15 @@ def recorded_files(out: str | Path) -> dict[str, str] | None:
     return record
 
 
+def readable_record(out: str | Path) -> dict[str, str] | None:
+    """recorded_files, or None where the record cannot be read either (analyze, about to replace it, compares the
+    record before and after: identical results keep what was made from them)."""
+    try:
+        return recorded_files(out)
+    except AttnprobeError:
+        return None
+
+
 def check_written_by_run(out: str | Path, name: str) -> None:
     """Refuse `name` (one of analyze's RUN_FILES) in `out` when run.json records the files of its run and this is
     not one of them: its sha256 differs (a copy from another run, even of a model of the same shape), or the run
@@ -306,11 +330,11 @@ def check_written_by_run(out: str | Path, name: str) -> None:
                              "the whole folder")
 
 
-def write_error(path: Path, err: OSError) -> AttnprobeError:
+def write_error(path: Path, err: OSError, option: str = "--out") -> AttnprobeError:
     """One line for a file that could not be written (a full disk, a quota, a read-only folder)."""
     reason = err.strerror or (str(err).splitlines()[0] if str(err).strip() else type(err).__name__)
     return AttnprobeError(f"cannot write {path} ({reason}); no half-written file is left: free some space or pass "
-                          "another --out, and run again")
+                          f"another {option}, and run again")
 
 
 class SentenceWriter:
@@ -475,10 +499,12 @@ def compact_json_writer(data: dict[str, Any]) -> Writer:
 
 
 def tsv_writer(table: np.ndarray) -> Writer:
-    """A 2-D array as tab-separated numbers, one row per line (np.savetxt; read back with np.loadtxt(...,
-    delimiter="\t")): DuoAttention's full_attention_heads.tsv."""
+    """A 2-D array as tab-separated numbers, one row per line, read back with np.loadtxt(..., delimiter="\t"):
+    DuoAttention's full_attention_heads.tsv. Each number is Python's shortest repr of the float64, which reads back
+    to the same float: export's tie-breaking steps (far below 8 digits on a large model) survive the round trip."""
     def write(path: Path) -> None:
-        np.savetxt(path, np.asarray(table, dtype=np.float64), fmt="%.8g", delimiter="\t")
+        rows = np.atleast_2d(np.asarray(table, dtype=np.float64))
+        path.write_text("".join("\t".join(repr(float(v)) for v in row) + "\n" for row in rows), encoding="utf-8")
 
     return write
 
@@ -1009,9 +1035,9 @@ def _umask() -> int:
     return current
 
 
-def _check_writable(folder: Path) -> None:
+def _check_writable(folder: Path, option: str = "--out") -> None:
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as err:
-        raise AttnprobeError(f"--out {folder} is not writable ({err.strerror}): pass another folder") from err
+        raise AttnprobeError(f"{option} {folder} is not writable ({err.strerror}): pass another folder") from err

@@ -417,12 +417,20 @@ def hub_endpoint() -> str:
 
 
 def hub_reachable(timeout: float = HUB_TIMEOUT) -> bool:
-    """Whether a TCP connection to the hub (HF_ENDPOINT) opens within `timeout` seconds.
+    """Whether the hub (HF_ENDPOINT) answers an HTTP request within `timeout` seconds, all told.
 
     Behind a proxy the proxy decides, so this says True. Without the check, an unreachable hub costs
-    about a minute of the hub client's retries before any error.
+    about a minute of the hub client's retries before any error. The `timeout` bounds every step (issue 34:
+    `analyze --model gpt2` took 22 s to fail without a network, where the docs say at once): the name lookup,
+    which socket's own timeout does not cover (a resolver that gets no answer waits 5 s a try), the connection,
+    and an answer to a HEAD request (a firewall that accepts connections and then says nothing left the hub
+    client two 10 s waits, one for the tokenizer and one for the config). So the probe runs in a thread that is
+    given up on after `timeout`. Any HTTP answer will do; the certificate is not checked, since no data is
+    exchanged and the hub client checks its own.
     """
-    import socket
+    import http.client
+    import ssl
+    import threading
     from urllib.parse import urlsplit
 
     if any(os.environ.get(name) for name in PROXY_VARIABLES):
@@ -431,11 +439,27 @@ def hub_reachable(timeout: float = HUB_TIMEOUT) -> bool:
     if not endpoint.hostname:
         return True  # not a URL we can check: let the hub client try
     port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        with socket.create_connection((endpoint.hostname, port), timeout=timeout):
-            return True
-    except OSError:  # no DNS, refused, unreachable, timed out
-        return False
+    answered: list[bool] = []
+
+    def probe() -> None:
+        if endpoint.scheme == "https":
+            connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+                endpoint.hostname, port, timeout=timeout, context=ssl._create_unverified_context())
+        else:
+            connection = http.client.HTTPConnection(endpoint.hostname, port, timeout=timeout)
+        try:
+            connection.request("HEAD", "/", headers={"User-Agent": "attnprobe-hub-check"})
+            connection.getresponse()
+            answered.append(True)
+        except (OSError, http.client.HTTPException):  # no DNS, refused, unreachable, timed out, not HTTP
+            answered.append(False)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=probe, name="attnprobe-hub-probe", daemon=True)  # a daemon: exit never waits
+    thread.start()
+    thread.join(timeout)
+    return bool(answered) and answered[0]
 
 
 def attention_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:

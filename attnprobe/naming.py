@@ -27,6 +27,17 @@ def visible(text: str, keep: str = "") -> str:
                    if (unicodedata.category(ch) == "Cc" or ch in _HIDDEN) and ch not in keep else ch for ch in text)
 
 
+def counted(n: object, noun: str) -> str:
+    """`1 sentence`, `2 sentences`: `n` and the noun, in the plural unless n is 1 (a count not known, "?", too)."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def sequence_noun(split: object) -> str:
+    """What one item of a corpus is called: a sentence where it is split into lines (the default), a sequence where
+    `--split paragraphs` or `--split file` made it (one document is no sentence)."""
+    return "sentence" if split in (None, "lines") else "sequence"
+
+
 def head_name(layer: int, head: int) -> str:
     """`L{layer}H{head}`: unambiguous where `0.1` and `0.10` read as the same number."""
     return f"L{int(layer)}H{int(head)}"

@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.cm import ScalarMappable
-from matplotlib.colors import Normalize, TwoSlopeNorm
+from matplotlib.colors import LinearSegmentedColormap, Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.patches import Rectangle
@@ -23,7 +23,7 @@ from matplotlib.ticker import MaxNLocator
 from attnprobe import defaults
 from attnprobe.classify import ALL_TYPES, counts_per_layer
 from attnprobe.errors import AttnprobeError
-from attnprobe.naming import head_name, visible
+from attnprobe.naming import counted, head_name, visible
 
 TYPE_COLORS = {  # previous sits inside local and sink inside copy: each pair told apart by hue, not shade
     "previous": "#e6ab02", "local": "#1b9e77", "sink": "#e7298a", "dormant": "#8e0152", "copy": "#d95f02",
@@ -108,6 +108,23 @@ def spaced_suptitle(figure: Figure, text: str, **kwargs: Any) -> None:
     """The figure's title, with room between it and the panels' own titles (they touched)."""
     figure.suptitle(text, **kwargs)
     figure.get_layout_engine().set(h_pad=TITLE_GAP)
+
+
+def settle_layout(figure: Figure, passes: int = 6) -> None:
+    """Run constrained layout until the panels stop moving, then keep that layout (no layout engine from here on).
+
+    With fixed-aspect panels (attention maps) one pass of constrained layout does not converge: it placed the
+    panels from extents measured before their aspect was applied, and the top row's "key (attended to)" label ran
+    into the bottom row's titles (issue 34); savefig draws once or twice, so what it saved depended on that. Kept
+    fixed in figure fractions, the layout is the same at any dpi."""
+    before: list[tuple[float, ...]] = []
+    for _ in range(passes):
+        figure.draw_without_rendering()
+        now = [tuple(ax.get_position().bounds) for ax in figure.axes]
+        if before and np.allclose(now, before, rtol=0, atol=1e-4):
+            break
+        before = now
+    figure.set_layout_engine("none")
 
 
 def one_line(text: str) -> str:
@@ -393,29 +410,54 @@ def text_inches(text: str, size: float) -> float:
     return width / 72.0  # at 72 dpi a pixel is a point
 
 
-def fit_lines(pieces: list[str], width: float, size: float, sep: str) -> list[str]:
+def fit_lines(pieces: list[str], width: float, size: float, sep: str, balanced: bool = False) -> list[str]:
     """`pieces` joined by `sep` into lines no wider than `width` inches at `size` pt (a piece wider than that
     alone gets a line of its own): a panel's title stays above its panel, clear of its neighbours and the colour
-    bar (side by side, 70-character lines of scores ran into each other)."""
-    lines: list[str] = []
-    for piece in pieces:
-        if lines and text_inches(lines[-1] + sep + piece, size) <= width:
-            lines[-1] += sep + piece
+    bar (side by side, 70-character lines of scores ran into each other). `balanced`: as many lines, each as
+    short as that allows, so that a last line is not left with one word where the words allow (issue 34: "... like
+    every copy head / here")."""
+    def greedy(limit: float) -> list[str]:
+        lines: list[str] = []
+        for piece in pieces:
+            if lines and text_inches(lines[-1] + sep + piece, size) <= limit:
+                lines[-1] += sep + piece
+            else:
+                lines.append(piece)
+        return lines
+
+    lines = greedy(width)
+    if not balanced or len(lines) < 2:
+        return lines
+    low, high = max(text_inches(piece, size) for piece in pieces), width  # greedy(high) has len(lines) lines
+    for _ in range(20):  # the narrowest width that needs no more lines
+        middle = (low + high) / 2
+        if len(greedy(middle)) <= len(lines):
+            high = middle
         else:
-            lines.append(piece)
-    return lines
+            low = middle
+    return greedy(high)
 
 
 def panel_title(heading: str, scores: list[str], width: float) -> str:
     """A pattern panel's title: the heading (head, type, note) broken between words and the scores between
     scores, each line no wider than `width` inches."""
-    lines = fit_lines(heading.split(" "), width, PANEL_TITLE_PT, " ")
+    lines = fit_lines(heading.split(" "), width, PANEL_TITLE_PT, " ", balanced=True)
     return "\n".join(lines + fit_lines(scores, width, PANEL_TITLE_PT, ", "))
 
 
+# A pattern panel's score names: the words report.html's score menu uses (its labels, "entropy, unforced", with the
+# qualifier in brackets, since ", " parts the scores), not heads.csv's column names (issue 34)
+SCORE_WORDS = {
+    "entropy": "entropy", "entropy_unforced": "entropy (unforced)", "entropy_norm": "normalized entropy",
+    "diagonal": "diagonal", "diagonal_unforced": "diagonal (unforced)",
+    "first_token_unforced": "first token (unforced)", "previous_token": "previous token",
+    "sink_window": "sink + window",
+}
+
+
 def head_scores(row: pd.Series) -> list[str]:
-    """The scores that decide a head's type, for its pattern panel's title, each under its heads.csv column name
-    (`entropy_unforced`, not "entropy"): they are the head's means over the corpus, not the example's."""
+    """The scores that decide a head's type, for its pattern panel's title, in words (SCORE_WORDS): they are the
+    head's means over the corpus (heads.csv's unforced scores where it has them), not the example's."""
     def value(*columns: str) -> tuple[str, float] | None:
         found = [(c, float(row[c])) for c in columns if c in row.index and pd.notna(row[c])]
         return found[0] if found else None
@@ -425,7 +467,7 @@ def head_scores(row: pd.Series) -> list[str]:
               value("sink_window")]
 
     def shown(name: str, score: float) -> str:
-        return f"{name} {score:.2f}" + (" nats" if name.startswith("entropy") and name != "entropy_norm" else "")
+        return f"{SCORE_WORDS[name]} {score:.2f}" + (" nats" if name in ("entropy", "entropy_unforced") else "")
 
     return [shown(*found) for found in (*first, *second) if found]
 
@@ -530,6 +572,7 @@ def head_patterns_figure(
     what = "The chosen heads" if chosen else "One head of each type"
     heading = f"{what} on {example_caption(example)}\n{SCORES_NOTE}"
     spaced_suptitle(figure, f"{plain_text(title)}\n{heading}" if title else heading, fontsize=11)
+    settle_layout(figure)
     return figure
 
 
@@ -562,7 +605,10 @@ def probe_heatmap_figure(
     return figure
 
 
-POSITION_CMAP = "viridis"  # layers coloured by depth, shallow dark to deep yellow
+# layers coloured by depth: light = early, dark = deep, from report.js's drawPositions colours (issue 34: the PNG ran
+# viridis, dark = early, the report's chart the other way)
+DEPTH_LIGHT, DEPTH_DARK = "#bec8dc", "#14285a"  # rgb(190, 200, 220) and rgb(20, 40, 90), as report.js
+POSITION_CMAP = LinearSegmentedColormap.from_list("attnprobe_depth", [DEPTH_LIGHT, DEPTH_DARK])
 
 
 POSITION_XLABEL = "query position (0-based, log scale of position + 1)"
@@ -610,7 +656,7 @@ def draw_position_profile(ax: Axes, positions: pd.DataFrame, column: str, ylabel
     ).reset_index()  # mean skips NaN: the nanmean over heads, NaN where no head has a value
     table["x"] = position_x(table)
     norm = layer_norm(positions)
-    cmap = colormaps[POSITION_CMAP]
+    cmap = POSITION_CMAP
     for layer, group in table.groupby("layer"):
         group = group.sort_values("bin").dropna(subset=["value"])
         if group.empty:
@@ -633,7 +679,7 @@ def position_profile_figure(positions: pd.DataFrame, title: str | None = None) -
     left.set_title("Entropy by query position")
     draw_position_profile(right, positions, "first_token", "attention mass on the first token")
     right.set_title("First-token mass by query position")
-    bar = figure.colorbar(mappable, ax=[left, right], label="layer", shrink=0.9)
+    bar = figure.colorbar(mappable, ax=[left, right], label="layer (light = early, dark = deep)", shrink=0.9)
     bar.locator = MaxNLocator(integer=True)
     bar.update_ticks()
     if title is not None:
@@ -861,30 +907,67 @@ STREAMING_LABELS = {"loss_change": "loss change (nats/token)", "kl": "KL(full ca
 @any_script_figure
 def streaming_figure(curve: pd.DataFrame, title: str | None = None) -> Figure:
     """streaming.csv: the loss change and the KL against the share of KV heads made streaming, one line per order
-    (the pattern's, lowest score first, and random) with its 95% interval as a band; the chosen heads as a star."""
-    figure = Figure(figsize=(13.5, 4.6), layout="constrained")
-    axes = np.atleast_1d(figure.subplots(1, len(STREAMING_LABELS)))
-    for ax, name in zip(axes, STREAMING_LABELS):
-        for k, (order, group) in enumerate(curve[curve["order"] != "chosen"].groupby("order", sort=False)):
-            group = group.sort_values("share")
-            color = STREAMING_COLORS.get(str(order), CATEGORY_COLORS[k % len(CATEGORY_COLORS)])
-            percent = 100 * group["share"]
-            ax.fill_between(percent, group[f"{name}_ci_low"], group[f"{name}_ci_high"], color=color, alpha=0.15,
-                            linewidth=0)
-            ax.plot(percent, group[name], marker="o", markersize=3, color=color, label=plain_text(str(order)))
-        for _, row in curve[curve["order"] == "chosen"].iterrows():
-            low, high = row[name] - row[f"{name}_ci_low"], row[f"{name}_ci_high"] - row[name]
-            ax.errorbar([100 * row["share"]], [row[name]], yerr=[[max(low, 0.0)], [max(high, 0.0)]], marker="*",
-                        markersize=11, color="#d62728", capsize=3, linestyle="none",
-                        label=f"chosen ({int(row['kv_heads_streaming'])} KV heads)")
-        ax.axhline(0.0, color="black", linewidth=0.6)
-        ax.set_xlabel("KV heads streaming (% of all KV heads)")
-        ax.set_ylabel(STREAMING_LABELS[name])
-        ax.set_title(f"{name} as KV heads keep only sink + recent keys (bands: 95% intervals)", fontsize=10)
-        ax.legend(loc="upper left", fontsize=8, title="order (lowest score first)")
+    (the pattern's, lowest score first, and random) with its 95% interval as a band; the chosen heads as a star.
+    One row of panels per task (text, needle) where the table has a `task` column.
+
+    Without a curve (`--no-pruning`: only the chosen heads' row) each panel shows that one result as a star with its
+    95% interval as an error bar, and no band or legend; an order measured at one share only (`--shares 0.5`) is a
+    point with an error bar too, not a one-point line (issue 34)."""
+    tasks = list(dict.fromkeys(curve["task"])) if "task" in curve.columns else [None]
+    figure = Figure(figsize=(13.5, 4.6 * len(tasks)), layout="constrained")
+    axes = np.atleast_2d(figure.subplots(len(tasks), len(STREAMING_LABELS)))  # [task, measure]
+    for task, row_axes in zip(tasks, axes):
+        rows = curve if task is None else curve[curve["task"] == task]
+        for ax, name in zip(row_axes, STREAMING_LABELS):
+            streaming_panel(ax, rows, name)
+            if task is not None:
+                ax.set_title(f"{task} task: {ax.get_title()}", fontsize=10)
     if title is not None:
         figure.suptitle(plain_text(title))
     return figure
+
+
+def streaming_panel(ax: Axes, curve: pd.DataFrame, name: str) -> None:
+    """One measure of streaming.csv's rows against the share of KV heads streaming: a line and band per order
+    measured at two shares or more, a point with an error bar where one share, and the chosen heads as a star."""
+    def error_bar(x: float, row: pd.Series, **style: Any) -> None:
+        low, high = row[name] - row[f"{name}_ci_low"], row[f"{name}_ci_high"] - row[name]
+        ax.errorbar([x], [row[name]], yerr=[[max(low, 0.0)], [max(high, 0.0)]], capsize=3, linestyle="none", **style)
+
+    lines = 0
+    for k, (order, group) in enumerate(curve[curve["order"] != "chosen"].groupby("order", sort=False)):
+        group = group.sort_values("share")
+        color = STREAMING_COLORS.get(str(order), CATEGORY_COLORS[k % len(CATEGORY_COLORS)])
+        percent = 100 * group["share"]
+        if group["share"].nunique() < 2:  # one share: no curve to draw
+            for _, row in group.iterrows():
+                error_bar(100 * row["share"] + 1.5 * k, row, marker="o", markersize=5, color=color,  # side by side
+                          label=plain_text(str(order)))
+            continue
+        lines += 1
+        ax.fill_between(percent, group[f"{name}_ci_low"], group[f"{name}_ci_high"], color=color, alpha=0.15,
+                        linewidth=0)
+        ax.plot(percent, group[name], marker="o", markersize=3, color=color, label=plain_text(str(order)))
+    chosen = curve[curve["order"] == "chosen"]
+    for _, row in chosen.iterrows():
+        error_bar(100 * row["share"], row, marker="*", markersize=11, color="#d62728",
+                  label=f"chosen ({int(row['kv_heads_streaming'])} KV heads)")
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_xlabel("KV heads streaming (% of all KV heads)")
+    ax.set_ylabel(STREAMING_LABELS[name])
+    if lines:
+        ax.set_title(f"{name} as KV heads keep only sink + recent keys (bands: 95% intervals)", fontsize=10)
+        ax.legend(loc="upper left", fontsize=8, title="order (lowest score first)")
+        return
+    ax.set_xlim(0.0, 100.0)  # a point alone: where it sits among all KV heads
+    if len(ax.get_legend_handles_labels()[0]) > 1:  # the chosen heads and orders at one share each
+        ax.set_title(f"{name} at one share per order (bars: 95% intervals; no curve)", fontsize=10)
+        ax.legend(loc="upper left", fontsize=8, title="order (lowest score first)")
+    else:
+        ax.set_title(f"{name} with the chosen KV heads streaming (bar: 95% interval; no curve)", fontsize=10)
+        for _, row in chosen.iterrows():
+            ax.annotate(f"chosen: {int(row['kv_heads_streaming'])} KV heads", (100 * row["share"], row[name]),
+                        xytext=(8, 6), textcoords="offset points", fontsize=8, color="#d62728")
 
 
 @any_script_figure
@@ -1058,13 +1141,32 @@ def cluster_summary(js: np.ndarray, clusters: np.ndarray, order: np.ndarray, kin
         inner = js[np.ix_(members, members)]
         within = float(inner[np.triu_indices(len(members), k=1)].mean()) if len(members) > 1 else 0.0
         types = [kinds[i] for i in members if kinds[i]]
-        common = max(set(types), key=types.count) if types else ""
+        common = max(dict.fromkeys(types), key=types.count) if types else ""  # a tie: the first in matrix order
         share = f", {types.count(common) / len(members):.0%} {common}" if common else ""
         number = len(rows) + 1
-        rows.append((start, end, number, f"C{number}: {len(members)} heads, JS within {within:.3f}{share}; "
+        rows.append((start, end, number, f"C{number}: {counted(len(members), 'head')}, JS within {within:.3f}{share}; "
                                          f"centre {names[exemplar[int(ordered[start])]]}"))
         start = end
     return rows
+
+
+def names_caption(named: list[int], chosen: list[int], centres: list[int]) -> str:
+    """What the names on a matrix of many heads are, as counted (issue 34: the caption said every cluster's centre
+    was named where three were left out, their names too close to others)."""
+    shown = set(named)
+    chosen_shown = len(shown & set(chosen))
+    centres_shown = sum(1 for i in centres if i in shown)
+    parts = []
+    if chosen:
+        parts.append(f"{chosen_shown} of the {counted(len(set(chosen)), 'chosen head')}"
+                     if chosen_shown < len(set(chosen)) else f"the {counted(len(set(chosen)), 'chosen head')}")
+    if centres_shown == len(centres):
+        parts.append("each cluster's centre")
+    else:
+        parts.append(f"the centres of {centres_shown} of the {counted(len(centres), 'cluster')}")
+    left_out = "\n(names that would overlap are left out; every centre is listed on the right)" \
+        if chosen_shown < len(set(chosen)) or centres_shown < len(centres) else ""
+    return f"{len(named)} named: {' and '.join(parts)}{left_out}"
 
 
 @any_script_figure
@@ -1127,14 +1229,14 @@ def head_similarity_figure(
         where = np.empty(n)
         where[order] = np.arange(n)  # [head]: its position in the matrix
         index = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(layers, heads))}
-        wanted = [index[(int(a), int(b))] for a, b in labelled or [] if (int(a), int(b)) in index]
+        chosen = [index[(int(a), int(b))] for a, b in labelled or [] if (int(a), int(b)) in index]
         centres = cluster_exemplars(js, clusters)
-        wanted += [centres[int(clusters[order[start]])] for start, *_ in summary]
+        centre_list = [centres[int(clusters[order[start]])] for start, *_ in summary]
         gap = 1.4 * NAME_POINTS / (side * 72 / n)  # heads between two names: 1.4 font heights
-        named = sorted(spaced_names(wanted, where, gap), key=lambda i: where[i])
+        named = sorted(spaced_names(chosen + centre_list, where, gap), key=lambda i: where[i])
         ax.set_xticks([where[i] for i in named], [names[i] for i in named], rotation=90, fontsize=NAME_POINTS)
         ax.set_yticks([where[i] for i in named], [names[i] for i in named], fontsize=NAME_POINTS)
-        ax.set_xlabel(f"{n} heads in cluster order ({len(named)} named: the chosen heads and each cluster's centre)",
+        ax.set_xlabel(f"{counted(n, 'head')} in cluster order; {names_caption(named, chosen, centre_list)}",
                       fontsize=9)
     tree_ax.set_axis_off()
     ax.yaxis.tick_right()

@@ -293,7 +293,7 @@ def rotary_scores(module: nn.Module, hidden: Tensor, config: Any, layer: int) ->
     interleaved = config.model_type in ("gptj", "cohere")
     q, k = rotate(q, rope, config, dim, interleaved), rotate(k, rope, config, dim, interleaved)
     softcap = getattr(config, "attn_logit_softcapping", None) if config.model_type == "gemma2" else None
-    sinks = module.sinks.float() if config.model_type == "gpt_oss" else None
+    sinks = module.sinks.detach().float() if config.model_type == "gpt_oss" else None
     return finish(q, k, rotary_scale(config, head_dim), softcap=softcap, window=causal_window(config, layer),
                   sinks=sinks)
 

@@ -23,7 +23,7 @@ import pandas as pd
 from attnprobe import io
 from attnprobe.bootstrap import BLOCK, FEW_SEQUENCES, interval_basis, over_sentences
 from attnprobe.errors import AttnprobeError
-from attnprobe.naming import visible
+from attnprobe.naming import sequence_noun, visible
 from attnprobe.scores import POSITION_METRICS, VALUE_WEIGHTED, VW, VW_POSITION_METRICS
 
 MAP_LEVELS = 255  # a weight p is stored as round(p * 255) in one byte: at most 1/510 off
@@ -332,11 +332,12 @@ def provenance(run: dict[str, Any], out: Path) -> list[list[str]]:
         ("source", model.get("source")), ("package", model.get("package")),
         ("GGUF sha256", model.get("gguf_sha256")), ("revision", model.get("revision")),
         ("corpus", corpus.get("path")), ("corpus sha256", corpus.get("sha256")),
-        ("sentences / tokens", f"{run.get('sentences')} / {run.get('tokens')} (longest {run.get('longest_sequence')}"
-                               f", truncated {run.get('truncated_sentences', 0)})"),
+        (f"{sequence_noun(corpus.get('split'))}s / tokens",
+         f"{run.get('sentences')} / {run.get('tokens')} (longest {run.get('longest_sequence')}, truncated "
+         f"{run.get('truncated_sentences', 0)})"),
         ("device / dtype / batch size", f"{run.get('device')} / {run.get('dtype')} / {run.get('batch_size')}"),
-        ("attention", f"{attention.get('path')} (asked: {attention.get('requested')}), sink_window S = "
-                      f"{attention.get('sink_tokens')}, W = {attention.get('window')}"),
+        ("attention", f"{attention_ran(attention)}, sink_window S = {attention.get('sink_tokens')}, W = "
+                      f"{attention.get('window')}"),
         ("bootstrap", f"{boot.get('resamples')} resamples, {interval_basis(run)}, seed {boot.get('seed')}, "
                       f"{boot.get('confidence', 0.95):.0%} intervals"),
         ("processes", (run.get("distributed") or {}).get("world_size")),
@@ -349,14 +350,35 @@ def provenance(run: dict[str, Any], out: Path) -> list[list[str]]:
     return [[label, visible(str(value))] for label, value in rows if value not in (None, "")]
 
 
+def attention_ran(attention: dict[str, Any]) -> str:
+    """What measured the sequences, from run.json's `attention`: its `sequences` count per kernel where it has them
+    (issue 34: "fused (asked: auto)" where every sequence was shorter than fused_min_tokens and ran blocked), then the
+    path chosen and what was asked."""
+    from attnprobe.naming import counted
+
+    ran = attention.get("sequences") or {}
+    counts = {name: n for name, n in ran.items() if isinstance(n, int) and n > 0}
+    path, asked = attention.get("path"), attention.get("requested")
+    if not counts:
+        return f"{path} (asked: {asked})"
+    chosen = f"asked: {asked}"
+    if path == "fused" and attention.get("fused_min_tokens"):
+        chosen += f"; fused runs batches of {attention['fused_min_tokens']}+ tokens, blocked the shorter ones"
+    elif set(counts) - {"from_checkpoint"} != {path}:
+        chosen += f"; path {path}"
+    measured = ", ".join(f"{name} for {counted(n, 'sequence')}" if name != "from_checkpoint" else
+                         f"{counted(n, 'sequence')} from a checkpoint" for name, n in counts.items())
+    return f"{measured} ({chosen})"
+
+
 def render(data: dict[str, Any], sections: list[Section] | tuple[Section, ...] = ()) -> str:
     assets = resources.files("attnprobe") / "report_assets"
     template = (assets / "template.html").read_text(encoding="utf-8")
     title = f"attnprobe report: {data['model']}"
     parts = {
         "TITLE": html.escape(title),
-        "CSS": (assets / "report.css").read_text(encoding="utf-8"),
-        "JS": (assets / "report.js").read_text(encoding="utf-8"),
+        "CSS": _unindented((assets / "report.css").read_text(encoding="utf-8")),
+        "JS": _unindented((assets / "report.js").read_text(encoding="utf-8")),
         "DATA": _script_json(data),
         "HEADER": _header(title, data),
         "SECTIONS": "".join(f'<section id="{html.escape(s.id)}" class="extra"><h2>{html.escape(s.title)}</h2>'
@@ -365,6 +387,12 @@ def render(data: dict[str, Any], sections: list[Section] | tuple[Section, ...] =
                               for k, v in data["provenance"]),
     }
     return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], template)
+
+
+def _unindented(text: str) -> str:
+    """report.js or report.css without the indentation of its lines, which neither language reads (no template
+    literal or continued string spans lines there): 4 kB less of a page that must stay small."""
+    return "\n".join(line.strip() for line in text.splitlines())
 
 
 def _header(title: str, data: dict[str, Any]) -> str:

@@ -10,10 +10,10 @@ answer, which needs no model that can copy and is deterministic.
 
 The prompt, up to its last token, is prefilled once through the model's SDPA attention where the architecture allows
 it (no n x n map; eager otherwise) into the model's KV cache. Then each step runs one token with eager attention,
-whose single new row [heads, keys] per layer gives each head's top-1 key; Wu et al.'s code scores the steps after the
-first answer token only (its prefill has no attention weights); here the prompt's last token is a decoding step too,
-so the first answer token is scored as well and a head that copies the whole needle scores 1.
-"""
+whose single new row [heads, keys] per layer gives each head's top-1 key. The prompt's last token is a decoding
+step, so the first answer token is scored too and a head that copies the whole needle scores 1 (as in Wu et al.'s
+code, which prefills `input_ids[:, :-1]`). Where the protocol differs from their code (the needle's exact span, the
+whole needle, the stop, token-level recall): docs/kv-cache.md, "Against Wu et al.'s code"."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from torch import Tensor
 from attnprobe import __version__
 from attnprobe.bootstrap import DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
 from attnprobe.errors import AttnprobeError
+from attnprobe.layer_progress import OnLayer, reporter, watching
 from attnprobe.model import LoadedModel, quiet_transformers
 
 DEFAULT_NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
@@ -61,6 +62,7 @@ class Trial:
     hits: np.ndarray  # [layer, head]: steps at which the head's top-1 key was a needle token equal to the answer's
     recall: float  # ROUGE-1 recall of the answer's tokens (greedy) or the share of steps predicted (forced)
     copied: bool
+    mass: np.ndarray | None = None  # [layer, head]: mean over the steps of the row's weights summed over the needle
 
     @property
     def scores(self) -> np.ndarray:
@@ -85,10 +87,50 @@ def top1_hits(rows: Tensor, ids: Tensor, start: int, end: int, token: int) -> Te
     return (top >= start) & (top < end) & (ids[top] == token)
 
 
+def needle_mass(rows: Tensor, start: int, end: int) -> Tensor:
+    """[layer, head] float64: each head's attention weight summed over the needle's keys [start, end) (keys a
+    sliding-window layer no longer holds, -1 in `rows`, count 0)."""
+    return rows[..., start:end].clamp(min=0).sum(dim=-1).double()
+
+
 def rouge1_recall(answer: list[int], needle: list[int]) -> float:
     """Share of the needle's tokens (with repeats) that the answer holds: ROUGE-1 recall on token ids."""
     overlap = Counter(answer) & Counter(needle)
     return sum(overlap.values()) / max(len(needle), 1)
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    """The token pieces of a needle prompt: the BOS token (under --bos), the needle, the question tail, and the
+    tokens that end a sentence (where the needle may go)."""
+
+    prefix: list[int]
+    needle: list[int]
+    tail: list[int]
+    periods: set[int]
+
+
+def prompt_parts(loaded: LoadedModel, needle: str, question: str) -> PromptParts:
+    from attnprobe.probe import special_frame
+
+    prefix, _ = special_frame(loaded)  # the BOS token, under --bos
+    with quiet_transformers():
+        needle_ids = list(loaded.tokenizer(needle, add_special_tokens=False)["input_ids"])
+        tail_ids = list(loaded.tokenizer(PROMPT_TAIL.format(question=question), add_special_tokens=False)["input_ids"])
+        periods = set(loaded.tokenizer(".", add_special_tokens=False)["input_ids"])
+    if not needle_ids:
+        raise AttnprobeError(f"--needle {needle!r} gives no tokens: pass a sentence")
+    return PromptParts(prefix, needle_ids, tail_ids, periods)
+
+
+def haystack_ids(loaded: LoadedModel, haystack: str, longest: int) -> list[int]:
+    """The haystack's first tokens, enough for a context of `longest` tokens (build_prompt repeats them if short)."""
+    with quiet_transformers():
+        ids = list(loaded.tokenizer(haystack[: longest * HAYSTACK_CHARS_PER_TOKEN], add_special_tokens=False)
+                   ["input_ids"])
+    if not ids:
+        raise AttnprobeError("--haystack gives no tokens: pass a long text")
+    return ids
 
 
 def build_prompt(haystack: list[int], needle: list[int], tail: list[int], prefix: list[int], length: int,
@@ -124,9 +166,9 @@ def _cache_of(output: Any) -> Any:
     return output["cache"] if "cache" in output else output.past_key_values
 
 
-def prefill(loaded: LoadedModel, ids: list[int]) -> tuple[Any, str]:
+def prefill(loaded: LoadedModel, ids: list[int], on_layer: OnLayer | None = None) -> tuple[Any, str]:
     """The KV cache of `ids`, computed with SDPA where the model allows it (no n x n map), else eager; returns
-    (cache, the attention that ran)."""
+    (cache, the attention that ran). `on_layer`: told each layer done, for a prompt of more than LONG_TOKENS."""
     model = loaded.model
     before = model.config._attn_implementation
     path = "sdpa"
@@ -138,7 +180,8 @@ def prefill(loaded: LoadedModel, ids: list[int]) -> tuple[Any, str]:
         input_ids = torch.tensor([ids], dtype=torch.long, device=loaded.device)  # [1, n]
         with warnings.catch_warnings(), quiet_transformers():
             warnings.simplefilter("ignore", FutureWarning)  # transformers 5.24 renames past_key_values
-            out = model(input_ids=input_ids, use_cache=True)
+            with watching(model, len(ids), on_layer):
+                out = model(input_ids=input_ids, use_cache=True)
     finally:
         model.set_attn_implementation(before)
     return _cache_of(out), path
@@ -165,15 +208,16 @@ def decode_step(loaded: LoadedModel, cache: Any, token: int, keys: int) -> tuple
 
 @torch.inference_mode()
 def run_trial(loaded: LoadedModel, ids: list[int], start: int, end: int, decode: str, length: int = 0,
-              depth: float = 0.0) -> tuple[Trial, str]:
+              depth: float = 0.0, on_layer: OnLayer | None = None) -> tuple[Trial, str]:
     """Prefill ids[:-1], then decode len(needle) steps from the prompt's last token; returns the trial and the
     prefill's attention."""
     needle = ids[start:end]
-    cache, path = prefill(loaded, ids[:-1]) if len(ids) > 1 else (None, "none")
+    cache, path = prefill(loaded, ids[:-1], on_layer) if len(ids) > 1 else (None, "none")
     sequence = torch.tensor(ids, dtype=torch.long, device=loaded.device)  # [keys], grows by one per step
     eos = _eos_ids(loaded)
     token = ids[-1]
     hits = torch.zeros(loaded.num_layers, loaded.num_heads, dtype=torch.long, device=loaded.device)  # [layer, head]
+    mass = torch.zeros(loaded.num_layers, loaded.num_heads, dtype=torch.float64, device=loaded.device)
     answer: list[int] = []
     predicted: list[int] = []
     for step in range(len(needle)):
@@ -183,6 +227,7 @@ def run_trial(loaded: LoadedModel, ids: list[int], start: int, end: int, decode:
         predicted.append(guess)
         answer.append(token)
         hits += top1_hits(rows, sequence, start, end, token).long()
+        mass += needle_mass(rows, start, end)
         sequence = torch.cat([sequence, sequence.new_tensor([token])])
         if decode == "greedy" and token in eos:
             break
@@ -191,7 +236,7 @@ def run_trial(loaded: LoadedModel, ids: list[int], start: int, end: int, decode:
     else:
         recall = rouge1_recall(answer, needle)
     trial = Trial(length, depth, list(ids), start, end, answer, predicted, hits.cpu().numpy(), recall,
-                  recall >= COPY_MIN_RECALL)
+                  recall >= COPY_MIN_RECALL, (mass / max(len(answer), 1)).cpu().numpy())
     return trial, path
 
 
@@ -201,6 +246,14 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
     for value in found:
         flat.update(value if isinstance(value, (list, tuple)) else [value])
     return {int(v) for v in flat if isinstance(v, int)}
+
+
+def check_text(option: str, value: str | None) -> None:
+    """A --needle or --question: None takes the default; an empty or blank text is refused (it would hide, or ask
+    for, nothing)."""
+    if value is not None and not value.strip():
+        raise AttnprobeError(f"{option} {value!r} is {'empty' if not value else 'blank'}: pass a sentence, or leave "
+                             f"{option} out for the default")
 
 
 def check_settings(lengths: list[int], depths: list[float], decode: str, resamples: int) -> None:
@@ -251,33 +304,27 @@ def retrieval(
     resamples: int = DEFAULT_RESAMPLES, seed: int = 0, haystack_name: str | None = None, progress: Any = None,
 ) -> Retrieval:
     """Every (length, depth) trial of Wu et al.'s protocol on `loaded` (a decoder, loaded with its LM head for greedy
-    decoding); per query head the mean score over the counted trials with a 95% Poisson-bootstrap interval."""
+    decoding); per query head the mean score over the counted trials with a 95% Poisson-bootstrap interval.
+    `progress(trials done, trials)` after each trial; one that takes a `within` keyword is also told each layer of a
+    prompt's prefill (layer_progress.Within) while it runs, for prompts of more than layer_progress.LONG_TOKENS."""
     started = time.perf_counter()
     if not loaded.causal:
         raise AttnprobeError(f"{loaded.spec} is an encoder: it decodes nothing, so it has no retrieval heads")
     if decode == "greedy" and loaded.lm_head is None:
         raise AttnprobeError("greedy decoding needs the LM head: load the model with load_model(..., lm_head=True)")
     check_settings(list(lengths or DEFAULT_LENGTHS), list(depths), decode, resamples)
-    from attnprobe.probe import special_frame
-
-    prefix, _ = special_frame(loaded)  # the BOS token, under --bos
-    with quiet_transformers():
-        needle_ids = list(loaded.tokenizer(needle, add_special_tokens=False)["input_ids"])
-        tail_ids = list(loaded.tokenizer(PROMPT_TAIL.format(question=question), add_special_tokens=False)["input_ids"])
-        periods = set(loaded.tokenizer(".", add_special_tokens=False)["input_ids"])
-    if not needle_ids:
-        raise AttnprobeError(f"--needle {needle!r} gives no tokens: pass a sentence")
+    check_text("--needle", needle)
+    check_text("--question", question)
+    parts = prompt_parts(loaded, needle, question)
+    needle_ids = parts.needle
     lengths = fitting_lengths(loaded, lengths, len(needle_ids))
-    with quiet_transformers():
-        hay_ids = list(loaded.tokenizer(haystack[: max(lengths) * HAYSTACK_CHARS_PER_TOKEN],
-                                        add_special_tokens=False)["input_ids"])
-    if not hay_ids:
-        raise AttnprobeError("--haystack gives no tokens: pass a long text")
+    hay_ids = haystack_ids(loaded, haystack, max(lengths))
     trials, paths = [], set()
     for length in lengths:
         for depth in depths:
-            ids, start, end = build_prompt(hay_ids, needle_ids, tail_ids, prefix, length, depth, periods)
-            trial, path = run_trial(loaded, ids, start, end, decode, length, depth)
+            ids, start, end = build_prompt(hay_ids, needle_ids, parts.tail, parts.prefix, length, depth, parts.periods)
+            trial, path = run_trial(loaded, ids, start, end, decode, length, depth,
+                                    reporter(progress, len(trials), len(lengths) * len(depths)))
             trials.append(trial)
             paths.add(path)
             if progress is not None:
@@ -305,8 +352,10 @@ def retrieval(
 
 
 def tabulate(trials: list[Trial], kv_heads: int, resamples: int, seed: int) -> tuple[pd.DataFrame, dict]:
-    """retrieval_heads.csv and the {"L-H": [scores]} JSON from the counted trials (empty without any)."""
-    columns = ["layer", "head", "kv_head", "mean", "ci_low", "ci_high", "trials"]
+    """retrieval_heads.csv and the {"L-H": [scores]} JSON from the counted trials (empty without any).
+    `needle_mass`: each head's attention mass on the needle while the answer is decoded, the mean over the counted
+    trials of each trial's mean over its steps (the tie-break of `attnprobe export`)."""
+    columns = ["layer", "head", "kv_head", "mean", "ci_low", "ci_high", "trials", "needle_mass"]
     if not trials:
         return pd.DataFrame(columns=columns), {}
     scores = np.stack([t.scores for t in trials])  # [trial, layer, head]
@@ -318,6 +367,8 @@ def tabulate(trials: list[Trial], kv_heads: int, resamples: int, seed: int) -> t
         "layer": layer.ravel(), "head": head.ravel(), "kv_head": head.ravel() // (heads // kv_heads),
         "mean": scores.mean(axis=0).ravel(), "ci_low": np.asarray(low).ravel(), "ci_high": np.asarray(high).ravel(),
         "trials": len(trials),
+        "needle_mass": np.stack([t.mass for t in trials]).mean(axis=0).ravel() if all(t.mass is not None
+                                                                                      for t in trials) else np.nan,
     })
     per_trial = {f"{la}-{h}": [float(v) for v in scores[:, la, h]] for la in range(layers) for h in range(heads)}
     return frame, per_trial
@@ -339,9 +390,11 @@ def notes(info: dict[str, Any]) -> list[str]:
 
 
 def _model_record(loaded: LoadedModel) -> dict[str, Any]:
-    from attnprobe.analysis import model_record
+    """analyze's model record, with the weights fingerprint that run.json has too (`ablate --pattern` and export's
+    attnprobe.json check the model by it)."""
+    from attnprobe.analysis import model_record, model_weights
 
-    return model_record(loaded)
+    return {**model_record(loaded), "weights": model_weights(loaded)}
 
 
 def _trial_record(loaded: LoadedModel, trial: Trial) -> dict[str, Any]:

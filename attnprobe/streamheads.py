@@ -1,21 +1,28 @@
 """Streaming heads (DuoAttention): what a decoder loses when chosen KV heads keep only a sink and a recent window.
 
 A KV-cache compressor such as DuoAttention or kvpress's `DuoAttentionPress` keeps the full cache for some KV heads
-and, for the others (the *streaming* heads), only the first S keys (the attention sinks) and the last W keys. On a
-document read token by token this means: a query head reading a streaming KV head sees, at position i, the keys
-j <= i with j < S or j > i - W (the W most recent keys, its own included), the same keys as `sink_window`; every
-other head sees all its keys. Under grouped-query attention the cache is per KV head, so a streaming KV head makes
-all of its query heads streaming (`pool`: the pooling of `export.pool_kv_heads` read the other way).
+and, for the others (the *streaming* heads), only the first S keys (the attention sinks) and the last W keys. Where
+and when it cuts differs by client (`kept`):
+
+- `duo-attention` (DuoAttention's own inference): at every position i, prefill included, a query head reading a
+  streaming KV head sees the keys j <= i with j < S or j > i - W, the same keys as `sink_window`;
+- `kvpress` (kvpress 0.5.5's DuoAttentionPress): the context is prefilled with full attention; afterwards every
+  query (the question, the answer, a continuation) misses the context's keys [S, L - W), L the context's length.
+
+Every other head sees all its keys. Under grouped-query attention the cache is per KV head, so a streaming KV head
+makes all of its query heads streaming (`pool`: the pooling of `export.pool_kv_heads` read the other way).
 
 The attention is attnprobe's own, registered with transformers' AttentionInterface under `attnprobe_streaming`
-(`streaming`): eager attention in blocks of query rows (as `kernel.attend`), with the sink + window mask applied
-per head and per batch row, so stacked copies of a batch can each have other heads streaming. No [n, n] map exists:
-a block's scores are [batch, head, rows, keys], sized from a memory budget. The model's own mask (causal, a sliding
-window), scale, soft-capping and learned sink logits are kept; anything else is refused in one line.
+(`streaming`): eager attention in blocks of query rows (as `kernel.attend`), with the client's mask applied per head
+and per batch row (each row with its own context length), so stacked copies of a batch can each have other heads
+streaming. No [n, n] map exists: a block's scores are [batch, head, rows, keys], sized from a memory budget. The
+model's own mask (causal, a sliding window), scale, soft-capping and learned sink logits are kept; anything else is
+refused in one line.
 
-`streaming_ablate_loaded` measures, per predicted token, the loss, its change and KL(full cache || streaming)
-against the same model with no head streaming, for the chosen heads and along a curve: the share of KV heads made
-streaming, in the order a pattern ranks them (lowest score first, as kvpress takes them) and in a random order.
+`streaming_ablate_loaded` measures, per scored token of each task (`kvtasks`: a continuation of the corpus's
+documents, or a needle's answer), the loss, its change, KL(full cache || streaming) and the top-1 accuracy against
+the same model with no head streaming, for the chosen heads and along a curve: the share of KV heads made streaming,
+in the order a pattern ranks them (lowest score first, as kvpress takes them) and in random orders (their mean).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from attnprobe import defaults
+from attnprobe import defaults, kvtasks
 from attnprobe.bootstrap import (
     BLOCK,
     CONFIDENCE,
@@ -51,12 +58,15 @@ from attnprobe.errors import AttnprobeError
 from attnprobe.export import DUO_CONFIG_FILE, DUO_SCORES_FILE
 from attnprobe.model import LoadedModel, attention_modules, load_model, using_attention
 from attnprobe.naming import head_name
+from attnprobe.retrieval import DEFAULT_DEPTHS, DEFAULT_NEEDLE, DEFAULT_QUESTION
 
 NAME = "attnprobe_streaming"
 DUO_SINK, DUO_RECENT = 128, 256  # DuoAttention's sink_size and recent_size, where nothing else gives S and W
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # the curve's shares of KV heads made streaming
 DEFAULT_SPARSITY = 0.5
-MEASURES = ("loss", "loss_change", "kl")
+MEASURES = ("loss", "loss_change", "kl", "accuracy")  # accuracy: the model's top-1 next token is the target
+RANDOM_ORDERS = 3  # the curve's random orders (their mean is the "random" row)
+MAX_RANDOM_ORDERS = 100
 Progress = Any  # ablate.Progress: (stage, done, total)
 
 
@@ -69,6 +79,7 @@ class Plan:
     sink: int  # S: the first keys a streaming head keeps
     recent: int  # W: the last keys it keeps, its own included
     budget_bytes: int  # memory for one block of query rows
+    context: Tensor | None = None  # [batch] kvpress: each row's context length L; None: duo-attention (every row)
 
 
 @dataclass
@@ -79,6 +90,8 @@ class Pattern:
     sink: int | None
     recent: int | None
     source: str  # what it was read from, in words
+    model: dict[str, Any] | None = None  # the model record of the run it came from (None: unknown)
+    notes: tuple[str, ...] = ()  # what streaming.json's notes should say of it (an unchecked model)
 
 
 @dataclass
@@ -121,10 +134,19 @@ def streaming_attention(
         raise ValueError(f"streaming heads {tuple(streaming.shape)} for a batch of {query.shape[0]} rows and "
                          f"{key.shape[1]} KV heads")
     real = attention_mask.bool()  # [batch, key]: stats_mask's padding mask
+    context = None if plan.context is None else tiled(plan.context, query.shape[0])  # [batch]
     output = attend(query, key, value, real, features.scale, pool(streaming, features.groups).to(query.device),
                     plan.sink, plan.recent, plan.budget_bytes, span=features.span, softcap=features.softcap,
-                    sinks=sinks)
+                    sinks=sinks, context=context)
     return output, None
+
+
+def tiled(context: Tensor, rows: int) -> Tensor:
+    """[batch] -> [rows]: the context lengths of a batch for `rows` stacked copies of it (copy-major, as
+    ablate.run_full stacks them)."""
+    if rows % context.shape[0]:
+        raise ValueError(f"{context.shape[0]} context lengths for a batch of {rows} rows")
+    return context.repeat(rows // context.shape[0])  # [rows]
 
 
 def block_rows(batch: int, heads: int, keys: int, budget_bytes: int, span: int | None) -> int:
@@ -137,14 +159,17 @@ def block_rows(batch: int, heads: int, keys: int, budget_bytes: int, span: int |
 def attend(
     query: Tensor, key: Tensor, value: Tensor, real: Tensor, scale: float, streaming: Tensor, sink: int, recent: int,
     budget_bytes: int, span: int | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+    context: Tensor | None = None,
 ) -> Tensor:
     """Causal eager attention, block by block of query rows: output [batch, query, head, dim].
 
     query [batch, head, n, dim], key and value [batch, kv head, n, dim], real [batch, key] (padding mask),
     streaming [rows, head] (rows 1 or batch): where True, the head's row i sees only keys j < sink or
-    j > i - recent. `span`: the layer's own window (i - span < j); `softcap`: scores -> softcap tanh(scores /
-    softcap); `sinks` [head]: a learned logit per head that joins each row's softmax. Scores are scaled in the
-    model's dtype and the softmax taken in float32, as eager attention does.
+    j > i - recent (DuoAttention), or with `context` [batch] (kvpress, each row's context length L) every key
+    while i < L and afterwards every key but those of [sink, L - recent). `span`: the layer's own window
+    (i - span < j); `softcap`: scores -> softcap tanh(scores / softcap); `sinks` [head]: a learned logit per
+    head that joins each row's softmax. Scores are scaled in the model's dtype and the softmax taken in float32,
+    as eager attention does.
     """
     from attnprobe import kernel
 
@@ -165,7 +190,7 @@ def attend(
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys]
         scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
-        allowed = block_mask(real, q0, q1, k0, k1, span, chosen, sink, recent)  # [batch, 1 or head, r, keys]
+        allowed = block_mask(real, q0, q1, k0, k1, span, chosen, sink, recent, context)  # [batch, 1|head, r, keys]
         scores.masked_fill_(~allowed, lowest)
         p = softmax(scores, sink_logits)  # [batch, head, r, keys]
         weights = p.to(value.dtype).view(batch, kv_heads, groups * (q1 - q0), k1 - k0)  # [batch, kv, g*r, keys]
@@ -175,9 +200,9 @@ def attend(
 
 
 def block_mask(real: Tensor, q0: int, q1: int, k0: int, k1: int, span: int | None, chosen: Tensor | None,
-               sink: int, recent: int) -> Tensor:
+               sink: int, recent: int, context: Tensor | None = None) -> Tensor:
     """The keys [k0, k1) each query row [q0, q1) may see: real, causal, within the layer's window, and for the
-    streaming heads (chosen [rows, head, 1, 1], None: none) a sink or a recent key. [batch, 1 or head, r, keys]."""
+    streaming heads (chosen [rows, head, 1, 1], None: none) what `kept` keeps. [batch, 1 or head, r, keys]."""
     i = torch.arange(q0, q1, device=real.device)[:, None]  # [r, 1]
     j = torch.arange(k0, k1, device=real.device)[None, :]  # [1, keys]
     visible = j <= i  # [r, keys]
@@ -186,8 +211,19 @@ def block_mask(real: Tensor, q0: int, q1: int, k0: int, k1: int, span: int | Non
     allowed = visible[None, None] & real[:, None, None, k0:k1]  # [batch, 1, r, keys]
     if chosen is None:
         return allowed
-    near = (j < sink) | (j > i - recent)  # [r, keys]: what a sink + window cache keeps
-    return allowed & (near[None, None] | ~chosen)  # [batch, head, r, keys]
+    return allowed & (kept(i, j, sink, recent, context) | ~chosen)  # [batch, head, r, keys]
+
+
+def kept(i: Tensor, j: Tensor, sink: int, recent: int, context: Tensor | None) -> Tensor:
+    """What a streaming head's query i [r, 1] sees of keys j [1, keys] (both absolute positions), [1 or batch, 1,
+    r, keys]. DuoAttention (context None): a sink or one of the `recent` latest keys, at every position. kvpress
+    (context [batch], each row's context length L): kvpress 0.5.5's DuoAttentionPress prefills the context with full
+    attention, then hides the context keys [sink, L - recent) from every later query (`sink : -recent` of the
+    prefill's keys), so queries i < L see every key and later ones all but those."""
+    if context is None:
+        return ((j < sink) | (j > i - recent))[None, None]  # [1, 1, r, keys]
+    length = context[:, None, None, None]  # [batch, 1, 1, 1]
+    return (i < length) | (j < sink) | (j >= length - recent)  # [batch, 1, r, keys]
 
 
 def softmax(scores: Tensor, sinks: Tensor | None) -> Tensor:
@@ -201,9 +237,10 @@ def softmax(scores: Tensor, sinks: Tensor | None) -> Tensor:
 
 @contextmanager
 def streaming(loaded: LoadedModel, heads: Tensor | np.ndarray, sink: int, recent: int,
-              budget_mib: int = defaults.BLOCK_MIB) -> Iterator[None]:
+              budget_mib: int = defaults.BLOCK_MIB, context: Tensor | list[int] | None = None) -> Iterator[None]:
     """Run `loaded.model` with the KV heads `heads` [layer, kv head] (or [rows, layer, kv head], per batch row)
-    streaming, keeping the first `sink` and last `recent` keys; the model's attention is put back afterwards."""
+    streaming, keeping the first `sink` and last `recent` keys; the model's attention is put back afterwards.
+    `context` [batch]: each batch row's context length, for the kvpress client (`kept`); None: DuoAttention's."""
     from attnprobe import kernel
 
     check_sizes(sink, recent)
@@ -213,7 +250,8 @@ def streaming(loaded: LoadedModel, heads: Tensor | np.ndarray, sink: int, recent
         raise AttnprobeError(f"streaming heads of shape {tuple(mask.shape[1:])} for {loaded.spec}, which has "
                              f"{loaded.num_layers} layers x {loaded.num_kv_heads} KV heads")
     layers = {id(module): layer for layer, (module, _) in enumerate(attention_modules(loaded.model))}
-    plan = Plan(layers, mask.to(loaded.device), int(sink), int(recent), budget_mib * 2**20)
+    lengths = None if context is None else torch.as_tensor(context, dtype=torch.long, device=loaded.device)
+    plan = Plan(layers, mask.to(loaded.device), int(sink), int(recent), budget_mib * 2**20, lengths)
     token = _ACTIVE.set(plan)
     try:
         with using_attention(loaded.model, NAME, streaming_attention, kernel.stats_mask):
@@ -238,11 +276,15 @@ def check_model(loaded: LoadedModel) -> None:
 
 
 def check_sizes(sink: int, recent: int) -> None:
+    from attnprobe import limits
+
     if sink < 0:
         raise AttnprobeError(f"--sink-size {sink} is below 0: use 0 or more (DuoAttention uses {DUO_SINK})")
     if recent < 1:
         raise AttnprobeError(f"--recent-size {recent} is below 1: a streaming head keeps at least its own key; use "
                              f"1 or more (DuoAttention uses {DUO_RECENT})")
+    limits.check_whole("--sink-size", sink, 0, limits.MAX_POSITIONS, DUO_SINK)
+    limits.check_whole("--recent-size", recent, 1, limits.MAX_POSITIONS, DUO_RECENT)
 
 
 # ---- which heads ---------------------------------------------------------------------------------------
@@ -264,8 +306,8 @@ def read_pattern(folder: str | Path) -> Pattern:
             raise AttnprobeError(f"--pattern {folder} holds no {DUO_SCORES_FILE} and no results: write one with "
                                  "`attnprobe export --format duo-attention --to DIR`, or pass an analyze --out folder")
         scores = export.load_scores(folder)
-        pooled = export.pool_kv_heads(scores.per_query, scores.model["kv_heads"])  # [layer, kv head]
-        return Pattern(pooled, scores.sink, scores.recent, f"{folder} ({scores.source} scores)")
+        pooled, _ = export.duo_attention(scores)  # [layer, kv head], as `export` writes it (ties broken)
+        return Pattern(pooled, scores.sink, scores.recent, f"{folder} ({scores.source} scores)", scores.model)
     try:
         values = np.loadtxt(table, dtype=float, delimiter="\t", ndmin=2)  # [layer, kv head]
     except (ValueError, OSError, UnicodeDecodeError) as err:
@@ -275,8 +317,36 @@ def read_pattern(folder: str | Path) -> Pattern:
     if values.size == 0 or not np.isfinite(values).all():
         raise AttnprobeError(f"{table} is empty or holds a value that is not a finite number: write it again with "
                              "`attnprobe export --format duo-attention`")
+    outside = values[(values < 0) | (values > 1)]
+    if outside.size:
+        raise AttnprobeError(f"{table} holds {outside[0]:g}, outside [0, 1] (a score of how much a KV head needs its "
+                             "full cache): write it again with `attnprobe export --format duo-attention`")
     sink, recent = read_pattern_config(folder / DUO_CONFIG_FILE)
-    return Pattern(np.clip(values, 0.0, 1.0), sink, recent, str(table))
+    model, notes = pattern_model(folder, table)
+    return Pattern(values, sink, recent, str(table), model, notes)
+
+
+def pattern_model(folder: Path, table: Path) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """The model a DuoAttention folder was exported from: attnprobe.json's duo-attention record (where it records
+    this table unchanged), else the run.json or retrieval.json beside it; (None, a note) where nothing tells."""
+    import hashlib
+
+    from attnprobe import export, io
+
+    record = export.read_provenance(folder, "--pattern").get("exports", {}).get("duo-attention")
+    if isinstance(record, dict) and isinstance(record.get("model"), dict):
+        if record.get("files", {}).get(DUO_SCORES_FILE) == hashlib.sha256(table.read_bytes()).hexdigest():
+            return record["model"], ()
+        return None, (f"--pattern {table} changed since `attnprobe export` wrote it: the model it scores was not "
+                      "checked",)
+    for name in (io.RUN_FILE, io.RETRIEVAL_RUN_FILE):
+        if (folder / name).is_file():
+            run = io.read_json(folder, name, "attnprobe analyze" if name == io.RUN_FILE else "attnprobe retrieval")
+            if isinstance(run.get("model"), dict):
+                return run["model"], ()
+    return None, (f"--pattern {folder} records no model (no {export.PROVENANCE_FILE}, {io.RUN_FILE} or "
+                  f"{io.RETRIEVAL_RUN_FILE} beside {DUO_SCORES_FILE}): only its shape was checked against the "
+                  "model's; export it again with `attnprobe export` to have it checked",)
 
 
 def read_pattern_config(path: Path) -> tuple[int | None, int | None]:
@@ -289,18 +359,44 @@ def read_pattern_config(path: Path) -> tuple[int | None, int | None]:
         raise AttnprobeError(f"{path} is not readable JSON ({type(err).__name__}): write it again with `attnprobe "
                              "export --format duo-attention`") from None
     sizes = [config.get(k) if isinstance(config, dict) else None for k in ("sink_size", "recent_size")]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes):
-        raise AttnprobeError(f"{path} needs whole numbers sink_size and recent_size of 0 or more: write it again "
-                             "with `attnprobe export --format duo-attention`")
+    from attnprobe import limits
+
+    if not all(isinstance(v, int) and not isinstance(v, bool) and low <= v <= limits.MAX_POSITIONS
+               for v, low in zip(sizes, (0, 1))):
+        raise AttnprobeError(f"{path} needs whole numbers sink_size from 0 and recent_size from 1, up to "
+                             f"{limits.MAX_POSITIONS:,}: write it again with `attnprobe export --format duo-attention`")
     return int(sizes[0]), int(sizes[1])
 
 
-def check_pattern(pattern: Pattern, loaded: LoadedModel) -> None:
+def check_pattern(pattern: Pattern, loaded: LoadedModel) -> list[str]:
+    """Refuse a pattern of another shape or of another model than `loaded` (the model its run.json or attnprobe.json
+    records: the weights fingerprint where both sides have one, else the spec or source). Returns the notes for
+    streaming.json (a pattern that records no model)."""
     shape = (loaded.num_layers, loaded.num_kv_heads)
     if pattern.scores.shape != shape:
         rows, columns = pattern.scores.shape
         raise AttnprobeError(f"--pattern {pattern.source} has {rows} layers x {columns} KV heads but {loaded.spec} "
                              f"has {shape[0]} x {shape[1]}: export the pattern of this model")
+    if pattern.model is not None:
+        from attnprobe.analysis import model_weights
+
+        recorded = pattern.model.get("weights")
+        found = model_weights(loaded) if recorded else None
+        names = {str(pattern.model.get(k)) for k in ("spec", "source") if pattern.model.get(k)}
+        same = found == recorded if recorded and found else bool(names & {str(loaded.spec), str(loaded.source)})
+        if not same:
+            why = f"weights fingerprint {str(recorded)[:20]}, not {str(found)[:20]}" if recorded and found else \
+                f"model {pattern.model.get('spec')}"
+            raise AttnprobeError(f"--pattern {pattern.source} is of another model ({why}) than {loaded.spec}: "
+                                 "export the pattern of this model (`attnprobe analyze` or `retrieval` on it, then "
+                                 "`attnprobe export`)")
+    return list(pattern.notes)
+
+
+def check_random_orders(count: int) -> None:
+    from attnprobe import limits
+
+    limits.check_whole("--random-orders", count, 1, MAX_RANDOM_ORDERS, RANDOM_ORDERS)
 
 
 def check_fraction(option: str, value: float) -> None:
@@ -316,9 +412,11 @@ def ranked(scores: np.ndarray) -> list[tuple[int, int]]:
     return [(int(k) // kv_heads, int(k) % kv_heads) for k in order]
 
 
-def random_order(layers: int, kv_heads: int, seed: int) -> list[tuple[int, int]]:
+def random_order(layers: int, kv_heads: int, seed: int, draw: int = 0) -> list[tuple[int, int]]:
+    """The `draw`-th random order of the KV heads under `seed` (draw 0 is the order of earlier releases)."""
     every = [(layer, head) for layer in range(layers) for head in range(kv_heads)]
-    return [every[int(k)] for k in np.random.default_rng([seed, 2]).permutation(len(every))]
+    rng = np.random.default_rng([seed, 2] if draw == 0 else [seed, 2, draw])
+    return [every[int(k)] for k in rng.permutation(len(every))]
 
 
 def first_share(order: list[tuple[int, int]], share: float, layers: int, kv_heads: int) -> np.ndarray:
@@ -345,6 +443,18 @@ def heads_mask(heads: list[tuple[int, int]], layers: int, kv_heads: int) -> np.n
 # ---- measuring -----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Needle:
+    """The needle task's settings (`attnprobe retrieval`'s prompt construction)."""
+
+    haystack: str  # the haystack's text
+    haystack_name: str | None = None
+    needle: str = DEFAULT_NEEDLE
+    question: str = DEFAULT_QUESTION
+    lengths: tuple[int, ...] | None = None  # None: kvtasks.NEEDLE_LENGTHS that fit the model
+    depths: tuple[float, ...] = DEFAULT_DEPTHS
+
+
 def streaming_ablate(model: str, corpus: str, *, split: str = "lines", limit: int | None = None, device: str = "auto",
                      dtype: str = "float32", **kwargs: Any) -> StreamingAblation:
     """`streaming_ablate_loaded` on `model` (loaded with its LM head) over `corpus` (read with `split`)."""
@@ -357,16 +467,24 @@ def streaming_ablate_loaded(
     loaded: LoadedModel, corpus: Corpus, *, pattern: str | Path | None = None,
     heads: list[tuple[int, int]] | None = None, sparsity: float = DEFAULT_SPARSITY, sink: int | None = None,
     recent: int | None = None, shares: tuple[float, ...] = SHARES, curve: bool = True, batch_size: int = 1,
-    resamples: int = DEFAULT_RESAMPLES, seed: int = 0, progress: Progress | None = None,
+    resamples: int = DEFAULT_RESAMPLES, seed: int = 0, progress: Progress | None = None, client: str = "kvpress",
+    task: str = "text", needle: Needle | None = None, continuation: int = kvtasks.CONTINUATION,
+    random_orders: int = RANDOM_ORDERS,
 ) -> StreamingAblation:
-    """Make KV heads streaming and measure the loss change per token, for the chosen heads (the `sparsity` share of
-    `pattern`'s lowest-scoring KV heads, or the KV heads `heads`) and, with `curve`, at each of `shares` in the
-    pattern's order and a random one (seeded). S and W: `sink` and `recent`, else the pattern's, else 128 and 256."""
+    """Make KV heads streaming as `client` does (kvtasks.CLIENTS) and measure, per scored token of each `task`
+    (kvtasks), the loss, its change, the KL and the top-1 accuracy against no head streaming: for the chosen heads
+    (the `sparsity` share of `pattern`'s lowest-scoring KV heads, or the KV heads `heads`) and, with `curve`, at each
+    of `shares` in the pattern's order and in `random_orders` random orders (seeded; their mean). S and W: `sink` and
+    `recent`, else the pattern's, else 128 and 256. The needle task needs `needle` (its haystack and settings)."""
     from attnprobe import ablate as ab
     from attnprobe.analysis import check_options, tokenize
 
     started = time.perf_counter()
     check_options(batch_size, resamples, seed)
+    kvtasks.check_choice("--client", client, kvtasks.CLIENTS)
+    wanted = kvtasks.tasks_of(task)
+    kvtasks.check_continuation(continuation)
+    check_random_orders(random_orders)
     check_fraction("--sparsity", sparsity)
     for share in shares:
         check_fraction("--shares", share)
@@ -375,6 +493,8 @@ def streaming_ablate_loaded(
         raise AttnprobeError("--method streaming needs the heads to make streaming: --pattern DIR (an `attnprobe "
                              "export` folder; --sparsity picks its lowest-scoring share) or --heads L0H1,... (KV "
                              "heads), not both")
+    if "needle" in wanted and needle is None:
+        raise AttnprobeError("the needle task needs a haystack: pass --haystack FILE (a long text), or --task text")
     layers, kv_heads = loaded.num_layers, loaded.num_kv_heads
     found = None if pattern is None else read_pattern(pattern)
     if found is not None:
@@ -383,51 +503,106 @@ def streaming_ablate_loaded(
     recent = recent if recent is not None else (
         found.recent if found is not None and found.recent is not None else DUO_RECENT)
     check_sizes(sink, recent)
+    sequences = kvtasks.Sequences()
+    cut: list[tuple[int, int]] = []
+    dropped: list[str] = []
+    if "text" in wanted:
+        tokens = tokenize(loaded, corpus)
+        cut = tokens.cut
+        kvtasks.add_text(sequences, tokens.ids, client, continuation)
+        if not sequences.of("text"):
+            if task == "text":
+                raise AttnprobeError(text_refusal(client, continuation))
+            wanted = tuple(t for t in wanted if t != "text")  # --task both: the needle task alone, with a note
+            dropped.append(f"the text task was left out: {text_refusal(client, continuation)}")
+    if "needle" in wanted:
+        kvtasks.add_needle(sequences, loaded, needle.haystack, client, lengths=needle.lengths, depths=needle.depths,
+                           needle=needle.needle, question=needle.question)
     orders = {"pattern": ranked(found.scores)} if found is not None else {}
     chosen = first_share(orders["pattern"], sparsity, layers, kv_heads) if found is not None else \
         heads_mask(heads, layers, kv_heads)
-    orders["random"] = random_order(layers, kv_heads, seed)
-    points = [("chosen", int(chosen.sum()) / chosen.size, chosen)]
+    draws = [random_order(layers, kv_heads, seed, k) for k in range(random_orders)]
+    points = [("chosen", int(chosen.sum()) / chosen.size, [chosen])]
     if curve:
-        points += [(order, share, first_share(ranked_heads, share, layers, kv_heads))
-                   for order, ranked_heads in orders.items() for share in shares]
+        points += [("pattern", share, [first_share(orders["pattern"], share, layers, kv_heads)])
+                   for share in shares if found is not None]
+        points += [("random", share, [first_share(draw, share, layers, kv_heads) for draw in draws])
+                   for share in shares]
     masks: dict[bytes, tuple[int, np.ndarray]] = {}
-    columns = [masks.setdefault(mask.tobytes(), (len(masks), mask))[0] for _, _, mask in points]
-    tokens = tokenize(loaded, corpus)
-    ids = tokens.ids
-    if all(len(t) < 2 for t in ids):
-        raise AttnprobeError("every sequence of the corpus is a single token: a decoder has nothing to predict")
+    columns = [[masks.setdefault(m.tobytes(), (len(masks), m))[0] for m in group] for _, _, group in points]
     stack = ab.find_stack(loaded)
-    batches = ab.make_batches(loaded, ids, batch_size)
-    every_token = bootstrap_method(sum(len(t) > 1 for t in ids)) == BLOCK  # the block bootstrap needs each token's
-    values, counts = measure(loaded, stack, batches, [mask for _, mask in masks.values()], sink, recent,
-                             every_token, progress)
-    summary, basis = summarize(values, counts, len(masks), resamples, seed)
+    batches = scored_batches(loaded, sequences, batch_size)
+    every_token = any(bootstrap_method(len(sequences.of(t))) == BLOCK for t in wanted)  # the block bootstrap's
+    values, counts = measure(loaded, stack, batches, [mask for _, mask in masks.values()], sink, recent, every_token,
+                             progress, contexts=sequences.context)
     rows = []
-    for (order, share, mask), column in zip(points, columns):
-        row: dict[str, Any] = {"order": order, "share": share, "kv_heads_streaming": int(mask.sum())}
-        for name in MEASURES:
-            mean, low, high = (summary[part][MEASURES.index(name), column] for part in ("mean", "low", "high"))
-            row.update({name: mean, f"{name}_ci_low": low, f"{name}_ci_high": high})
-        rows.append(row)
+    bases = {}
+    for name in wanted:
+        mine = {i: v for i, v in values.items() if sequences.task[i] == name}
+        per_point = {i: np.stack([v[:, cols].mean(1) for cols in columns], axis=1) for i, v in mine.items()}
+        summary, bases[name] = summarize(per_point, counts, len(points), resamples, seed)
+        for k, (order, share, group) in enumerate(points):
+            row: dict[str, Any] = {"task": name, "order": order, "share": share,
+                                   "kv_heads_streaming": int(group[0].sum())}
+            for measure_name in MEASURES:
+                at = MEASURES.index(measure_name)
+                mean, low, high = (summary[part][at, k] for part in ("mean", "low", "high"))
+                row.update({measure_name: mean, f"{measure_name}_ci_low": low, f"{measure_name}_ci_high": high})
+            rows.append(row)
     frame = pd.DataFrame(rows)
-    run = run_info(loaded, corpus, ids, found, chosen, sink, recent, sparsity, shares if curve else (),
-                   list(orders) if curve else [], batch_size, resamples, seed, basis, frame.iloc[0])
-    if tokens.cut:
-        run["notes"].append(f"{len(tokens.cut)} sequence{'' if len(tokens.cut) == 1 else 's'} cut to the model's "
-                            f"context of {loaded.max_length} tokens (the first at corpus line {tokens.cut[0][0]})")
+    run = run_info(loaded, corpus, sequences, counts, found, chosen, sink, recent, sparsity,
+                   shares if curve else (), (["pattern"] if found is not None else []) + ["random"] if curve else [],
+                   batch_size, resamples, seed, bases, frame, client, continuation, random_orders, needle)
+    run["notes"] += dropped
+    if cut:
+        run["notes"].append(f"{len(cut)} sequence{'' if len(cut) == 1 else 's'} cut to the model's "
+                            f"context of {loaded.max_length} tokens (the first at corpus line {cut[0][0]})")
     run["wall_seconds"] = round(time.perf_counter() - started, 3)
     return StreamingAblation(frame, run)
 
 
+def text_refusal(client: str, continuation: int) -> str:
+    if client == "kvpress":
+        return (f"every sequence of the corpus is shorter than --continuation {continuation} + 2 tokens: the kvpress "
+                "client scores a continuation after a context; use longer documents (--split file or paragraphs) "
+                "or a smaller --continuation")
+    return "every sequence of the corpus is a single token: a decoder has nothing to predict"
+
+
+def scored_batches(loaded: LoadedModel, sequences: kvtasks.Sequences, batch_size: int) -> list[Any]:
+    """ablate's right-padded batches of the sequences, predicting only each sequence's scored tokens (from
+    `sequences.first` on)."""
+    from attnprobe import ablate as ab
+
+    out = []
+    for batch in ab.make_batches(loaded, sequences.ids, batch_size):
+        first = torch.tensor([sequences.first[i] for i in batch.indices], device=batch.mask.device)  # [batch]
+        target = torch.arange(batch.input_ids.shape[1], device=batch.mask.device) + 1  # [seq]: t predicts t + 1
+        predicts = batch.predicts & (target[None] >= first[:, None])  # [batch, seq]
+        rows = predicts.nonzero()[:, 0]  # [predicted]
+        targets = batch.input_ids[:, 1:][predicts[:, :-1]]  # [predicted]
+        out.append(ab.Batch(batch.indices, batch.input_ids, batch.mask, predicts, targets, rows))
+    return out
+
+
+def top1(stack: Any, hidden: Tensor, targets: Tensor) -> Tensor:
+    """1.0 where the LM head's most likely next token at a row of hidden [n, hidden] is its target [n], else 0."""
+    from attnprobe import ablate as ab
+
+    hits = [stack.head(hidden[rows]).argmax(-1) == targets[rows] for rows in ab.chunks(stack, hidden.shape[0])]
+    return torch.cat(hits).double() if hits else hidden.new_zeros(0, dtype=torch.float64)  # [n]
+
+
 @torch.inference_mode()
 def measure(loaded: LoadedModel, stack: Any, batches: list[Any], masks: list[np.ndarray], sink: int, recent: int,
-            every_token: bool = True, progress: Progress | None = None
+            every_token: bool = True, progress: Progress | None = None, contexts: list[int | None] | None = None,
             ) -> tuple[dict[int, np.ndarray], dict[int, int]]:
-    """Per sequence (corpus index) with a token to predict: [measure, mask, predicted token] of the loss, its change
-    and the KL against the same model with no head streaming (a mask with no head streaming: exactly 0), or without
-    `every_token` their sums over the tokens [measure, mask, 1]; and the tokens predicted per sequence."""
+    """Per sequence (corpus index) with a token to predict: [measure, mask, predicted token] of MEASURES against
+    the same model with no head streaming (a mask with no head streaming: loss change and KL exactly 0), or without
+    `every_token` their sums over the tokens [measure, mask, 1]; and the tokens predicted per sequence. `contexts`:
+    per sequence its context length (the kvpress client) or None (duo-attention)."""
     from attnprobe import ablate as ab
+    from attnprobe import layer_progress
 
     none = np.zeros((loaded.num_layers, loaded.num_kv_heads), dtype=bool)
     busy = [k for k, mask in enumerate(masks) if mask.any()]
@@ -436,25 +611,34 @@ def measure(loaded: LoadedModel, stack: Any, batches: list[Any], masks: list[np.
     counts: dict[int, int] = {}
     total, done = sum(len(b.indices) for b in batches), 0
     for batch in batches:
-        with streaming(loaded, none, sink, recent):
-            final = ab.run_full(loaded, batch, 1)  # [batch, seq, hidden]
-        ref = ab.reference(stack, batch, final, True)
-        nll = ref["nll"][None].repeat(len(masks), 1)  # [mask, predicted]
-        kl = torch.zeros_like(nll)  # [mask, predicted]
+        context = None if contexts is None or contexts[batch.indices[0]] is None else \
+            [contexts[i] for i in batch.indices]  # [batch]
         size = ab.group_size(batch, len(busy)) if busy else 1
-        for start in range(0, len(busy), size):
-            chunk = busy[start : start + size]
-            rows = all_masks[chunk].repeat_interleave(len(batch.indices), dim=0)  # [copies * batch, layer, kv]
-            with streaming(loaded, rows, sink, recent):
-                final = ab.run_full(loaded, batch, len(chunk))  # [copies * batch, seq, hidden]
-            nll[chunk], kl[chunk] = ab.token_measures(stack, batch, ref, final)  # [copies, predicted] each
-        both = torch.stack([nll, nll - ref["nll"][None], kl]).cpu().numpy()  # [measure, mask, predicted]
+        on_layer = layer_progress.reporter(progress, "streaming", done, total)
+        with layer_progress.watching(loaded.model, batch.input_ids.shape[1], on_layer,
+                                     runs=1 + -(-len(busy) // size), rows=len(batch.indices)):
+            with streaming(loaded, none, sink, recent):
+                final = ab.run_full(loaded, batch, 1)  # [batch, seq, hidden]
+            ref = ab.reference(stack, batch, final, True)
+            hit_ref = top1(stack, final[batch.predicts], batch.targets)  # [predicted]
+            nll = ref["nll"][None].repeat(len(masks), 1)  # [mask, predicted]
+            kl = torch.zeros_like(nll)  # [mask, predicted]
+            hit = hit_ref[None].repeat(len(masks), 1)  # [mask, predicted]
+            for start in range(0, len(busy), size):
+                chunk = busy[start : start + size]
+                rows = all_masks[chunk].repeat_interleave(len(batch.indices), dim=0)  # [copies * batch, layer, kv]
+                with streaming(loaded, rows, sink, recent, context=context):
+                    final = ab.run_full(loaded, batch, len(chunk))  # [copies * batch, seq, hidden]
+                nll[chunk], kl[chunk] = ab.token_measures(stack, batch, ref, final)  # [copies, predicted] each
+                picked = final.unflatten(0, (len(chunk), len(batch.indices)))[:, batch.predicts]  # [copies, pred, h]
+                hit[chunk] = top1(stack, picked.flatten(0, 1), batch.targets.repeat(len(chunk))).view(len(chunk), -1)
+        both = torch.stack([nll, nll - ref["nll"][None], kl, hit]).cpu().numpy()  # [measure, mask, predicted]
         owner = batch.rows.cpu().numpy()  # [predicted]: the batch row of each predicted token
         for row, index in enumerate(batch.indices):
             mine = owner == row
             if mine.any():
-                kept = both[:, :, mine]  # [measure, mask, tokens], in position order
-                out[index] = kept if every_token else kept.sum(-1, keepdims=True)  # [measure, mask, tokens or 1]
+                kept_values = both[:, :, mine]  # [measure, mask, tokens], in position order
+                out[index] = kept_values if every_token else kept_values.sum(-1, keepdims=True)
                 counts[index] = int(mine.sum())
         done += len(batch.indices)
         if progress:
@@ -496,37 +680,35 @@ def summarize(values: dict[int, np.ndarray], tokens: dict[int, int], masks: int,
 
 
 def run_info(
-    loaded: LoadedModel, corpus: Corpus, ids: list[Any], pattern: Pattern | None, chosen: np.ndarray, sink: int,
-    recent: int, sparsity: float, shares: tuple[float, ...], orders: list[str], batch_size: int, resamples: int,
-    seed: int, basis: dict[str, Any], result: pd.Series,
+    loaded: LoadedModel, corpus: Corpus, sequences: kvtasks.Sequences, counts: dict[int, int],
+    pattern: Pattern | None, chosen: np.ndarray, sink: int, recent: int, sparsity: float, shares: tuple[float, ...],
+    orders: list[str], batch_size: int, resamples: int, seed: int, bases: dict[str, dict[str, Any]],
+    frame: pd.DataFrame, client: str, continuation: int, random_orders: int, needle: Needle | None,
 ) -> dict[str, Any]:
-    from attnprobe.analysis import versions
-    from attnprobe.bootstrap import few_items_note
-
-    predicted = [len(t) - 1 for t in ids if len(t) > 1]
-    notes = []
-    if basis["method"] == BLOCK:
-        notes.append(f"only {len(predicted)} sequence{'' if len(predicted) == 1 else 's'}: the 95% intervals "
-                     "resample blocks of consecutive tokens within each sequence (another stretch of similar text), "
-                     "not other documents")
-    short = [n for n in predicted if n + 1 <= sink + recent]
-    if short:
-        notes.append(f"{len(short)} of {len(predicted)} sequences are no longer than sink + recent = "
-                     f"{sink + recent} tokens: a streaming head there still sees every key, so they cannot change; "
-                     "use longer documents (--split file or paragraphs)")
-    note = few_items_note(len(predicted), "sequence") if basis["method"] == POISSON else None
-    notes += [note] if note else []
     from attnprobe.ablate import record_header
+    from attnprobe.analysis import versions
 
+    tasks = list(bases)
+    lengths = [len(t) for t in sequences.ids]
+    notes = [*task_notes(sequences, counts, bases, sink, recent, client, continuation)]
+    chosen_rows = frame[frame["order"] == "chosen"].set_index("task")
+    result_keys = [c for c in frame.columns if c not in ("task", "order", "share", "kv_heads_streaming")]
     return {
         **record_header(loaded, corpus),
-        "sequences": len(ids),
+        "sequences": len(sequences.ids),
         "bos": loaded.bos,
         "limit": corpus.limit,
-        "tokens": int(sum(len(t) for t in ids)),
-        "predicted_tokens": int(sum(predicted)),
-        "longest": int(max(len(t) for t in ids)),
+        "tokens": int(sum(lengths)),
+        "predicted_tokens": int(sum(counts.values())),
+        "longest": int(max(lengths)),
         "method": "streaming",
+        "client": client,
+        "client_semantics": CLIENT_SEMANTICS[client],
+        "tasks": {name: task_record(name, sequences, counts) for name in tasks},
+        "continuation": int(continuation) if client == "kvpress" and "text" in tasks else None,
+        "needle": None if "needle" not in tasks or needle is None else {
+            "haystack": needle.haystack_name, "needle": needle.needle, "question": needle.question,
+            "answer": "the needle, after a space", "trials": sequences.trials},
         "sink_size": int(sink),
         "recent_size": int(recent),
         "pattern": None if pattern is None else pattern.source,
@@ -534,14 +716,62 @@ def run_info(
         "streaming_heads": [head_name(layer, head) for layer, head in zip(*np.nonzero(chosen))],
         "kv_heads_streaming": int(chosen.sum()),
         "kv_heads": int(chosen.size),
-        "result": {k: float(result[k]) for k in result.index if k not in ("order", "share", "kv_heads_streaming")},
+        "result": {name: {k: float(chosen_rows.loc[name, k]) for k in result_keys} for name in tasks},
         "shares": [float(s) for s in shares],
         "orders": orders,
+        "random_orders": int(random_orders),
         "attention": f"{NAME}: eager, in blocks of query rows (no n x n map)",
         "device": str(loaded.device),
         "dtype": loaded.dtype,
         "batch_size": batch_size,
-        "bootstrap": {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, **basis},
+        "bootstrap": {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "per_task": bases},
         "notes": notes,
         "versions": versions(),
     }
+
+
+CLIENT_SEMANTICS = {
+    "kvpress": f"kvpress {kvtasks.KVPRESS_VERSION} DuoAttentionPress: the context is prefilled with full attention; "
+               "afterwards every query (question, answer, continuation) of a streaming KV head misses the context "
+               "keys [sink, L - recent), L the context's length",
+    "duo-attention": "DuoAttention's own inference: a streaming KV head's query i sees only keys j < sink or "
+                     "j > i - recent, at every position, prefill included",
+}
+
+
+def task_record(name: str, sequences: kvtasks.Sequences, counts: dict[int, int]) -> dict[str, Any]:
+    mine = sequences.of(name)
+    return {"sequences": len(mine), "scored_tokens": int(sum(counts.get(i, 0) for i in mine)),
+            "skipped": int(sequences.skipped.get(name, 0))}
+
+
+def task_notes(sequences: kvtasks.Sequences, counts: dict[int, int], bases: dict[str, dict[str, Any]], sink: int,
+               recent: int, client: str, continuation: int) -> list[str]:
+    from attnprobe.bootstrap import few_items_note
+
+    notes = []
+    for name, basis in bases.items():
+        mine = [i for i in sequences.of(name) if i in counts]
+        words = "trials" if name == "needle" else "sequences"
+        if basis["method"] == BLOCK:
+            notes.append(f"{name}: only {len(mine)} {words}: the 95% intervals resample blocks of consecutive "
+                         "scored tokens within each sequence (another stretch of similar text), not other documents")
+        else:
+            note = few_items_note(len(mine), "sequence")
+            notes += [f"{name}: {note}"] if note else []
+        if client == "kvpress":
+            short = [i for i in mine if sequences.context[i] <= sink + recent]
+            what = "context"
+        else:
+            short = [i for i in mine if len(sequences.ids[i]) <= sink + recent]
+            what = "sequence"
+        if short:
+            notes.append(f"{name}: {len(short)} of {len(mine)} {words} have a {what} no longer than sink + recent = "
+                         f"{sink + recent} tokens: a streaming head there still sees every key, so they cannot "
+                         "change; use longer documents (--split file or paragraphs) or longer --lengths")
+        skipped = sequences.skipped.get(name, 0)
+        if skipped:
+            notes.append(f"{name}: {skipped} sequence{'' if skipped == 1 else 's'} shorter than --continuation "
+                         f"{continuation} + 2 tokens left out (the kvpress client scores a continuation after a "
+                         "context)")
+    return notes

@@ -1,4 +1,5 @@
-"""Are the maps attnprobe reads the model's true attention? Checks with their max abs differences."""
+"""Are the maps attnprobe reads the model's true attention? Checks, each with its difference where it is nearest its
+tolerance, in the dtype the model runs in (float32, bfloat16 or float16: each dtype's bounds are derived below)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ DEFAULT_SENTENCES = (
 
 @dataclass(frozen=True)
 class Check:
+    """One check: where a bound varies (per weight, per layer), `max_abs_diff` and `tolerance` are the difference and
+    the bound at the point nearest its bound ("diff at tightest"); with one bound, the largest difference."""
+
     name: str
     max_abs_diff: float | None  # None when the check was skipped
     tolerance: float
@@ -51,6 +55,7 @@ class Capture:
     inputs: list[tuple[tuple, dict]]  # per layer, the attention module's (args, kwargs)
 
 
+@torch.inference_mode()  # nothing here needs gradients; a parameter in a result would warn when read with float()
 def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCES, *, device: str = "auto",
            dtype: str = "auto") -> list[Check]:
     """Run every check on `sentences` (a few of different lengths are enough) and return them in order.
@@ -72,10 +77,10 @@ def verify(model: Any, sentences: list[str] | tuple[str, ...] = DEFAULT_SENTENCE
         rows_sum_to_one(batched, mask, sinks=bool(found.features) and any(f.sinks for f in found.features),
                         dtype=loaded.dtype),
         masked_keys_are_zero(batched, mask, loaded.causal, found.spans(len(batched.maps))),
-        *float32_bounds_only([batched_equals_unbatched(loaded, batched, ids)], loaded.dtype),
+        batched_equals_unbatched(loaded, batched, ids),
         recomputed_from_projections(loaded, batched, keys, rows),
-        *float32_bounds_only([eager_equals_sdpa(loaded, input_ids, mask), *blocked_equals_eager(loaded, input_ids,
-                                                                                                  mask)], loaded.dtype),
+        eager_equals_sdpa(loaded, input_ids, mask),
+        *blocked_equals_eager(loaded, input_ids, mask),
     ]
 
 
@@ -106,14 +111,6 @@ def rows_sum_to_one(batched: Capture, mask: Tensor, sinks: bool = False, dtype: 
     return Check("rows sum to 1", worst, tolerance)
 
 
-def float32_bounds_only(checks: list[Check], dtype: str) -> list[Check]:
-    """The checks whose bounds are float32's (batching, SDPA, the kernels' statistics), skipped for a model run in
-    bfloat16 or float16: no bound for them is derived in that dtype yet, and float32's would fail them all."""
-    if dtype == "float32":
-        return checks
-    return [Check(c.name, None, c.tolerance, f"{dtype}: rerun with --dtype float32") for c in checks]
-
-
 def masked_keys_are_zero(batched: Capture, mask: Tensor, causal: bool, spans: list[int | None]) -> Check:
     """Future, padded and (in a windowed layer) out-of-window keys of real queries get exactly 0."""
     rows = mask.bool()[:, None, :, None]  # [batch, 1, query, 1]
@@ -135,16 +132,29 @@ BATCHED_TOLERANCE = 1e-4
 
 
 def batched_equals_unbatched(loaded: LoadedModel, batched: Capture, ids: list[list[int]]) -> Check:
+    """The maps of the padded batch against each sentence's maps alone: to BATCHED_TOLERANCE in float32; in
+    bfloat16 or float16, per weight (pair_bound), from each layer's magnitudes as the recomputation finds them."""
+    name = "batched = one at a time"
     if len({len(tokens) for tokens in ids}) < 2:
-        return Check("batched = one at a time", None, BATCHED_TOLERANCE,
-                     "nothing is padded: use sentences of different lengths")
-    worst = 0.0
+        return Check(name, None, BATCHED_TOLERANCE, "nothing is padded: use sentences of different lengths")
+    magnitudes = None
+    if loaded.dtype != "float32":
+        magnitudes = _magnitudes(loaded, batched)
+        if isinstance(magnitudes, str):
+            return Check(name, None, BATCHED_TOLERANCE, f"{loaded.dtype}: {magnitudes}"[:NOTE_WIDTH])
+    worst: tuple[float, float] = (0.0, BATCHED_TOLERANCE)  # (diff, tolerance) nearest its bound
     for b, tokens in enumerate(ids):
         alone = capture(loaded, *pad_batch([tokens], loaded.device))
         n = len(tokens)
-        for p_batch, p_alone in zip(batched.maps, alone.maps):
-            worst = max(worst, float((p_batch[b, :, :n, :n] - p_alone[0]).abs().max()))
-    return Check("batched = one at a time", worst, BATCHED_TOLERANCE)
+        for layer, (p_batch, p_alone) in enumerate(zip(batched.maps, alone.maps)):
+            got, want = p_batch[b : b + 1, :, :n, :n], p_alone[:, :, :n, :n]  # [1, head, query, key]
+            if magnitudes is None:
+                found = (float((got - want).abs().max()), BATCHED_TOLERANCE)
+            else:
+                bound = pair_bound(loaded.dtype, layer, got, want, magnitudes[layer][b : b + 1, :, :n])
+                found = _worst_against_bound(want, got, bound, torch.ones_like(got, dtype=torch.bool))
+            worst = max(worst, found, key=lambda pair: pair[0] / pair[1])
+    return Check(name, worst[0], worst[1], "" if magnitudes is None else f"{loaded.dtype}: bound per weight")
 
 
 RECOMPUTED = "softmax(QK^T/sqrt(d)) = maps"
@@ -158,6 +168,56 @@ RECOMPUTED = "softmax(QK^T/sqrt(d)) = maps"
 ROUNDINGS = 12
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 FLOAT32_MAPS = 1e-5  # float32's rounding of a softmax, as the other map checks allow
+
+
+# Two runs of one model in bfloat16 or float16 that compute the same thing by different paths (a batch and one
+# sentence alone, eager and SDPA attention, the eager maps and the blocked or fused kernels) round differently, and
+# what a path rounds in one layer reaches every later layer through the hidden state. To first order these relative
+# errors add (as tests/test_dtype.py derives for the statistics): per layer the scores pass about 4 roundings
+# before the softmax (the q and k projections, the rotary embedding, the product) and the hidden state about 4
+# more on its way to the next layer (attention output, output projection, residual sum, MLP). So at layer l
+# (counted from 0) one run's logits are off by PER_LAYER (l + 1) u relative, and so are the statistics, smooth
+# functions of them (entropy in nats, distance in tokens, shares in [0, 1]; relative above 1); two runs differ by
+# twice that (depth_bound). A logit's absolute error is its relative error times the row's magnitude A (the
+# recomputation's); where A is at hand, the recomputation's fuller count of a layer's own roundings (ROUNDINGS, with
+# norms, scale and soft-cap) replaces the 4: (ROUNDINGS + PER_LAYER l) u A for one run (pair_bound).
+PER_LAYER = 8
+
+
+def depth_bound(dtype: str, layer: int) -> float:
+    """How far two runs in `dtype` may differ at `layer` (from 0), relative: 2 PER_LAYER (layer + 1) u; 0 in float32,
+    whose own bounds apply."""
+    if dtype == "float32":
+        return 0.0
+    return 2 * PER_LAYER * (layer + 1) * UNIT_ROUNDOFF.get(dtype, 0.0)
+
+
+def pair_bound(dtype: str, layer: int, first: Tensor, second: Tensor, magnitude: Tensor) -> Tensor:
+    """Per weight, how far the maps `first` and `second` [batch, head, query, key] of two runs in `dtype` may differ
+    at `layer`, `magnitude` [batch, head, query] the rows' A. Each run's logits are off by at most
+    e = (ROUNDINGS + PER_LAYER layer) u A, so the two by 2e, and the ratio of their weights lies within exp(+-4e):
+    |p1 - p2| <= min(p1, p2) (exp(4e) - 1); each weight is stored to u of itself (u (p1 + p2) more), and
+    BATCHED_TOLERANCE covers float32's part."""
+    u = UNIT_ROUNDOFF.get(dtype, 2.0**-24)
+    e = (ROUNDINGS + PER_LAYER * layer) * u * magnitude  # [batch, head, query]
+    return torch.minimum(first, second) * torch.expm1(4 * e)[..., None] + u * (first + second) + BATCHED_TOLERANCE
+
+
+def _magnitudes(loaded: LoadedModel, batched: Capture) -> list[Tensor] | str:
+    """Each layer's row magnitudes A [batch, head, query] from the recomputation of the captured inputs, or why
+    there are none."""
+    scores_of = recompute.RECOMPUTE.get(loaded.model.config.model_type)
+    if scores_of is None:
+        return f"no bound without a recomputation ({loaded.model.config.model_type})"
+    modules = [module for module, _ in attention_modules(loaded.model)]
+    found = []
+    try:
+        for layer, (module, (args, kwargs)) in enumerate(zip(modules, batched.inputs)):
+            hidden = (args[0] if args else kwargs["hidden_states"]).float()  # [batch, seq, embed]
+            found.append(scores_of(module, hidden, loaded.model.config, layer).magnitude)
+    except recompute.CannotRecompute as err:
+        return f"no bound: {err}"
+    return found
 
 
 def recompute_bound(dtype: str, expected: Tensor, magnitude: Tensor) -> Tensor:
@@ -209,13 +269,16 @@ def _worst_against_bound(expected: Tensor, p: Tensor, bound: Tensor, rows: Tenso
 
 
 def eager_equals_sdpa(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> Check:
-    """The model's output under eager attention (what attnprobe reads) and under SDPA agree."""
+    """The model's output under eager attention (what attnprobe reads) and under SDPA agree, layer by layer: each
+    layer's output (hidden state) to 1e-5 of its largest value in float32, which sums in another order; in
+    bfloat16 or float16 to depth_bound (2 PER_LAYER (l + 1) u) more, as SDPA rounds other sums than eager attention
+    (its fused kernels keep the logits in float32), and what one layer rounds reaches the next."""
     model = loaded.model
     name = "eager output = SDPA output"
     if getattr(model.config, "attn_logit_softcapping", None):  # SDPA has no soft-capping: its output must differ
         return Check(name, None, 0.0, "SDPA cannot soft-cap scores")
     with torch.inference_mode():
-        eager = model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [batch, seq, embed]
+        eager = _layer_outputs(model, input_ids, mask)
         try:
             model.set_attn_implementation("sdpa")
         except (ValueError, ImportError):
@@ -223,14 +286,30 @@ def eager_equals_sdpa(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -> C
         if model.config._attn_implementation != "sdpa":  # transformers only warns: the same eager run twice
             return Check(name, None, 0.0, "the model cannot switch to SDPA")
         try:
-            sdpa = model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [batch, seq, embed]
+            sdpa = _layer_outputs(model, input_ids, mask)
         finally:
             model.set_attn_implementation("eager")
     real = mask.bool()[..., None]  # [batch, seq, 1]
-    scale = float(torch.where(real, eager, 0.0).abs().max())
-    tolerance = 1e-5 * max(1.0, scale)  # float32 sums in another order: relative to the output's size
-    worst = float(torch.where(real, eager - sdpa, 0.0).abs().max())
-    return Check(name, worst, tolerance, f"|output| <= {scale:.3g}")
+    layers = loaded.num_layers
+    found = []  # (diff, tolerance, scale) per layer output, the last one the model's output
+    for layer, (want, got) in zip(range(layers - len(eager), layers), zip(eager, sdpa)):
+        scale = float(torch.where(real, want, 0.0).abs().max())  # relative to the output's size
+        tolerance = (1e-5 + depth_bound(loaded.dtype, layer)) * max(1.0, scale)
+        found.append((float(torch.where(real, want - got, 0.0).abs().max()), tolerance, scale))
+    diff, tolerance, scale = max(found, key=lambda each: each[0] / each[1])
+    at = found.index((diff, tolerance, scale))
+    return Check(name, diff, tolerance, f"|output| <= {scale:.3g}" + (f" (layer {at})" if len(found) > 1 else ""))
+
+
+def _layer_outputs(model: Any, input_ids: Tensor, mask: Tensor) -> list[Tensor]:
+    """Each layer's output [batch, seq, embed] (the last one the model's output), or the model's output alone where
+    its hidden states are not one per layer."""
+    out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
+    states = getattr(out, "hidden_states", None)
+    layers = len(attention_modules(model))
+    if states is None or len(states) != layers + 1:
+        states = ()
+    return [s.float().to(mask.device) for s in (*states[1:-1], out.last_hidden_state)]  # on the mask's device
 
 
 STATS_TOLERANCE = 1e-5  # blocked vs eager statistics, relative above 1: float32's bound through the layers
@@ -245,7 +324,9 @@ def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -
     agree to 1e-5: the block products sum in another order, and that float32 rounding (1e-7) carries
     through the layers (1.2e-6 on SmolLM2's 30 layers here; other CPUs round differently), so the bound is
     float32's through several layers, not one machine's digits. Position bins, whose mean can rest on a
-    single row, to 1e-5 as well.
+    single row, to 1e-5 as well. In bfloat16 or float16 each layer l adds depth_bound (2 PER_LAYER (l + 1) u):
+    the kernels round other sums than the eager maps (the fused path's logits are never rounded to the dtype),
+    and what one layer rounds reaches the next through the hidden state.
     """
     names = ("blocked statistics = eager", "blocked position bins = eager", "fused statistics = eager")
     reason = kernel.unsupported(loaded)
@@ -281,10 +362,11 @@ def blocked_equals_eager(loaded: LoadedModel, input_ids: Tensor, mask: Tensor) -
     layers = kernel.discover(loaded).fused_layers(loaded.device)
     fused_note = ("every layer fused" if len(layers) == len(eager) else
                   f"layers {_ranges(layers)} fused, the others blocked" if layers else "no layer is fused: all blocked")
-    return [Check(names[0], _relative_diff(means), STATS_TOLERANCE, note),
-            Check(names[1], _relative_diff(by_bin), 1e-5, note),
-            Check(names[2], _relative_diff([(eager[layer].means(), fused[layer].means()) for layer in eager]),
-                  STATS_TOLERANCE, fused_note)]
+    bounds = [depth_bound(loaded.dtype, layer) for layer in eager]  # 0 in float32
+    fused_pairs = [(eager[layer].means(), fused[layer].means()) for layer in eager]
+    return [Check(names[0], *_worst_layer(means, [STATS_TOLERANCE + b for b in bounds]), note),
+            Check(names[1], *_worst_layer(by_bin, [1e-5 + b for b in bounds]), note),
+            Check(names[2], *_worst_layer(fused_pairs, [STATS_TOLERANCE + b for b in bounds]), fused_note)]
 
 
 def _ranges(layers: list[int]) -> str:
@@ -296,6 +378,14 @@ def _ranges(layers: list[int]) -> str:
         else:
             spans.append([layer, layer])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _worst_layer(pairs: list[tuple[dict[str, Tensor], dict[str, Tensor]]],
+                 tolerances: list[float]) -> tuple[float, float]:
+    """(difference, tolerance) of the layer nearest its tolerance: each layer's (want, got) statistics and its
+    tolerance, in order."""
+    return max(((_relative_diff([pair]), tolerance) for pair, tolerance in zip(pairs, tolerances)),
+               key=lambda found: found[0] / found[1])
 
 
 def _relative_diff(pairs: list[tuple[dict[str, Tensor], dict[str, Tensor]]]) -> float:

@@ -55,6 +55,12 @@ class Run:
     minutes: float = 1.0  # about how long here (2 shared cores), for --list and the skip message
 
 
+KVPRESS_HAYSTACK = "/usr/share/common-licenses/MPL-2.0"  # bench_kvpress.py's held-out needle task, its first needle
+KVPRESS_NEEDLE = ("The best thing to do in Lisbon is ride the old yellow tram up the hill and watch the sunset from "
+                  "the castle.")
+KVPRESS_QUESTION = "What is the best thing to do in Lisbon?"
+
+
 def ap(*args: str, key: str = "", env: tuple[tuple[str, str], ...] = ()) -> Step:
     """An `attnprobe` command, run as `python -m attnprobe` (the checkout's own code)."""
     return Step(("{py}", "-m", "attnprobe", *args), env=env, key=key)
@@ -126,6 +132,18 @@ RUNS: dict[str, Run] = {run.name: run for run in (
            "streaming", "--pattern", "{out}/duo", "--out", "{out}/streaming", key="streaming")),
         needs=("gpl3", "probe-smollm2"), about="SmolLM2's retrieval heads (Wu et al.) on the GPL-3 licence, the "
         "DuoAttention export of `gpl3` and its streaming curve", minutes=6),
+    Run("kvpress-smollm2", "slow", (
+        Step(("make", "--no-print-directory", "kvpress-check", "KVPRESS_OUT={out}"), key="kvpress"),
+        helper("kvpress-plot", "{out}/kvpress-smollm2.json", "{out}/kvpress-smollm2.png"),
+        *(ap("ablate", "--model", "smollm2-135m", "--corpus", KVPRESS_HAYSTACK, "--split", "file", "--method",
+             "streaming", "--client", "kvpress", "--task", "needle", "--pattern", f"{{out}}/{folder}", "--haystack",
+             KVPRESS_HAYSTACK, "--needle", KVPRESS_NEEDLE, "--question", KVPRESS_QUESTION, "--lengths", "1024",
+             "--depths", "20,45,70", "--shares", "0.25,0.5,0.75", "--random-orders", "5", "--out",
+             f"{{out}}/ablate-{name}", key=f"ablate-{name}")
+          for name, folder in (("analyze", "duo-analyze"), ("retrieval", "duo-retrieval"),
+                               ("sink_window", "candidates/sink_window")))),
+        about="`make kvpress-check`: the exports of `retrieval` and `analyze` (and other analyze scores) inside "
+        "kvpress 0.5.5 on held-out needles and texts, beside random patterns and kvpress's presses", minutes=30),
     Run("rollout", "results", (
         ap("rollout", "--model", "smollm2-135m", "--corpus", CORPUS, "--out", "{out}/smollm2"),
         ap("rollout", "--model", "smollm2-135m", "--corpus", CORPUS, "--residual", "0.9", "--out",

@@ -160,6 +160,53 @@ def suite(target: str) -> None:
                         "load_average": os.getloadavg()[0]})
 
 
+KVPRESS_LABELS = {"full": "full cache", "no_needle": "full cache, no needle in the context",
+                  "retrieval": "export of `retrieval`", "analyze": "export of `analyze` (far share, the default)",
+                  "random": "random patterns"}
+
+
+def kvpress_plot(results: str, target: str) -> None:
+    """bench_kvpress.py's JSON as a figure: per task, the NLL against the share of the context's KV entries kept, for
+    the exports, the random patterns (mean, band: lowest to highest), kvpress's own presses and the full cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    data = json.loads(Path(results).read_text(encoding="utf-8"))
+    settings = data["settings"]
+    kept_if = 1 - (settings["sink_size"] + settings["recent_size"]) / settings["context"]  # dropped share per ratio
+    tasks = list(dict.fromkeys(r["task"] for r in data["summary"]))
+    figure = Figure(figsize=(6.2 * len(tasks), 4.8), layout="constrained")
+    axes = figure.subplots(1, len(tasks), squeeze=False)[0]
+    shown = ("retrieval", "analyze", "sink_window", "random", "StreamingLLMPress", "SnapKVPress", "KnormPress",
+             "ExpectedAttentionPress")
+    for ax, task in zip(axes, tasks):
+        rows = [r for r in data["summary"] if r["task"] == task]
+        for name in shown:
+            mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["ratio"])
+            if not mine:
+                continue
+            x = [100 * (1 - r["ratio"] * kept_if) for r in mine]
+            label = KVPRESS_LABELS.get(name, "analyze: 1 - sink_window (old default)" if name == "sink_window"
+                                       else name)
+            style = "-" if name in ("retrieval", "analyze", "random", "sink_window") else "--"
+            line, = ax.plot(x, [r["nll"] for r in mine], style, marker="o", markersize=3, label=label)
+            if name == "random":
+                ax.fill_between(x, [r["nll_min"] for r in mine], [r["nll_max"] for r in mine], alpha=0.15,
+                                color=line.get_color(), linewidth=0)
+        for name, color in (("full", "black"), ("no_needle", "grey")):
+            for r in rows:
+                if r["method"] == name:
+                    ax.axhline(r["nll"], color=color, linewidth=0.8, linestyle=":", label=KVPRESS_LABELS[name])
+        ax.invert_xaxis()
+        ax.set_xlabel("share of the context's KV entries kept (%)")
+        ax.set_ylabel("NLL of the scored tokens (nats/token)")
+        ax.set_title(f"{task}: SmolLM2-135M in kvpress {settings['versions']['kvpress']}", fontsize=10)
+        ax.legend(fontsize=7, loc="upper left")
+    figure.savefig(target, dpi=110)
+
+
 def batch_sizes(work: str, target: str) -> None:
     """Seconds of the whole `attnprobe analyze` process on bench_analyze.py's model and corpus (built in `work`
     if missing), one torch thread, for batches of 4, 8, 16 and 32."""
@@ -284,7 +331,7 @@ def gpu_result(target: str) -> None:
 STEPS = {"copy-analysis": copy_analysis, "screenshot": screenshot, "verify": verify, "gpt2-small": gpt2_small,
          "sink-groups": sink_groups, "startup": startup, "threads": threads, "suite": suite,
          "report-sizes": report_sizes, "batch-sizes": batch_sizes, "coverage": coverage,
-         "block-coverage": block_coverage, "zoo": zoo, "gpu-result": gpu_result}
+         "block-coverage": block_coverage, "zoo": zoo, "gpu-result": gpu_result, "kvpress-plot": kvpress_plot}
 
 
 if __name__ == "__main__":

@@ -70,11 +70,12 @@ def test_duo_attention_folder_loads_as_duo_attention_and_kvpress_read_it(gqa_run
     assert (sink, recent) == (2, 3)  # the run's --sink-tokens and --window
     assert scores.shape == (3, 2)  # [layers, KV heads]
     heads = pd.read_csv(gqa_run / "heads.csv")
+    heads["share"] = ((1 - heads["sink_window"]) / (1 - heads["first_token"])).clip(0, 1)  # the kv score
     expected = np.zeros((3, 2))
     for (layer, kv), group in heads.groupby([heads["layer"], heads["head"] // 2]):
-        expected[layer, kv] = 1 - group["sink_window"].min()  # the KV head needs the cache if any reader does
+        expected[layer, kv] = group["share"].max()  # the KV head needs the cache if any reader does
     assert np.allclose(scores, expected, atol=1e-7)  # written with 8 significant digits
-    # kvpress: the lowest round(size x ratio) KV heads become streaming; ours must be the ones with most sink_window
+    # kvpress: the lowest round(size x ratio) KV heads become streaming; ours must be the ones with the least far share
     streaming = np.unravel_index(np.argsort(scores, axis=None)[:2], scores.shape)
     assert set(zip(*map(list, streaming))) == set(zip(*np.unravel_index(np.argsort(expected, axis=None)[:2],
                                                                           expected.shape)))
@@ -83,14 +84,15 @@ def test_duo_attention_folder_loads_as_duo_attention_and_kvpress_read_it(gqa_run
 def test_retrieval_head_json_from_sink_window(gqa_run, tmp_path):
     result = invoke("export", "--out", gqa_run, "--format", "retrieval-head", "--to", tmp_path / "rh")
     assert result.exit_code == 0, result.output
-    [path] = list((tmp_path / "rh").iterdir())
+    [path] = [p for p in (tmp_path / "rh").iterdir() if p.name != "attnprobe.json"]  # beside export's record
     assert path.name == "llama.json"
     scores = json.loads(path.read_text())  # one line, as Retrieval_Head writes it
     assert len(path.read_text().splitlines()) == 1
     heads = pd.read_csv(gqa_run / "heads.csv")
     assert list(scores) == [f"{layer}-{head}" for layer in range(3) for head in range(4)]
     for row in heads.itertuples():
-        assert scores[f"{row.layer}-{row.head}"] == pytest.approx([1 - row.sink_window], abs=1e-7)
+        share = min(1.0, (1 - row.sink_window) / (1 - row.first_token))  # the kv score
+        assert scores[f"{row.layer}-{row.head}"] == pytest.approx([share], abs=1e-7)
 
 
 def write_retrieval(folder, spec="m", layers=2, heads=4, kv_heads=2, means=None):
@@ -149,9 +151,6 @@ def test_bad_inputs_are_one_line_errors(gqa_run, tmp_path):
     result = invoke("export", "--out", folder, "--to", tmp_path / "duo")
     assert result.exit_code == 1 and "no heads.csv in" in result.output
     assert not (tmp_path / "duo").exists()  # nothing half-written
-    retrieval_only = write_retrieval(tmp_path / "r")
-    result = invoke("export", "--out", retrieval_only, "--to", tmp_path / "duo")
-    assert result.exit_code == 1 and "pass --sink-size and --recent-size" in result.output
     zeros = write_retrieval(tmp_path / "z", means=np.zeros((2, 4)))
     with pytest.raises(AttnprobeError, match="never copied the needle"):
         load_scores(zeros, sink=4, recent=8)

@@ -154,6 +154,23 @@ def test_few_sentences_warn_that_intervals_mean_little(gpt2_dir, tmp_path):
     notes = json.loads((tmp_path / "out" / "run.json").read_text())["notes"]
     assert len(notes) == 1 and notes[0].startswith("only 1 sequence")
     assert few_sentences_note(FEW_SENTENCES) is None and "only 9 sequences" in few_sentences_note(9)
+    assert ", 1 sentence, " in " ".join(result.stdout.split())
+
+
+def test_one_document_is_counted_as_one_sequence(gpt2_dir, tmp_path):
+    """`--split file` makes one sequence of the whole file: the summary says "1 sequence", not "1 sentence" (a
+    document is no sentence), and counts keep their plurals right (issue 34)."""
+    from attnprobe.naming import counted, sequence_noun
+
+    corpus = tmp_path / "doc.txt"
+    corpus.write_text("The cat sat on the mat.\nThe dog sat on the log.\n", encoding="utf-8")
+    result = run("analyze", "--model", gpt2_dir, "--corpus", corpus, "--split", "file", "--out", tmp_path / "out",
+                 "--device", "cpu", "--resamples", "20")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert ", 1 sequence, " in text and "1 sentence" not in text
+    assert counted(1, "sequence") == "1 sequence" and counted(2, "query row") == "2 query rows"
+    assert sequence_noun("lines") == "sentence" and sequence_noun("paragraphs") == "sequence"
 
 
 # ---- outputs that mix or go stale ----------------------------------------------------------------------------
@@ -192,6 +209,16 @@ def test_reanalysing_removes_what_the_earlier_run_made_and_says_so(gpt2_dir, lla
     third = run("analyze", "--model", llama_dir, *base)
     assert third.exit_code == 0
     assert "Note:" not in third.stderr
+
+    # a rerun that writes the same results, file for file: what was made from them still matches, and stays
+    assert run("classify", "--out", out).exit_code == 0
+    assert run("plot", "--out", out).exit_code == 0
+    before = json.loads((out / "run.json").read_text())["files"]
+    fourth = run("analyze", "--model", llama_dir, *base)
+    assert fourth.exit_code == 0
+    assert json.loads((out / "run.json").read_text())["files"] == before
+    assert "Note:" not in fourth.stderr and "removed" not in fourth.stderr
+    assert (out / "head_types.csv").exists() and (out / "head_patterns.png").exists()
 
 
 def test_probe_has_its_own_folder_and_provenance(planted_dir, tmp_path, monkeypatch):

@@ -99,3 +99,18 @@ def test_a_table_piped_from_a_narrow_terminal_keeps_its_rows(gpt2_dir, tmp_path)
     rows = [line for line in done.stdout.splitlines() if line.startswith("│ early - late")]
     assert len(rows) == 1, done.stdout  # before: "│ early - late │ -0.222 │ [-0.261," and the rest below
     assert rows[0].rstrip().endswith("│") and "[" in rows[0] and "]" in rows[0], done.stdout  # the whole row
+
+
+def test_every_command_summary_in_the_top_help_is_whole():
+    """`attnprobe --help` lists each command with click's short help: the first sentence, cut at 45 characters
+    with "...". A period inside the first sentence ("Wu et al.") cut retrieval's at "(Wu et al." (issue 34)."""
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0, result.output
+    listed = result.output.split("Commands:")[1].splitlines()
+    for name, command in typer.main.get_command(app).commands.items():
+        for limit in (45, 80, 300):  # the listing's width follows the terminal's (docs/commands.md's is wider)
+            summary = command.get_short_help_str(limit=limit)
+            assert summary.count("(") == summary.count(")") or summary.endswith("..."), (name, limit, summary)
+            assert not summary.endswith(" al."), (name, limit, summary)
+        line = next(line.split(None, 1)[1] for line in listed if line.split()[:1] == [name])
+        assert line.count("(") == line.count(")") or line.endswith("..."), (name, line)

@@ -160,3 +160,89 @@ def test_cli_malicious_pickle(gpt2_dir, tmp_path, corpus_file):
     out = tmp_path / "results"
     assert_cli_error(run_cli(folder, corpus_file, out), out, "pytorch_model.bin", "safetensors")
     assert not marker.exists()
+
+
+# ---- no model hub (issue 34): fail within the hub check's timeout, name lookup included -----------------------
+
+
+def hanging(*args, **kwargs):
+    import time
+
+    time.sleep(30)  # a resolver (or route) that never answers
+    raise OSError("timed out")
+
+
+@pytest.mark.parametrize("where", ["getaddrinfo", "create_connection"])
+def test_an_unanswered_hub_check_gives_up_after_its_timeout(monkeypatch, where):
+    import socket
+    import time
+
+    from attnprobe import model
+
+    for name in model.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(socket, where, hanging)
+    started = time.perf_counter()
+    assert model.hub_reachable(timeout=0.5) is False
+    assert time.perf_counter() - started < 3.0
+
+
+def test_a_hub_id_fails_fast_without_a_network(monkeypatch, tmp_path):
+    """Without HF_HUB_OFFLINE, a hub id not in the cache fails in about HUB_TIMEOUT, not after the resolver's
+    retries (22 s) or the hub client's (a minute)."""
+    import socket
+    import time
+
+    from attnprobe import model
+
+    for name in model.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(model, "hub_offline", lambda: False)
+    monkeypatch.setattr(model, "HUB_TIMEOUT", 0.5)
+    monkeypatch.setattr(model.hub_reachable, "__defaults__", (0.5,))
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    started = time.perf_counter()
+    with pytest.raises(AttnprobeError, match="cannot reach the model hub"):
+        load_model("attnprobe-test/not-cached", device="cpu")
+    assert time.perf_counter() - started < 10.0
+
+
+def test_a_hub_that_accepts_connections_but_never_answers_counts_as_unreachable(monkeypatch):
+    """A firewall that completes the TCP handshake and then says nothing: the hub client waited 10 s per file."""
+    import socket
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from attnprobe import model
+
+    for name in model.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # connections complete in the backlog; nothing ever reads or answers them
+    try:
+        monkeypatch.setattr(model, "hub_endpoint", lambda: f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.perf_counter()
+        assert model.hub_reachable(timeout=0.5) is False
+        assert time.perf_counter() - started < 3.0
+    finally:
+        silent.close()
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_HEAD(self):  # noqa: N802 (http.server's name)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(model, "hub_endpoint", lambda: f"http://127.0.0.1:{server.server_port}")
+        assert model.hub_reachable(timeout=2.0) is True  # any HTTP answer: the hub client takes it from there
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -428,12 +428,14 @@ def test_a_killed_runs_temporary_files_are_removed_and_no_one_elses(gpt2_dir, co
     out.mkdir()
     ours = []
     for name in ("checkpoint.npz", "sentences.parquet", "heads.csv", "checkpoint-rank1-of-2.npz"):
-        fd, path = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")  # as io.write_files names them
+        # as io.write_files names them (io.temp_prefix), by a writer that is gone (no process has pid 999999999)
+        fd, path = tempfile.mkstemp(dir=out, prefix=f".{name}.999999999-", suffix=".tmp")
         os.close(fd)
         ours.append(os.path.basename(path))
     (out / ".sentences.parquet.rank1.part").write_bytes(b"part")
     ours.append(".sentences.parquet.rank1.part")
-    theirs = [".notes.txt.abcd1234.tmp", "mine.tmp", ".heads.csv.bak", ".heads.csv.abc.tmp", "heads.csv.abcd1234.tmp"]
+    theirs = [".notes.txt.abcd1234.tmp", "mine.tmp", ".heads.csv.bak", ".heads.csv.abc.tmp", "heads.csv.abcd1234.tmp",
+              ".heads.csv.abcd1234.tmp"]  # the last: no writer's pid, so nothing tells it is attnprobe's
     for name in theirs:
         (out / name).write_bytes(b"keep")
     old = time.time() - 60
@@ -447,11 +449,13 @@ def test_a_killed_runs_temporary_files_are_removed_and_no_one_elses(gpt2_dir, co
 
 
 def test_a_temporary_file_of_a_run_going_on_is_kept(tmp_path):
+    import os
     import time
 
-    (tmp_path / ".checkpoint.npz.abcd1234.tmp").write_bytes(b"being written")
+    name = f".checkpoint.npz.{os.getpid()}-abcd1234.tmp"  # this process's: its age tells
+    (tmp_path / name).write_bytes(b"being written")
     assert io.remove_stale_temps(tmp_path, time.time() - 60) == []
-    assert io.remove_stale_temps(tmp_path, time.time() + 60) == [".checkpoint.npz.abcd1234.tmp"]
+    assert io.remove_stale_temps(tmp_path, time.time() + 60) == [name]
 
 
 def test_device_map_leaves_no_offload_folder(gpt2_dir, corpus_file, tmp_path):

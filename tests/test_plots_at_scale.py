@@ -70,9 +70,9 @@ def test_the_similarity_matrix_of_many_heads_names_a_few_and_lists_its_clusters(
     assert "L0H0" in names  # the first chosen head is named
     assert not any("tree" in ax.get_title() for ax in figure.axes)  # no dendrogram of 1 px leaves
     listed = [t.get_text() for ax in figure.axes for t in ax.texts if t.get_text().startswith("C")]
-    clusters = [t for t in listed if "heads, JS within" in t]
+    clusters = [t for t in listed if "JS within" in t]
     assert 2 <= len(clusters) <= plotting.CLUSTERS
-    assert sum(int(t.split(": ")[1].split(" heads")[0]) for t in clusters) == len(layer)  # every head in one
+    assert sum(int(t.split(": ")[1].split(" head")[0]) for t in clusters) == len(layer)  # every head in one
     assert_no_overlaps(figure)
 
 
@@ -117,3 +117,27 @@ def test_the_probe_heatmap_stacks_its_panels(layers, heads):
     assert all(abs(box.x0 - boxes[0].x0) < 1 for box in boxes)  # one above the other
     assert all(a.y0 > b.y1 for a, b in zip(boxes, boxes[1:]))
     assert_no_overlaps(figure)
+
+
+def test_the_similarity_caption_counts_the_names_it_shows():
+    """Issue 34: the caption said every cluster's centre was named where some were left out (too close to another
+    name), and a cluster of one read "1 heads"."""
+    js, layer, head, types, labelled = synthetic(12, 12)
+    figure = plotting.head_similarity_figure(js, layer, head, types, labelled[:2], "synthetic")
+    matrix = next(ax for ax in figure.axes if ax.images and ax.images[0].get_array().shape == (len(layer),) * 2)
+    named = {t.get_text() for t in matrix.get_xticklabels() if t.get_text()}
+    listed = [t.get_text() for ax in figure.axes for t in ax.texts if "JS within" in t.get_text()]
+    centres = [line.rsplit("centre ", 1)[1] for line in listed]
+    caption = matrix.get_xlabel()
+    shown = sum(1 for c in centres if c in named)
+    assert f"{len(named)} named" in caption
+    if shown == len(centres):
+        assert "each cluster's centre" in caption
+    else:
+        assert f"the centres of {shown} of the {len(centres)} clusters" in caption and "left out" in caption
+
+    assert "1 heads" not in " ".join(listed)
+    assert plotting.names_caption([1, 2], [1], [2, 3, 4]) == ("2 named: the 1 chosen head and the centres of 1 of "
+                                                              "the 3 clusters\n(names that would overlap are left "
+                                                              "out; every centre is listed on the right)")
+    assert plotting.names_caption([1, 2, 3], [], [2, 3]) == "3 named: each cluster's centre"

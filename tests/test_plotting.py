@@ -218,7 +218,7 @@ def test_copy_pick_avoids_a_first_token_sink_when_it_can():
     example = {"maps": np.tile(np.eye(3), (2, 2, 1, 1)), "tokens": ["a", "b", "c"], "sentence": "a b c"}
     all_sinks = heads.assign(first_token_unforced=[0.99, 0.9, 0.1])
     figure = plotting.head_patterns_figure(example, types, all_sinks)
-    assert "first-token sink, like every copy head" in figure.axes[0].get_title()
+    assert "first-token sink, like every copy head" in " ".join(figure.axes[0].get_title().split())
 
 
 def test_chosen_heads_get_one_panel_each_with_their_name():
@@ -368,7 +368,53 @@ def test_pattern_titles_clear_each_other_and_the_colour_bar(tokens, chosen):
         assert not overlap(box, bar), (k, box, bar)
         for other in titles[k + 1:]:
             assert not overlap(box, other), (box, other)
-    assert all("\n" in ax.get_title() and "entropy_unforced" in ax.get_title() for ax in panels)
+    assert all("\n" in ax.get_title() and "entropy (unforced)" in ax.get_title() for ax in panels)
+    # issue 34: every text of one panel (title, axis labels, tick labels) clear of every other panel's: in two rows
+    # the top row's "key (attended to)" ran into the bottom row's titles
+    texts = [(k, text) for k, ax in enumerate(figure.axes)
+             for text in (ax.title, ax.xaxis.label, ax.yaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels())
+             if text.get_visible() and text.get_text()]
+    boxes = [(k, text.get_text(), text.get_window_extent(renderer)) for k, text in texts]
+    for i, (k, name, box) in enumerate(boxes):
+        for other_k, other_name, other in boxes[i + 1:]:
+            assert k == other_k or not overlap(box, other), (name, other_name, box, other)
+
+
+def test_pattern_layout_is_what_is_saved():
+    """One pass of constrained layout does not settle fixed-aspect panels: the layout of the first draw (what
+    savefig writes) differed from the second. head_patterns settles it once and keeps it."""
+    heads = fake_heads(3, 4)
+    types = classify(heads)
+    types["head_type"] = ["local", "copy", "broad", "mixed"] * 3
+    tokens = [f"token{k}" for k in range(12)]
+    example = {"maps": np.tile(np.eye(12), (3, 4, 1, 1)), "tokens": tokens, "sentence": " ".join(tokens)}
+    figure = plotting.head_patterns_figure(example, types, heads, None, "Attention patterns: gpt2 on corpus.txt")
+    first = [ax.get_position().bounds for ax in figure.axes]
+    drawn(figure)
+    drawn(figure)
+    np.testing.assert_allclose([ax.get_position().bounds for ax in figure.axes], first, atol=1e-6)
+
+
+def test_a_panel_heading_leaves_no_word_alone_on_a_line():
+    """Issue 34: the copy panel's title broke "... like every copy head" / "here"."""
+    heading = "L18H8 copy: a first-token sink, like every copy head here"
+    width = plotting.text_inches("L18H8 copy: a first-token sink, like every copy head", plotting.PANEL_TITLE_PT)
+    greedy = plotting.fit_lines(heading.split(" "), width, plotting.PANEL_TITLE_PT, " ")
+    assert greedy[-1] == "here"  # what it did
+    lines = plotting.fit_lines(heading.split(" "), width, plotting.PANEL_TITLE_PT, " ", balanced=True)
+    assert len(lines) == len(greedy) and all(" " in line for line in lines), lines
+    assert " ".join(lines) == heading
+    assert max(plotting.text_inches(line, plotting.PANEL_TITLE_PT) for line in lines) <= width
+
+
+def test_pattern_scores_are_named_in_words():
+    """Issue 34: the panel titles printed heads.csv's column names (entropy_unforced, first_token_unforced)."""
+    row = pd.Series({"entropy_unforced": 0.5, "entropy_norm": 0.2, "diagonal_unforced": 0.9,
+                     "first_token_unforced": 0.1, "previous_token": 0.7, "sink_window": 0.4})
+    scores = plotting.head_scores(row)
+    assert scores == ["entropy (unforced) 0.50 nats", "normalized entropy 0.20", "diagonal (unforced) 0.90",
+                      "first token (unforced) 0.10", "previous token 0.70", "sink + window 0.40"]
+    assert not any("_" in score for score in scores)
 
 
 def test_layer_gradient_shows_values_all_near_1_below_the_top_and_clear_of_the_legend():
@@ -404,3 +450,43 @@ def test_the_y_axis_from_zero_leaves_room_above_any_values():
     assert ax.get_ylim() == (0.0, pytest.approx(1.0 + plotting.HEADROOM))  # nothing above 0: still a range
     plotting.from_zero(ax, [[2.0, np.nan], pd.Series([1.0])])
     assert ax.get_ylim() == (0.0, pytest.approx(2.0 * (1 + plotting.HEADROOM)))
+
+
+# ---- issue 34: streaming.png without a curve ---------------------------------------------------------------
+
+
+def streaming_rows(orders, shares, task=None):
+    rows = [{"order": "chosen", "share": 0.25, "kv_heads_streaming": 2}]
+    rows += [{"order": order, "share": share, "kv_heads_streaming": int(8 * share)} for order in orders
+             for share in shares]
+    frame = pd.DataFrame(rows)
+    for k, name in enumerate(plotting.STREAMING_LABELS):
+        frame[name] = 0.1 + 0.05 * k + frame["share"]
+        frame[f"{name}_ci_low"], frame[f"{name}_ci_high"] = frame[name] - 0.02, frame[name] + 0.03
+    return frame if task is None else frame.assign(task=task)
+
+
+def test_streaming_without_a_curve_draws_the_one_result_as_a_point_with_its_interval():
+    """`ablate --method streaming --no-pruning` measures the chosen heads only: one point, not a "curve" with a band
+    and a legend of orders."""
+    figure = plotting.streaming_figure(streaming_rows([], []), "title")
+    drawn(figure)
+    for ax in figure.axes:
+        assert not [line for line in ax.lines if len(line.get_xdata()) > 1 and line.get_linestyle() != "None"
+                    and line.get_color() != "black"]  # no line through points (the 0 line is black)
+        assert not [c for c in ax.collections if type(c).__name__ == "FillBetweenPolyCollection"
+                    or type(c).__name__ == "PolyCollection"]  # no band
+        assert ax.get_legend() is None
+        assert "no curve" in ax.get_title() and "bands" not in ax.get_title()
+        assert any("chosen: 2 KV heads" in t.get_text() for t in ax.texts)
+
+
+def test_streaming_orders_at_one_share_are_points_and_at_several_a_curve():
+    one = plotting.streaming_figure(streaming_rows(["pattern", "random"], [0.5]))
+    for ax in one.axes:
+        assert not ax.collections or all(type(c).__name__ == "LineCollection" for c in ax.collections)  # error bars
+        assert ax.get_legend() is not None and "no curve" in ax.get_title()
+    several = plotting.streaming_figure(streaming_rows(["pattern", "random"], [0.0, 0.5, 1.0], task="text"))
+    for ax in several.axes:
+        curves = [line for line in ax.lines if len(line.get_xdata()) == 3]
+        assert len(curves) == 2 and "bands: 95% intervals" in ax.get_title() and ax.get_title().startswith("text task")

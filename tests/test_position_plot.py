@@ -72,7 +72,7 @@ def test_two_panels_and_a_layer_colorbar():
     assert len(panels(figure)) == 2
     assert len(figure.axes) == 3  # two panels and the colour bar
     bar = [ax for ax in figure.axes if ax not in panels(figure)][0]
-    assert bar.get_ylabel() == "layer"
+    assert bar.get_ylabel() == "layer (light = early, dark = deep)"
     assert figure.get_suptitle() == "gpt2 on the corpus"
     left, right = panels(figure)
     assert "entropy" in left.get_ylabel() and "nats" in left.get_ylabel()
@@ -90,9 +90,8 @@ def test_layers_coloured_by_depth(n_layers):
     lines = panels(figure)[0].lines
     colors = [np.array(matplotlib.colors.to_rgba(line.get_color())) for line in lines]
     assert not np.allclose(colors[0], colors[-1])
-    viridis = matplotlib.colormaps["viridis"]
-    np.testing.assert_allclose(colors[0], viridis(0.0))
-    np.testing.assert_allclose(colors[-1], viridis(1.0))
+    np.testing.assert_allclose(colors[0], matplotlib.colors.to_rgba(plotting.DEPTH_LIGHT))  # light = early
+    np.testing.assert_allclose(colors[-1], matplotlib.colors.to_rgba(plotting.DEPTH_DARK), atol=1e-6)
     assert all(line.get_markersize() <= 4 for line in lines)
 
 
@@ -136,7 +135,7 @@ def test_figure_saves_to_png(tmp_path, shape):
 def test_a_single_layer_takes_the_middle_colour():
     figure = plotting.position_profile_figure(fake_positions(1, 3, 4))
     (line,) = panels(figure)[0].lines
-    np.testing.assert_allclose(matplotlib.colors.to_rgba(line.get_color()), matplotlib.colormaps["viridis"](0.5))
+    np.testing.assert_allclose(matplotlib.colors.to_rgba(line.get_color()), plotting.POSITION_CMAP(0.5))
 
 
 def test_positions_are_0_based_like_positions_csv_and_the_report():
@@ -150,3 +149,25 @@ def test_positions_are_0_based_like_positions_csv_and_the_report():
     np.testing.assert_allclose(left.get_xticks(), [int(label) for label in labels])  # each label at its position
     low, high = left.get_xlim()
     assert low < 0 < 999 <= high  # every bin, position 0 included, inside the axes
+
+
+def test_depth_runs_light_to_dark_as_in_the_report():
+    """Issue 34: position_profile.png ran dark = early (viridis), the report's position chart light = early. Both run
+    light = early, dark = deep, from the same two colours."""
+    import re
+    from pathlib import Path
+
+    from matplotlib.colors import to_rgb
+
+    figure = plotting.position_profile_figure(fake_positions(4, 2, 5))
+    left = panels(figure)[0]
+    shade = [0.299 * r + 0.587 * g + 0.114 * b for r, g, b, *_ in (to_rgb(line.get_color()) for line in left.lines)]
+    assert shade == sorted(shade, reverse=True) and shade[0] > shade[-1]  # layer 0 lightest, the last darkest
+    script = (Path(plotting.__file__).parent / "report_assets" / "report.js").read_text(encoding="utf-8")
+    found = re.search(r"const c = \[(\d+), (\d+), (\d+)\]\.map\(\(x, j\) => Math\.round\(x \+ \(\[(\d+), (\d+), "
+                      r"(\d+)\]\[j\] - x\) \* shade\)\)", script)
+    assert found, "report.js's depth colours moved: keep them those of plotting.DEPTH_LIGHT / DEPTH_DARK"
+    numbers = [int(v) for v in found.groups()]
+    assert [round(255 * v) for v in to_rgb(plotting.DEPTH_LIGHT)] == numbers[:3]
+    assert [round(255 * v) for v in to_rgb(plotting.DEPTH_DARK)] == numbers[3:]
+    assert 'layer 0 (light)' in script

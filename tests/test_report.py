@@ -498,3 +498,85 @@ def test_every_cell_of_the_grid_is_reachable(browser, run_dir, tmp_path, layers,
         assert panel[0] >= grid[2]  # a small grid keeps the pattern beside it
     page.close()
     assert problems == []
+
+
+# ---- issue 34: a long example, tick labels, what ran -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [800, 1400])
+def test_a_40_token_example_stays_in_its_panel_with_the_chosen_query_in_view(browser, run_dir, tmp_path, width):
+    """A 40-token example's arc row (about 1,500 px) ran off the panel, and on a narrow page off the page with the
+    chosen query; its heatmap's 11px labels crowded in 10px rows."""
+    folder = synthetic_run(run_dir, tmp_path / "long", 4, 3, 1, 40, True)
+    path = folder / io.REPORT_FILE
+    path.write_text(build_report(folder).html, encoding="utf-8")
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    problems = []
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.goto(path.resolve().as_uri())
+    page.wait_for_selector("body[data-ready='true']")
+    page.click("td[data-name='L1H2']")
+    page.wait_for_selector("#pattern[data-name='L1H2']")
+    box = "e => { const r = e.getBoundingClientRect(); return [r.left, r.right]; }"
+    assert page.evaluate("document.documentElement.scrollWidth") <= width  # nothing runs off the page
+    panel, wrap = page.eval_on_selector("#pattern", box), page.eval_on_selector(".example .arcs-wrap", box)
+    assert panel[0] <= wrap[0] and wrap[1] <= panel[1], (panel, wrap)
+    for token in (39, 0, 20):  # the last (the default query), the first, one in the middle
+        page.eval_on_selector(f".example .tok[data-t='{token}']", "g => g.dispatchEvent(new MouseEvent('click'))")
+        assert page.get_attribute(".example .tok.active", "data-t") == str(token)
+        active = page.eval_on_selector(".example .tok.active rect", box)
+        assert wrap[0] - 0.5 <= active[0] and active[1] <= wrap[1] + 0.5, (token, active, wrap)  # in view
+    page.eval_on_selector(".example .tok[data-t='39']", "g => g.dispatchEvent(new MouseEvent('click'))")
+    assert page.eval_on_selector("svg.heatmap text.token-label.query[data-q='39']",
+                                 "t => getComputedStyle(t).display") != "none"  # the chosen query's label, thinned
+    for kind, side in (("query", "top, bottom"), ("key", "left, right")):
+        spans = page.eval_on_selector_all(
+            f"svg.heatmap text.token-label.{kind}",
+            f"ts => ts.filter(t => getComputedStyle(t).display !== 'none').map(t => {{"
+            f" const r = t.getBoundingClientRect(); return [{', '.join('r.' + s for s in side.split(', '))}]; }})")
+        spans.sort()
+        assert 8 <= len(spans) < 40, (kind, len(spans))  # thinned out
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert end <= start + 0.5, (kind, spans)  # no two labels on top of each other
+    assert "a label every" in page.text_content("svg.heatmap")
+    page.close()
+    assert problems == []
+
+
+def test_chart_ticks_have_the_digits_they_need(browser, run_dir, tmp_path):
+    """The layer chart labelled entropy "0.000, 2.000, 4.000": as many decimals as the ticks need, the same for all."""
+    folder = synthetic_run(run_dir, tmp_path / "ticks", 6, 3, 1, 8, True)
+    path = folder / io.REPORT_FILE
+    path.write_text(build_report(folder).html, encoding="utf-8")
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(path.resolve().as_uri())
+    page.wait_for_selector("body[data-ready='true']")
+    for chart in ("#gradient-chart", "#positions-chart"):
+        labels = page.eval_on_selector_all(chart + " text.ytick", "ts => ts.map(t => t.textContent)")
+        assert len(labels) >= 2, chart
+        decimals = {len(label.partition(".")[2]) for label in labels}
+        assert len(decimals) == 1, labels  # one format for the axis
+        if decimals != {0}:
+            assert not all(label.endswith("0") for label in labels), labels  # no digit every label leaves at 0
+        values = [float(label) for label in labels]
+        assert len(set(values)) == len(values), labels  # each tick its own label
+    page.close()
+
+
+def test_provenance_says_which_kernel_measured_the_sequences(run_dir):
+    from attnprobe.report import attention_ran
+
+    assert attention_ran({"path": "fused", "requested": "auto", "fused_min_tokens": 512,
+                          "sequences": {"blocked": 100}}).startswith("blocked for 100 sequences (asked: auto; fused ")
+    assert attention_ran({"path": "fused", "requested": "auto", "fused_min_tokens": 512,
+                          "sequences": {"fused": 1, "blocked": 2}}).startswith("fused for 1 sequence, blocked for 2 ")
+    assert attention_ran({"path": "eager", "requested": "auto"}) == "eager (asked: auto)"  # an older run.json
+    from attnprobe.report import provenance
+
+    rows = dict(provenance({"corpus": {"split": "file"}, "sentences": 1, "tokens": 463}, run_dir))
+    assert rows["sequences / tokens"].startswith("1 / 463")  # one document is no sentence (issue 34)
+    assert "sentences / tokens" in dict(provenance({"corpus": {"split": "lines"}}, run_dir))
+    run = json.loads((run_dir / io.RUN_FILE).read_text())
+    page = build_report(run_dir).html
+    ran = run["attention"]["sequences"]
+    assert all(f"{name} for {n} sequence" in page for name, n in ran.items() if name != "from_checkpoint")

@@ -61,15 +61,15 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
     return (p @ v).transpose(1, 2).to(query.dtype), None
 
 
-def oracle_model(loaded):
-    """A float64 copy of the model (and LM head) that runs oracle_attention."""
+def oracle_model(loaded, name=ORACLE, attention=None):
+    """A float64 copy of the model (and LM head) that runs `attention` (oracle_attention) under `name`."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(ORACLE, oracle_attention)
-    AttentionMaskInterface.register(ORACLE, eager_mask)
+    AttentionInterface.register(name, attention or oracle_attention)
+    AttentionMaskInterface.register(name, eager_mask)
     model = copy.deepcopy(loaded.model).double()
-    model.set_attn_implementation(ORACLE)
+    model.set_attn_implementation(name)
     return model, copy.deepcopy(loaded.lm_head).double()
 
 
@@ -152,7 +152,8 @@ def test_loss_change_and_kl_equal_the_oracle(models, corpus, name):
     loaded = models[name]
     kv_mask = some_heads(loaded, seed=3)
     heads = [(int(layer), int(head)) for layer, head in zip(*np.nonzero(kv_mask))]
-    result = sh.streaming_ablate_loaded(loaded, corpus, heads=heads, sink=1, recent=2, curve=False, batch_size=3,
+    result = sh.streaming_ablate_loaded(loaded, corpus, client="duo-attention",
+                                        heads=heads, sink=1, recent=2, curve=False, batch_size=3,
                                         resamples=50)
     batch = padded_batch(loaded, corpus)
     model, head = oracle_model(loaded)
@@ -190,7 +191,8 @@ def test_a_cache_wider_than_the_text_changes_nothing(models, corpus, name):
     loaded = models[name]
     longest = int(padded_batch(loaded, corpus).mask.sum(-1).max())
     every = [(layer, head) for layer in range(loaded.num_layers) for head in range(loaded.num_kv_heads)]
-    result = sh.streaming_ablate_loaded(loaded, corpus, heads=every, sink=longest // 2, recent=longest - longest // 2,
+    result = sh.streaming_ablate_loaded(loaded, corpus, client="duo-attention",
+                                        heads=every, sink=longest // 2, recent=longest - longest // 2,
                                         curve=False, batch_size=3, resamples=20)
     row = result.curve.iloc[0]
     assert row["kv_heads_streaming"] == len(every)
@@ -266,8 +268,8 @@ def write_pattern(folder: Path, scores: np.ndarray, config: dict | None = None) 
 
 def test_pattern_order_and_sparsity_follow_kvpress(tmp_path):
     """round(size x sparsity) KV heads with the lowest scores are streaming (DuoAttentionPress); the pattern's
-    config.json gives S and W; values are clipped to [0, 1] as both tools clip them."""
-    scores = np.array([[0.9, 0.2, 0.5], [0.1, 0.7, 1.4]])
+    config.json gives S and W (a value outside [0, 1] is refused: test_adversary_33_34)."""
+    scores = np.array([[0.9, 0.2, 0.5], [0.1, 0.7, 1.0]])
     pattern = sh.read_pattern(write_pattern(tmp_path / "p", scores, {"sink_size": 3, "recent_size": 7}))
     assert (pattern.sink, pattern.recent) == (3, 7)
     assert pattern.scores.max() == 1.0
@@ -288,7 +290,8 @@ def test_pattern_order_and_sparsity_follow_kvpress(tmp_path):
 def test_the_curve(models, corpus, tmp_path):
     loaded = models["llama-gqa"]
     scores = np.array([[0.9, 0.1], [0.4, 0.6]])
-    result = sh.streaming_ablate_loaded(loaded, corpus, pattern=write_pattern(tmp_path / "p", scores,
+    result = sh.streaming_ablate_loaded(loaded, corpus, client="duo-attention",
+                                        pattern=write_pattern(tmp_path / "p", scores,
                                         {"sink_size": 1, "recent_size": 2}), sparsity=0.5, batch_size=4,
                                         resamples=50, seed=3)
     curve = result.curve
@@ -308,7 +311,8 @@ def test_the_curve(models, corpus, tmp_path):
 
 
 def test_defaults_are_duoattentions_without_a_config(models, corpus, tmp_path):
-    result = sh.streaming_ablate_loaded(models["gpt2"], corpus, pattern=write_pattern(tmp_path / "p", np.ones((3, 4))),
+    result = sh.streaming_ablate_loaded(models["gpt2"], corpus, client="duo-attention",
+                                        pattern=write_pattern(tmp_path / "p", np.ones((3, 4))),
                                         curve=False, resamples=10)
     assert (result.run["sink_size"], result.run["recent_size"]) == (sh.DUO_SINK, sh.DUO_RECENT)
 
@@ -316,7 +320,7 @@ def test_defaults_are_duoattentions_without_a_config(models, corpus, tmp_path):
 def test_intervals_over_sequences_or_tokens():
     """Pooled mean per token; Poisson over sequences from 10 on, the block bootstrap over tokens below."""
     rng = np.random.default_rng(0)
-    values = {i: rng.normal(size=(3, 2, 5 + i)) for i in range(12)}
+    values = {i: rng.normal(size=(len(sh.MEASURES), 2, 5 + i)) for i in range(12)}
     tokens = {i: 5 + i for i in range(12)}
     summary, basis = sh.summarize(values, tokens, 2, 200, 0)
     everything = np.concatenate([v for v in values.values()], axis=-1)  # [measure, mask, tokens]
@@ -336,7 +340,7 @@ def test_intervals_over_sequences_or_tokens():
 def test_an_encoder_is_refused(tmp_path, corpus):
     loaded = load_model(str(make_bert(tmp_path / "bert")), "cpu", lm_head=True)
     with pytest.raises(AttnprobeError, match="encoder"):
-        sh.streaming_ablate_loaded(loaded, corpus, heads=[(0, 0)])
+        sh.streaming_ablate_loaded(loaded, corpus, client="duo-attention", heads=[(0, 0)])
 
 
 def test_cli_writes_the_curve(models, corpus_file, tmp_path):
@@ -344,7 +348,8 @@ def test_cli_writes_the_curve(models, corpus_file, tmp_path):
                                                                                         "recent_size": 2})
     out = tmp_path / "out"
     result = run("ablate", "--model", models["llama-gqa"].source, "--corpus", corpus_file, "--out", out, "--method",
-                 "streaming", "--pattern", pattern, "--sparsity", "0.25", "--shares", "0,0.5,1", "--resamples", "20")
+                 "streaming", "--pattern", pattern, "--sparsity", "0.25", "--shares", "0,0.5,1", "--resamples", "20",
+                 "--client", "duo-attention", "--task", "text", "--random-orders", "1")
     assert result.exit_code == 0, result.output
     curve = pd.read_csv(out / "streaming.csv")
     assert curve["order"].tolist() == ["chosen"] + ["pattern"] * 3 + ["random"] * 3
@@ -393,7 +398,7 @@ def test_cli_pattern_of_another_model_is_one_line(models, corpus_file, tmp_path)
 ])
 def test_cli_streaming_needs_its_heads_in_one_line(models, corpus_file, tmp_path, args, fragments):
     result = run("ablate", "--model", models["llama-gqa"].source, "--corpus", corpus_file, "--out", tmp_path / "o",
-                 *args)
+                 *args, *(["--client", "duo-attention", "--task", "text"] if "streaming" in args else []))
     assert_one_line_error(result, *fragments)
 
 
@@ -413,7 +418,7 @@ def test_an_export_and_its_results_folder_give_the_same_heads(models, tmp_path):
     assert (exported.sink, exported.recent) == (analyzed.sink, analyzed.recent) == (2, 3)
     out = tmp_path / "streaming"
     result = run("ablate", "--model", source, "--corpus", corpus, "--out", out, "--method", "streaming", "--pattern",
-                 duo, "--no-pruning", "--resamples", 20)
+                 duo, "--no-pruning", "--resamples", 20, "--client", "duo-attention", "--task", "text")
     assert result.exit_code == 0, result.output
     recorded = json.loads((out / "streaming.json").read_text())
     assert (recorded["sink_size"], recorded["recent_size"], recorded["kv_heads_streaming"]) == (2, 3, 2)
@@ -427,9 +432,11 @@ def test_ten_sequences_or_more_resample_sequences(models, tmp_path):
     loaded = models["gpt2"]
     path = tmp_path / "twelve.txt"
     path.write_text("\n".join(SENTENCES + SENTENCES[:4]) + "\n", encoding="utf-8")
-    result = sh.streaming_ablate_loaded(loaded, read_corpus(path), heads=[(0, 1), (2, 3)], sink=1, recent=2,
+    result = sh.streaming_ablate_loaded(loaded, read_corpus(path), client="duo-attention",
+                                        heads=[(0, 1), (2, 3)], sink=1, recent=2,
                                         curve=False, batch_size=5, resamples=100)
-    assert result.run["bootstrap"]["method"] == "poisson" and result.run["bootstrap"]["over"] == "sequences"
+    basis = result.run["bootstrap"]["per_task"]["text"]
+    assert basis["method"] == "poisson" and basis["over"] == "sequences"
     from attnprobe.analysis import tokenize
 
     batches = ab.make_batches(loaded, tokenize(loaded, read_corpus(path)).ids, 5)

@@ -312,6 +312,7 @@
       plural(D.related.rows, "query row") + " of " + plural(D.related.sentences, "sentence") +
       " (attnprobe related)"));
   }
+  const LABEL_PX = 13; // px an 11px label needs: smaller cells label every `step`th token
   function heatmap(ex, rows, i) {
     const n = ex.tokens.length, cell = Math.max(8, Math.min(18, Math.floor(420 / n)));
     const longest = Math.max(...ex.tokens.map((t) => tokenText(t, 14).length));
@@ -328,20 +329,25 @@
           height: cell, fill: weightColour(w), "data-q": q, "data-k": k, "data-v": w.toFixed(3) }));
       }
     }
+    const step = Math.max(1, Math.ceil(LABEL_PX / cell));
     ex.tokens.forEach((t, j) => {
       const text = tokenText(t, 14), y = label + j * cell + cell / 2 + 4, x = label + j * cell + cell / 2 + 4;
-      root.appendChild(titled(svg("text", { class: "token-label query", "data-q": j, x: label - 4, y,
+      const thin = j % step ? " thinned" : "";
+      root.appendChild(titled(svg("text", { class: "token-label query" + thin, "data-q": j, x: label - 4, y,
         "text-anchor": "end" }, text), "query " + j + ": click to show its attention"));
-      root.appendChild(svg("text", { class: "token-label key", x, y: label - 4, "text-anchor": "start",
-        transform: "rotate(-90 " + x + " " + (label - 4) + ")" }, text));
+      root.appendChild(svg("text", { class: "token-label key" + thin, "data-k": j, x, y: label - 4,
+        "text-anchor": "start", transform: "rotate(-90 " + x + " " + (label - 4) + ")" }, text));
     });
-    root.appendChild(svg("text", { x: 2, y: height - 4 }, "rows: queries · columns: keys"));
+    root.appendChild(svg("text", { x: 2, y: height - 4 }, "rows: queries · columns: keys" +
+      (step > 1 ? " · a label every " + step + " tokens" : "")));
     const mark = root.appendChild(svg("rect", { class: "row-mark", x: label, width: n * cell, height: cell,
       fill: "none", stroke: "#d1261f", "stroke-width": 2 }));
     ex.markRow = () => {
       mark.setAttribute("y", label + ex.query * cell);
       root.querySelectorAll(".token-label.query").forEach((node) => {
-        node.classList.toggle("active", +node.dataset.q === ex.query);
+        const j = +node.dataset.q, q = ex.query;
+        node.classList.toggle("active", j === q);
+        node.classList.toggle("crowded", j !== q && q % step > 0 && Math.abs(j - q) < step); // room for the chosen
       });
     };
     ex.markRow();
@@ -410,8 +416,9 @@
         }
         layer.appendChild(titled(shape, "“" + texts[q] + "” → “" + texts[k] + "”: " + w.toFixed(3)));
       }
-      const wrap = root.parentNode; // keep the chosen token in view when the sentence is wider than the panel
-      if (wrap && wrap.clientWidth && (xs[q] < wrap.scrollLeft || xs[q] > wrap.scrollLeft + wrap.clientWidth)) {
+      const wrap = root.parentNode; // keep the chosen token in view when the row is wider than the panel
+      const left = xs[q] - widths[q] / 2, right = xs[q] + widths[q] / 2;
+      if (wrap && wrap.clientWidth && (left < wrap.scrollLeft || right > wrap.scrollLeft + wrap.clientWidth)) {
         wrap.scrollLeft = Math.max(0, xs[q] - wrap.clientWidth / 2);
       }
     };
@@ -454,6 +461,14 @@
     for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) ticks.push(+v.toFixed(10));
     return ticks;
   }
+  // as many decimals as the ticks need
+  function tickLabels(ticks) {
+    let digits = 0;
+    while (digits < 6 && !ticks.every((t) => Math.abs(+t.toFixed(digits) - t) <= 1e-9 * Math.max(1, Math.abs(t)))) {
+      digits++;
+    }
+    return ticks.map((t) => { const s = t.toFixed(digits); return +s === 0 ? (0).toFixed(digits) : s; });
+  }
   function marker(kind, x, y, size, attrs) {
     const s = size;
     if (kind === "square") return svg("rect", { x: x - s, y: y - s, width: 2 * s, height: 2 * s, ...attrs });
@@ -491,9 +506,10 @@
     const Y = (v) => m.top + (1 - (v - lo) / (hi - lo)) * (height - m.top - m.bottom);
     const root = svg("svg", { width, height, role: "img", "aria-label": opts.label || "chart" });
     const axis = root.appendChild(svg("g", { class: "axis" }));
-    ticks.forEach((t) => {
+    const tickText = tickLabels(ticks);
+    ticks.forEach((t, i) => {
       axis.appendChild(svg("line", { class: "gridline", x1: m.left, x2: width - m.right, y1: Y(t), y2: Y(t) }));
-      axis.appendChild(svg("text", { x: m.left - 5, y: Y(t) + 4, "text-anchor": "end" }, fmt(t)));
+      axis.appendChild(svg("text", { class: "ytick", x: m.left - 5, y: Y(t) + 4, "text-anchor": "end" }, tickText[i]));
     });
     // every `every`-th tick label, as many as fit side by side; the last one always, and the one before it
     // dropped when the two would touch ("28" and "29")
@@ -629,7 +645,8 @@
         const vs = Array.from({ length: H }, (_, h) => values[idx(l, h)][b]).filter(finite);
         ys.push(vs.length ? vs.reduce((a, c) => a + c, 0) / vs.length : null);
       }
-      const shade = L > 1 ? l / (L - 1) : 0;
+      const shade = L > 1 ? l / (L - 1) : 0.5;
+      // light = early, dark = deep, as position_profile.png
       const c = [190, 200, 220].map((x, j) => Math.round(x + ([20, 40, 90][j] - x) * shade));
       series.push({ name: l === 0 ? "layer 0 (light) … layer " + (L - 1) + " (dark)" : "", ys, colour: rgb(c),
         width: 1, hideLegend: l !== 0 });
