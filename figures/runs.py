@@ -131,7 +131,7 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         ap("ablate", "--model", "smollm2-135m", "--corpus", "{out}/gpl3-start.txt", "--split", "file", "--method",
            "streaming", "--pattern", "{out}/duo", "--out", "{out}/streaming", key="streaming")),
         needs=("gpl3", "probe-smollm2"), about="SmolLM2's retrieval heads (Wu et al.) on the GPL-3 licence, the "
-        "DuoAttention export of `gpl3` and its streaming curve", minutes=6),
+        "DuoAttention export of `gpl3` and its streaming curve (text and needle tasks, kvpress client)", minutes=15),
     Run("kvpress-smollm2", "slow", (
         Step(("make", "--no-print-directory", "kvpress-check", "KVPRESS_OUT={out}"), key="kvpress"),
         helper("kvpress-plot", "{out}/kvpress-smollm2.json", "{out}/kvpress-smollm2.png"),
