@@ -105,7 +105,9 @@ clean:
 # kvpress needs transformers<5.3, so it gets a venv of its own (KVPRESS_VENV; never .venv); SmolLM2's GGUF becomes a
 # Hugging Face folder once; `retrieval` and `analyze` runs on GPL-3 (kept in KVPRESS_OUT: delete them to rerun) are
 # exported, with the other analyze scores of benchmarks/kvpress_candidates.py, and benchmarks/bench_kvpress.py scores
-# them on a held-out needle and text (~30 min here; the bench alone ~12). Not part of `make test`.
+# them on a held-out needle and text (~30 min here; the bench alone ~12); it fails unless every default export keeps
+# the needle better than random heads at every ratio (benchmarks/kvpress_verdict.py). Not part of `make test`; CI runs
+# it after the suites.
 KVPRESS_VENV ?= .venv-kvpress
 KVPRESS_OUT ?= outputs/kvpress
 KVPRESS_TEXT ?= /usr/share/common-licenses/GPL-3
@@ -136,3 +138,4 @@ kvpress-check: $(VENV)/.installed $(KVPRESS_VENV)/.installed $(KVPRESS_OUT)/retr
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(KVPRESS_THREADS) $(KVPRESS_VENV)/bin/python benchmarks/bench_kvpress.py \
 	  --model-dir $(KVPRESS_OUT)/smollm2-hf --threads $(KVPRESS_THREADS) --pattern retrieval=$(KVPRESS_OUT)/duo-retrieval \
 	  --pattern analyze=$(KVPRESS_OUT)/duo-analyze --pattern-dir $(KVPRESS_OUT)/candidates --out $(KVPRESS_JSON)
+	$(BIN)/python benchmarks/kvpress_verdict.py $(KVPRESS_JSON)
