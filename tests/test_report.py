@@ -169,6 +169,19 @@ def test_a_long_document_heads_its_panel_with_its_start_only(copy_of):
     assert text.startswith(example["sentence"][:-1]) and example["total"] == 7657
 
 
+def open_report(browser, folder: Path, width: int, height: int):
+    """report.html of `folder`, built afresh and open in a page of that size once its script is ready; and the list
+    that collects the page's errors."""
+    path = folder / io.REPORT_FILE
+    path.write_text(build_report(folder).html, encoding="utf-8")
+    page = browser.new_page(viewport={"width": width, "height": height})
+    problems: list[str] = []
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.goto(path.resolve().as_uri())
+    page.wait_for_selector("body[data-ready='true']")
+    return page, problems
+
+
 def synthetic_run(template: Path, folder: Path, layers: int, heads: int, examples: int, n: int, causal: bool) -> Path:
     """A results folder of a layers x heads model with every table, from the tiny run's columns."""
     rng = np.random.default_rng(0)
@@ -475,13 +488,7 @@ def test_every_cell_of_the_grid_is_reachable(browser, run_dir, tmp_path, layers,
     128 cells hidden). Every cell, scrolled into view, is the element at its own centre, and the pattern panel sits
     beside the grid or below it, never over it."""
     folder = synthetic_run(run_dir, tmp_path / "many", layers, heads, 1, 8, True)
-    path = folder / io.REPORT_FILE
-    path.write_text(build_report(folder).html, encoding="utf-8")
-    page = browser.new_page(viewport={"width": width, "height": 900})
-    problems = []
-    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-    page.goto(path.resolve().as_uri())
-    page.wait_for_selector("body[data-ready='true']")
+    page, problems = open_report(browser, folder, width, 900)
     hidden = page.evaluate("""() => [...document.querySelectorAll("table.grid td[data-l]")].filter(td => {
         td.scrollIntoView({block: "center", inline: "center"});
         const r = td.getBoundingClientRect();
@@ -508,13 +515,7 @@ def test_a_40_token_example_stays_in_its_panel_with_the_chosen_query_in_view(bro
     """A 40-token example's arc row (about 1,500 px) ran off the panel, and on a narrow page off the page with the
     chosen query; its heatmap's 11px labels crowded in 10px rows."""
     folder = synthetic_run(run_dir, tmp_path / "long", 4, 3, 1, 40, True)
-    path = folder / io.REPORT_FILE
-    path.write_text(build_report(folder).html, encoding="utf-8")
-    page = browser.new_page(viewport={"width": width, "height": 900})
-    problems = []
-    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-    page.goto(path.resolve().as_uri())
-    page.wait_for_selector("body[data-ready='true']")
+    page, problems = open_report(browser, folder, width, 900)
     page.click("td[data-name='L1H2']")
     page.wait_for_selector("#pattern[data-name='L1H2']")
     box = "e => { const r = e.getBoundingClientRect(); return [r.left, r.right]; }"
