@@ -42,7 +42,6 @@ only when attnprobe.json records it unchanged: never over a file attnprobe did n
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -422,7 +421,8 @@ def _foreign_config(path: Path) -> str:
 
 
 def _sha256(path: Path) -> str | None:
+    """io.hash_file, or None for a file that cannot be read (it then matches no record)."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return io.hash_file(path)
     except OSError:
         return None

@@ -215,7 +215,7 @@ def write_files(out: str | Path, writers: dict[str, Writer], remove: Iterable[st
             current = out / name
             _stage(staged, current, write)
         if last is not None:
-            hashes = {name: _hash_file(tmp) for name, (tmp, _) in zip(writers, staged)}
+            hashes = {name: hash_file(tmp) for name, (tmp, _) in zip(writers, staged)}
             current = out / last[0]
             _stage(staged, current, last[1](hashes))
         mode = 0o666 & ~_umask()
@@ -265,9 +265,10 @@ def write_run(out: str | Path, writers: dict[str, Writer], run: dict[str, Any], 
     return write_files(out, writers, remove, last=(RUN_FILE, stamped))
 
 
-def _hash_file(path: Path) -> str:
-    """The sha256 of a temporary file about to be renamed into place (not remembered: its name will not be read
-    again). Files in place go through sources.file_sha256, which remembers them across commands."""
+def hash_file(path: Path) -> str:
+    """The sha256 of a file, read afresh and not remembered: a temporary file about to be renamed into place (its
+    name will not be read again), or a small file whose every edit must show (export's records). Large files in place
+    go through sources.file_sha256, which remembers them across commands."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):

@@ -93,9 +93,7 @@ def add_needle(found: Sequences, loaded: LoadedModel, haystack: str, client: str
 
     parts = rt.prompt_parts(loaded, needle, question)
     answer = answer_ids(loaded, needle)
-    lengths = rt.fitting_lengths(loaded, list(lengths) if lengths is not None else
-                                 [n for n in NEEDLE_LENGTHS if n <= loaded.max_length - len(answer)] or None,
-                                 len(answer))
+    lengths = rt.fitting_lengths(loaded, None if lengths is None else list(lengths), len(answer), NEEDLE_LENGTHS)
     hay = rt.haystack_ids(loaded, haystack, max(lengths))
     for length in lengths:
         for depth in depths:

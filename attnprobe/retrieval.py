@@ -281,12 +281,13 @@ def read_haystack(path: str | Path) -> str:
     return text
 
 
-def fitting_lengths(loaded: LoadedModel, lengths: list[int] | None, steps: int) -> list[int]:
-    """The lengths asked for (default: DEFAULT_LENGTHS that fit), each with room for the `steps` answer tokens in
-    the model's context."""
+def fitting_lengths(loaded: LoadedModel, lengths: list[int] | None, steps: int,
+                    defaults: tuple[int, ...] = DEFAULT_LENGTHS) -> list[int]:
+    """The lengths asked for (default: those of `defaults` that fit), each with room for the `steps` answer tokens
+    in the model's context."""
     room = loaded.max_length - steps
     if lengths is None:
-        fit = [n for n in DEFAULT_LENGTHS if n <= room]
+        fit = [n for n in defaults if n <= room]
         if not fit:
             raise AttnprobeError(f"{loaded.spec} takes {loaded.max_length} tokens, too few for the default lengths "
                                  f"with a {steps}-token answer: pass --lengths up to {max(room, 0)}")

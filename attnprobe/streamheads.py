@@ -329,13 +329,11 @@ def read_pattern(folder: str | Path) -> Pattern:
 def pattern_model(folder: Path, table: Path) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
     """The model a DuoAttention folder was exported from: attnprobe.json's duo-attention record (where it records
     this table unchanged), else the run.json or retrieval.json beside it; (None, a note) where nothing tells."""
-    import hashlib
-
     from attnprobe import export, io
 
     record = export.read_provenance(folder, "--pattern").get("exports", {}).get("duo-attention")
     if isinstance(record, dict) and isinstance(record.get("model"), dict):
-        if record.get("files", {}).get(DUO_SCORES_FILE) == hashlib.sha256(table.read_bytes()).hexdigest():
+        if record.get("files", {}).get(DUO_SCORES_FILE) == io.hash_file(table):
             return record["model"], ()
         return None, (f"--pattern {table} changed since `attnprobe export` wrote it: the model it scores was not "
                       "checked",)
@@ -497,8 +495,7 @@ def streaming_ablate_loaded(
         raise AttnprobeError("the needle task needs a haystack: pass --haystack FILE (a long text), or --task text")
     layers, kv_heads = loaded.num_layers, loaded.num_kv_heads
     found = None if pattern is None else read_pattern(pattern)
-    if found is not None:
-        check_pattern(found, loaded)
+    pattern_notes = [] if found is None else check_pattern(found, loaded)  # before any measuring
     sink = sink if sink is not None else (found.sink if found is not None and found.sink is not None else DUO_SINK)
     recent = recent if recent is not None else (
         found.recent if found is not None and found.recent is not None else DUO_RECENT)
@@ -553,7 +550,7 @@ def streaming_ablate_loaded(
     run = run_info(loaded, corpus, sequences, counts, found, chosen, sink, recent, sparsity,
                    shares if curve else (), (["pattern"] if found is not None else []) + ["random"] if curve else [],
                    batch_size, resamples, seed, bases, frame, client, continuation, random_orders, needle)
-    run["notes"] += dropped
+    run["notes"] += pattern_notes + dropped
     if cut:
         run["notes"].append(f"{len(cut)} sequence{'' if len(cut) == 1 else 's'} cut to the model's "
                             f"context of {loaded.max_length} tokens (the first at corpus line {cut[0][0]})")

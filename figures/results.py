@@ -662,6 +662,7 @@ def _(d: dict) -> str:
     curve = [[p.get("task", "text"), p["order"], fmt.num(p["share"], 2), str(p["kv_heads"]), fmt.num(p["change"], 3),
               f"{fmt.num(p['low'], 3)} to {fmt.num(p['high'], 3)}", *([fmt.num(p["accuracy"], 3)] if accuracy else [])]
              for p in d["curve"]]
+    halves = [half_sentence([p for p in d["curve"] if p.get("task", "text") == task], task) for task in tasks]
     client = d.get("client", "duo-attention")
     how = ("the kvpress client (the context prefilled in full, then its keys [S, L - W) hidden from what follows)"
            if client == "kvpress" else "the duo-attention client (every position restricted)")
@@ -686,10 +687,7 @@ def _(d: dict) -> str:
         fmt.table(["task", "order", "share of KV heads", "KV heads", "loss change (nats/token)", "95% interval",
                    *(["accuracy"] if accuracy else [])], curve),
         "",
-        *[line for task in tasks for line in ([half_sentence([p for p in d["curve"] if p.get("task", "text") == task],
-                                                             task), ""]
-                                               if half_sentence([p for p in d["curve"]
-                                                                 if p.get("task", "text") == task], task) else [])],
+        *[line for sentence in halves if sentence for line in (sentence, "")],
         "![SmolLM2-135M: loss against the share of KV heads made streaming](images/smollm2-135m-streaming.png)",
         "",
         fmt.source("`attnprobe retrieval --model smollm2-135m --haystack /usr/share/common-licenses/GPL-3 --lengths "

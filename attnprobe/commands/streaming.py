@@ -98,10 +98,7 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
     threads_used = cli.apply_threads(threads)
     loaded = cli.load(model, device, dtype, device_map, max_memory, lm_head=True)
     cli.set_bos(loaded, bos)
-    try:
-        pattern_notes = []
-        if o.pattern is not None:  # before the run: a pattern of another model fails at once
-            pattern_notes = streamheads.check_pattern(streamheads.read_pattern(o.pattern), loaded)
+    try:  # a pattern of another model fails at once: streaming_ablate_loaded checks it before any measuring
         with cli.stage_progress("sequences") as progress:
             result = streamheads.streaming_ablate_loaded(
                 loaded, documents, pattern=o.pattern, heads=chosen,
@@ -112,7 +109,6 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
     finally:
         cli.release_offload(loaded)
     result.run["threads"] = threads_used
-    result.run.setdefault("notes", []).extend(note for note in pattern_notes if note not in result.run["notes"])
     run = result.run
     title = (f"{model}, {client} client: streaming heads keep {run['sink_size']} sink + {run['recent_size']} "
              "recent keys")
