@@ -12,7 +12,8 @@ import pytest
 from conftest import SENTENCES
 from test_cli import assert_one_line_error, run
 
-from attnprobe import cli, io
+from attnprobe import io
+from attnprobe.commands import analyze as analyze_command
 from attnprobe.errors import AttnprobeError
 
 BATCHES = 12  # 24 sentences in batches of 2
@@ -33,7 +34,7 @@ def stopping_after(batches):
         yield lambda: calls.append(1) or len(calls) >= batches
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cli, "stop_requests", requests)
+        patch.setattr(analyze_command, "stop_requests", requests)
         yield
 
 

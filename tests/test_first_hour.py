@@ -16,9 +16,10 @@ from rich.console import Console
 from test_cli import run
 from typer.testing import CliRunner
 
-from attnprobe import cli, sources
+from attnprobe import sources
 from attnprobe.analysis import FEW_SENTENCES, few_sentences_note
 from attnprobe.cli import app
+from attnprobe.commands import common
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import PROXY_VARIABLES
 
@@ -132,11 +133,11 @@ def test_gguf_conversion_says_once_where_and_how_big(tmp_path, monkeypatch):
 
 def test_loading_prints_what_the_conversion_says(monkeypatch):
     buffer = stdio.StringIO()
-    monkeypatch.setattr(cli, "err_console", Console(file=buffer, width=200))
-    with cli.loading("smollm2-135m") as on_status:
+    monkeypatch.setattr(common, "err_console", Console(file=buffer, width=200))
+    with common.loading("smollm2-135m") as on_status:
         on_status("Converting x.gguf to float32 weights, once: into /cache (later runs reuse it)")
     assert "Converting x.gguf to float32 weights, once" in buffer.getvalue()
-    with cli.loading("m", enabled=False) as on_status:
+    with common.loading("m", enabled=False) as on_status:
         assert on_status is None
 
 

@@ -13,8 +13,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from attnprobe import cli
 from attnprobe.cli import app
+from attnprobe.commands import common
 
 ROOT = Path(__file__).resolve().parent.parent
 PANELS = ["Input:", "Scores:", "Run control:", "Output:", "Options:"]
@@ -61,12 +61,12 @@ def test_other_commands_keep_one_options_section():
 
 
 @pytest.mark.parametrize(("tty", "columns", "want"), [
-    (True, "", None), (False, "", cli.PIPE_WIDTH), (False, "200", 200), (False, "junk", cli.PIPE_WIDTH),
+    (True, "", None), (False, "", common.PIPE_WIDTH), (False, "200", 200), (False, "junk", common.PIPE_WIDTH),
 ])
 def test_stdout_width(monkeypatch, tty, columns, want):
     monkeypatch.setattr(sys.stdout, "isatty", lambda: tty, raising=False)
     monkeypatch.setenv("COLUMNS", columns)
-    assert cli.stdout_width() == want
+    assert common.stdout_width() == want
 
 
 def narrow_terminal(columns: int) -> tuple[int, int]:

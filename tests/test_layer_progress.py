@@ -191,11 +191,11 @@ def test_a_terminal_bar_names_the_sequence_and_layer(monkeypatch):
 
     from rich.console import Console
 
-    from attnprobe import cli
+    from attnprobe.commands import common
 
     screen = io.StringIO()
-    monkeypatch.setattr(cli, "err_console", Console(file=screen, force_terminal=True, width=120))
-    with cli.stage_progress("sequences") as progress:
+    monkeypatch.setattr(common, "err_console", Console(file=screen, force_terminal=True, width=120))
+    with common.stage_progress("sequences") as progress:
         progress("streaming", 0, 1, within=Within(12, 30))
         time.sleep(0.3)  # a refresh or two
         progress("streaming", 1, 1)

@@ -8,7 +8,19 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
+from attnprobe.commands.common import (
+    check_placement,
+    err_console,
+    interval,
+    load,
+    number_list,
+    out_console,
+    release_offload,
+    set_bos,
+    stage_progress,
+)
 from attnprobe.errors import AttnprobeError
+from attnprobe.threads import apply as apply_threads
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
                      layers: bool, split: str, batch_size: int, device: str, dtype: str, device_map: str | None,
                      max_memory: str | None, resamples: int, seed: int, limit: int | None, bos: str,
                      threads: str) -> None:
-    from attnprobe import cli, io, kvtasks, naming, plotting, streamheads
+    from attnprobe import io, kvtasks, naming, plotting, streamheads
     from attnprobe import retrieval as rt
     from attnprobe.analysis import check_options
     from attnprobe.corpus import read_corpus
@@ -45,7 +57,7 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
         raise AttnprobeError("--layers ablates whole layers, not streaming heads: drop --layers with --method "
                              "streaming")
     check_options(batch_size, resamples, seed)
-    cli.check_placement(device_map, max_memory)
+    check_placement(device_map, max_memory)
     chosen = None if heads.strip().lower() == "all" else naming.parse_heads(heads)
     if o.pattern is not None and chosen is not None:
         raise AttnprobeError("--pattern and --heads both choose the streaming heads: pass one of them")
@@ -55,7 +67,7 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
     if o.sparsity is not None and o.pattern is None:
         raise AttnprobeError("--sparsity picks the lowest-scoring share of a --pattern's KV heads: add --pattern DIR, "
                              "or drop --sparsity")
-    share_list = streamheads.SHARES if o.shares is None else tuple(cli.number_list(o.shares, float, "--shares"))
+    share_list = streamheads.SHARES if o.shares is None else tuple(number_list(o.shares, float, "--shares"))
     if not share_list:
         raise AttnprobeError("--shares names no share: give e.g. 0,0.25,0.5,0.75,1")
     for name, value in (("--sparsity", o.sparsity), *(("--shares", s) for s in share_list)):
@@ -83,8 +95,8 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
                              "--client kvpress --task text (or both)")
     rt.check_text("--needle", o.needle)
     rt.check_text("--question", o.question)
-    length_list = None if o.lengths is None else tuple(cli.number_list(o.lengths, int, "--lengths"))
-    depth_list = rt.DEFAULT_DEPTHS if o.depths is None else tuple(cli.number_list(o.depths, float, "--depths"))
+    length_list = None if o.lengths is None else tuple(number_list(o.lengths, int, "--lengths"))
+    depth_list = rt.DEFAULT_DEPTHS if o.depths is None else tuple(number_list(o.depths, float, "--depths"))
     rt.check_settings(list(length_list or kvtasks.NEEDLE_LENGTHS), list(depth_list), "forced", resamples)
     io.check_out_dir(out)
     inputs = {"--corpus": corpus, "--model": model} | ({"--haystack": o.haystack} if o.haystack else {})
@@ -95,11 +107,11 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
         text, name = kvtasks.read_haystack(o.haystack, corpus)
         needle = streamheads.Needle(text, name, o.needle or rt.DEFAULT_NEEDLE, o.question or rt.DEFAULT_QUESTION,
                                     length_list, depth_list)
-    threads_used = cli.apply_threads(threads)
-    loaded = cli.load(model, device, dtype, device_map, max_memory, lm_head=True)
-    cli.set_bos(loaded, bos)
+    threads_used = apply_threads(threads)
+    loaded = load(model, device, dtype, device_map, max_memory, lm_head=True)
+    set_bos(loaded, bos)
     try:  # a pattern of another model fails at once: streaming_ablate_loaded checks it before any measuring
-        with cli.stage_progress("sequences") as progress:
+        with stage_progress("sequences") as progress:
             result = streamheads.streaming_ablate_loaded(
                 loaded, documents, pattern=o.pattern, heads=chosen,
                 sparsity=streamheads.DEFAULT_SPARSITY if o.sparsity is None else o.sparsity, sink=o.sink,
@@ -107,22 +119,21 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
                 seed=seed, progress=progress, client=client, task=o.task or "both", needle=needle,
                 continuation=continuation, random_orders=random_orders)
     finally:
-        cli.release_offload(loaded)
+        release_offload(loaded)
     result.run["threads"] = threads_used
     run = result.run
     title = (f"{model}, {client} client: streaming heads keep {run['sink_size']} sink + {run['recent_size']} "
              "recent keys")
     written = io.write_streaming(out, result, plotting.streaming_figure(result.curve, title))
     for note in run.get("notes", []):
-        cli.err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     for name in run["tasks"]:
-        cli.out_console.print(streaming_table(result.curve, run, name))
-    cli.out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+        out_console.print(streaming_table(result.curve, run, name))
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
 def streaming_table(curve, run: dict, task: str) -> Table:
     """One task's chosen heads, then its curve: loss change, KL and accuracy with their 95% intervals."""
-    from attnprobe.cli import _ci  # the CLI's interval format
     from attnprobe.naming import counted, visible
 
     rows = curve[curve["task"] == task]
@@ -138,7 +149,7 @@ def streaming_table(curve, run: dict, task: str) -> Table:
         table.add_column(column, justify="right")
     for _, row in rows.iterrows():
         table.add_row(str(row["order"]), f"{int(row['kv_heads_streaming'])} ({100 * row['share']:.0f}%)",
-                      f"{row['loss_change']:+.4f}", _ci((row["loss_change_ci_low"], row["loss_change_ci_high"])),
+                      f"{row['loss_change']:+.4f}", interval((row["loss_change_ci_low"], row["loss_change_ci_high"])),
                       f"{row['kl']:.4f}", f"[{row['kl_ci_low']:.4f}, {row['kl_ci_high']:.4f}]",
                       f"{row['accuracy']:.3f}")
     return table

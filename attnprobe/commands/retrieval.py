@@ -1,0 +1,127 @@
+"""`attnprobe retrieval`: Wu et al.'s retrieval heads, found with needles hidden in a long context."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from attnprobe.commands.common import (
+    check_placement,
+    err_console,
+    friendly_errors,
+    load,
+    number_list,
+    out_console,
+    release_offload,
+    set_bos,
+    stage_progress,
+)
+from attnprobe.commands.options import (
+    DEFAULT_OUT,
+    BosChoice,
+    BosOption,
+    DeviceChoice,
+    DeviceMapOption,
+    DeviceOption,
+    DTypeChoice,
+    DTypeOption,
+    MaxMemoryOption,
+    ModelOption,
+    OutOption,
+    ThreadsOption,
+)
+from attnprobe.naming import head_name
+from attnprobe.threads import apply as apply_threads
+
+
+class DecodeChoice(str, Enum):
+    greedy = "greedy"
+    forced = "forced"
+
+
+@friendly_errors
+def retrieval(
+    model: ModelOption,
+    haystack: Annotated[
+        Path, typer.Option("--haystack", metavar="FILE", help="Long UTF-8 text the needle is hidden in (repeated "
+                           "when shorter than a context).")
+    ],
+    out: OutOption = DEFAULT_OUT,
+    lengths: Annotated[
+        str | None, typer.Option("--lengths", metavar="N,N", help="Prompt lengths in tokens [default: 1000,2000,"
+                                 "4000,8000, those that fit the model's context].", show_default=False)
+    ] = None,
+    depths: Annotated[
+        str, typer.Option("--depths", metavar="P,P", help="Where the needle goes: percent of the context before it.")
+    ] = "0,25,50,75,100",
+    needle: Annotated[
+        str | None, typer.Option("--needle", metavar="TEXT", help="The sentence hidden in the haystack [default: "
+                                 "Wu et al.'s San Francisco sentence].", show_default=False)
+    ] = None,
+    question: Annotated[
+        str | None, typer.Option("--question", metavar="TEXT", help="The question asked after the context [default: "
+                                 "What is the best thing to do in San Francisco?].", show_default=False)
+    ] = None,
+    decode: Annotated[
+        DecodeChoice, typer.Option("--decode", help="greedy: the model's own answer, trials that copy the needle "
+                                   "count (Wu et al.); forced: the needle's tokens fed as the answer, every trial "
+                                   "counts (deterministic; for models too small to copy).")
+    ] = DecodeChoice.greedy,
+    device: DeviceOption = DeviceChoice.auto,
+    dtype: DTypeOption = DTypeChoice.auto,
+    device_map: DeviceMapOption = None,
+    max_memory: MaxMemoryOption = None,
+    resamples: Annotated[int, typer.Option("--resamples", help="Bootstrap resamples of the trials.")] = 1000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap.")] = 0,
+    bos: BosOption = BosChoice.auto,
+    threads: ThreadsOption = "auto",
+) -> None:
+    """Find retrieval heads, the heads that copy a needle from a long context; write retrieval_heads.csv,
+    head_score.json and retrieval.json. The method of Wu et al. 2024."""
+    from attnprobe import io
+    from attnprobe import retrieval as finding
+
+    length_list = number_list(lengths, int, "--lengths") if lengths is not None else None
+    depth_list = number_list(depths, float, "--depths")
+    finding.check_settings(length_list or list(finding.DEFAULT_LENGTHS), depth_list, decode.value, resamples)
+    finding.check_text("--needle", needle)
+    finding.check_text("--question", question)
+    text = finding.read_haystack(haystack)
+    io.check_out_dir(out)
+    io.check_inputs_apart(out, {"--haystack": haystack, "--model": model})
+    check_placement(device_map, max_memory)
+    threads_used = apply_threads(threads)
+    loaded = load(model, device.value, dtype.value, device_map, max_memory, lm_head=True)
+    set_bos(loaded, bos.value)
+    try:
+        with stage_progress("trials") as progress:
+            result = finding.retrieval(
+                loaded, text, lengths=length_list, depths=depth_list, needle=needle or finding.DEFAULT_NEEDLE,
+                question=question or finding.DEFAULT_QUESTION, decode=decode.value, resamples=resamples, seed=seed,
+                haystack_name=str(haystack),
+                progress=lambda done, total, within=None: progress("retrieval", done, total, within))
+    finally:
+        release_offload(loaded)
+    result.info["threads"] = threads_used["threads"]
+    result.info.setdefault("dtype", loaded.dtype)
+    result.info.setdefault("dtype_requested", loaded.dtype_requested)
+    written = io.write_retrieval(out, result)
+    info = result.info
+    out_console.print(f"{model}: {info['trials_total']} trials ({decode.value}), the needle copied in "
+                      f"{info['trials_copied']}; {info['trials_scored']} scored", markup=False, highlight=False)
+    if not result.heads.empty:
+        top = result.heads.sort_values("mean", ascending=False, kind="stable").head(10)
+        table = Table(title="Top retrieval heads (mean score over the scored trials)")
+        for column in ("head", "kv head", "mean", "95% interval"):
+            table.add_column(column, justify="right")
+        for row in top.itertuples():
+            table.add_row(head_name(int(row.layer), int(row.head)), str(int(row.kv_head)), f"{row.mean:.3f}",
+                          f"[{row.ci_low:.3f}, {row.ci_high:.3f}]")
+        out_console.print(table)
+    for note in info["notes"]:
+        err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
+    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
