@@ -22,7 +22,7 @@ bootstrap, bootstrap.py). Its block starts depend on (seed, the sequence's index
 drew the same rows when they also tokenized every sequence to the same number of rows (`sequence_rows`):
 then they pair; their intervals, and those of the differences, are over those rows, not over sentences.
 
-Pure: reads through io.py, returns frames and plain data; writes nothing.
+Pure: reads through attnprobe.io, returns frames and plain data; writes nothing.
 """
 
 from __future__ import annotations

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import os
 import pickle
 import tempfile
-import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from torch import Tensor, nn
 
 from attnprobe.errors import AttnprobeError
 from attnprobe.pids import alive
+from attnprobe.quiet import quiet_transformers
 from attnprobe.sources import resolve
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
@@ -674,30 +673,3 @@ def using_attention(model: nn.Module, name: str, function: Callable[..., Any], m
         yield
     finally:
         model.set_attn_implementation(before)
-
-
-@contextmanager
-def quiet_transformers():
-    """transformers logs load reports and warnings of its own, and the hub client logs every retry of a
-    request; keep the CLI's output ours."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "accelerate")]  # accelerate: offload notes
-    levels = [logger.level for logger in loggers]
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            # torch's safe loader on a .bin of another pickle protocol: it loads, or attnprobe says why in one line
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            yield
-    finally:
-        for logger, before in zip(loggers, levels):
-            logger.setLevel(before)
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()

@@ -1,4 +1,4 @@
-"""Checkpoints of a long `analyze` run, and resuming from one (pure: io.py writes and reads the file).
+"""Checkpoints of a long `analyze` run, and resuming from one (pure: attnprobe.io writes and reads the file).
 
 A checkpoint holds the accumulator's sums, how many batches were done, the example maps, and a
 fingerprint of everything that decides the results (model, tokenizer, corpus hash, batch size, resamples,
@@ -23,6 +23,7 @@ import numpy as np
 
 from attnprobe.accumulate import TOKEN_SUMS
 from attnprobe.errors import AttnprobeError, plain
+from attnprobe.maps import map_fault
 
 DEFAULT_EVERY_SECONDS = 300.0  # a checkpoint every five minutes
 FIX = "delete it and run without --resume"  # what to do with a checkpoint that cannot be resumed
@@ -34,10 +35,20 @@ COUNT_KEYS = ("rows", "tokcount", "pending/fill", "pending/index", "pending/cate
 SUM_COUNTS = (("sum/", "count/"), ("sumsq/", "count/"), ("wsum/", "wcount/"), ("binsum/", "bincount/"),
               ("catsum/", "catn/"), ("catwsum/", "catwn/"))
 SCALARS = (str, int, float, bool, type(None))  # what a fingerprint's values are (run_fingerprint)
-# sums indexed by token id ([vocab, ...]): a checkpoint keeps only the rows of the token ids the run has met (those
-# tokcount counts), with their ids in TOKEN_ROWS, so it grows with the corpus's vocabulary, not the model's
-TOKEN_KEYS = TOKEN_SUMS
+# the sums indexed by token id ([vocab, ...], accumulate.TOKEN_SUMS): a checkpoint keeps only the rows of the token
+# ids the run has met (those tokcount counts, met_ids), with their ids in TOKEN_ROWS, so it grows with the corpus's
+# vocabulary, not the model's
 TOKEN_ROWS = "tokrows"
+
+
+def met_ids(sums: dict[str, np.ndarray]) -> np.ndarray:
+    """The token ids the run has met: those tokcount counts ([met], increasing)."""
+    return np.flatnonzero(sums["tokcount"])  # [met]
+
+
+def met_rows(sums: dict[str, np.ndarray], met: np.ndarray) -> dict[str, np.ndarray]:
+    """The TOKEN_SUMS sums cut to the rows of the token ids `met` (copies of those rows only)."""
+    return {key: sums[key][met] for key in TOKEN_SUMS}  # each [met, ...]
 
 
 @dataclass
@@ -47,19 +58,18 @@ class State:
     sums: dict[str, np.ndarray]
     example_maps: np.ndarray | None  # [layer, head, query, key], once the example's batch has run
     path: str | None = None  # the file it was read from, named when it cannot be resumed
-    # the token ids whose rows the TOKEN_KEYS sums hold ([met], increasing); None: those sums are whole [vocab, ...]
+    # the token ids whose rows the TOKEN_SUMS sums hold ([met], increasing); None: those sums are whole [vocab, ...]
     # (the live accumulator's, or an older checkpoint that saved them whole)
     token_rows: np.ndarray | None = None
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """The arrays of checkpoint.npz: every sum, the TOKEN_KEYS ones as the rows of the token ids met."""
+        """The arrays of checkpoint.npz: every sum, the TOKEN_SUMS ones as the rows of the token ids met."""
         arrays = {f"sum:{key}": value for key, value in self.sums.items()}
         if "tokcount" in self.sums:
             rows = self.token_rows
             if rows is None:
-                rows = np.flatnonzero(self.sums["tokcount"])  # [met]: the token ids the run has met
-                for key in TOKEN_KEYS:
-                    arrays[f"sum:{key}"] = self.sums[key][rows]  # [met, ...]: a copy of those rows only
+                rows = met_ids(self.sums)  # [met]
+                arrays.update({f"sum:{key}": value for key, value in met_rows(self.sums, rows).items()})
             arrays[TOKEN_ROWS] = rows.astype(np.int64)
         arrays["meta"] = np.array(json.dumps({"fingerprint": self.fingerprint, "batches_done": self.batches_done}))
         if self.example_maps is not None:
@@ -139,7 +149,7 @@ def _first(bad: np.ndarray, values: np.ndarray) -> str:
 
 
 def check_keys(state: State, sums: dict[str, np.ndarray]) -> None:
-    """The same sums as this run's accumulator, of the same shapes (the TOKEN_KEYS sums: one row per token id of
+    """The same sums as this run's accumulator, of the same shapes (the TOKEN_SUMS sums: one row per token id of
     TOKEN_ROWS, where the checkpoint has that list)."""
     if set(state.sums) != set(sums):
         missing = sorted(set(sums) - set(state.sums)) or sorted(set(state.sums) - set(sums))
@@ -148,7 +158,7 @@ def check_keys(state: State, sums: dict[str, np.ndarray]) -> None:
         raise state.refuse(f"it holds {TOKEN_ROWS}, but this run keeps no top-token sums")
     for key, value in sums.items():
         shape = value.shape
-        if key in TOKEN_KEYS and state.token_rows is not None:
+        if key in TOKEN_SUMS and state.token_rows is not None:
             shape = (len(state.token_rows), *value.shape[1:])  # [met, ...]
         if state.sums[key].shape != shape:
             raise state.refuse(f"sum {key} has shape {plain(state.sums[key].shape)}, this run {plain(shape)}")
@@ -189,17 +199,17 @@ def check_token_rows(state: State) -> None:
     at every other token id; it is cut to the rows met here, so a resumed run maps in only those."""
     if "tokcount" not in state.sums:
         return
-    met = np.flatnonzero(state.sums["tokcount"])  # [met]: checked whole counts, so nonzero is positive
+    met = met_ids(state.sums)  # [met]: checked whole counts, so nonzero is positive
     rows = state.token_rows
     if rows is None:
-        for key in TOKEN_KEYS:
+        for key in TOKEN_SUMS:
             outside = np.ones(len(state.sums[key]), dtype=bool)
             outside[met] = False
             nonzero = outside & (state.sums[key].reshape(len(outside), -1) != 0).any(axis=1)  # [vocab]
             if nonzero.any():
                 token = int(np.flatnonzero(nonzero)[0])
                 raise state.refuse(f"{key} holds mass at token id {token}, which tokcount counts no key position of")
-        state.sums.update({key: state.sums[key][met] for key in TOKEN_KEYS})  # [met, ...]
+        state.sums.update(met_rows(state.sums, met))  # [met, ...]
         state.token_rows = met
         return
     if len(rows) != len(met) or (rows != met).any():
@@ -298,19 +308,18 @@ def check_example_maps(state: State, done: bool, shape: tuple[int, ...], eps: fl
                            "no example_maps")
     if maps.shape != tuple(shape):
         raise state.refuse(f"example_maps has shape {plain(maps.shape)}, this run {plain(tuple(shape))}")
-    bad = ~np.isfinite(maps) | (maps < 0) | (maps > 1)
-    if bad.any():
-        raise state.refuse(f"example_maps holds {_first(bad, maps)}, not a probability in [0, 1]")
-    rows = maps.astype(np.float64).sum(axis=-1)  # [layer, head, query]
     tolerance = row_tolerance(eps, maps.shape[-1])
-    off = (np.abs(rows - 1) > tolerance) if whole_rows else (rows > 1 + tolerance)
-    if off.any():
-        raise state.refuse(f"a row of example_maps sums to {_first(off, rows)}, not to 1 (within {tolerance:.1g})")
+    fault = map_fault(maps.astype(np.float64), 0.0, tolerance, whole_rows)  # rows summed in float64
+    if fault is not None and not fault.in_rows:
+        raise state.refuse(f"example_maps holds {_first(fault.bad, maps)}, not a probability in [0, 1]")
+    if fault is not None:
+        raise state.refuse(f"a row of example_maps sums to {_first(fault.bad, fault.values)}, not to 1 (within "
+                           f"{tolerance:.1g})")
 
 
 @dataclass
 class Checkpointing:
-    """How `analyze` saves and resumes: `save` writes a State (io.py), every `every_seconds`."""
+    """How `analyze` saves and resumes: `save` writes a State (attnprobe.io), every `every_seconds`."""
 
     save: Callable[[State], None]
     resume_from: State | None = None

@@ -244,7 +244,7 @@ def convert_gguf(path: Path, folder: Path, on_status: Status | None = None) -> N
             raise AttnprobeError(f"reading .gguf files needs the package {needed}: pip install gguf accelerate")
     from transformers import AutoModel, AutoTokenizer
 
-    from attnprobe.model import quiet_transformers
+    from attnprobe.quiet import quiet_transformers
 
     quiet_tqdm = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"  # the de-quantizing loop has a progress bar of its own
