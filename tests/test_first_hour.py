@@ -17,10 +17,10 @@ from test_cli import run
 from typer.testing import CliRunner
 
 from attnprobe import cli, sources
-from attnprobe.analysis import FEW_SENTENCES, few_sentences_note
 from attnprobe.cli import app
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import PROXY_VARIABLES
+from attnprobe.tables import FEW_SENTENCES, few_sentences_note
 
 runner = CliRunner()
 
