@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from attnprobe import __version__, naming
-from attnprobe.analysis import check_options, length_batches, pad_batch, tokenize
+from attnprobe.batching import length_batches, pad_batch, tokenize
 from attnprobe.bootstrap import (
     CONFIDENCE,
     DEFAULT_RESAMPLES,
@@ -46,6 +46,7 @@ from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, forward_kwargs, load_model, quiet_transformers
 from attnprobe.naming import head_name
+from attnprobe.planning import check_options
 
 METHODS = ("zero", "mean")
 DECODER_MEASURES = ("loss_change", "kl")  # the first one ranks heads
@@ -796,7 +797,7 @@ def run_info(
     loaded: LoadedModel, corpus: Corpus, ids: list[Any], method: str, heads: list[tuple[int, int]] | None,
     layers: bool, batch_size: int, resamples: int, seed: int, primary: str, rho: float | None,
 ) -> dict[str, Any]:
-    from attnprobe.analysis import versions
+    from attnprobe.records import versions
 
     return {
         **record_header(loaded, corpus),

@@ -1,44 +1,28 @@
-"""Corpus -> per-head statistics: tokenize, batch by length, stream maps, reduce, tabulate."""
+"""Corpus -> per-head statistics: the run. `analyze` plans it (planning), counts the corpus (batching.scan),
+streams every batch's maps through the statistics (`measure`, `measure_batch`), and hands the sums to the tables
+(tables) and the record (records)."""
 
 from __future__ import annotations
 
-import platform
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import __version__, defaults, distributed, kernel, layer_progress, limits, values
+from attnprobe import batching, distributed, kernel, layer_progress, planning, values
 from attnprobe import tokens as token_classes
-from attnprobe.accumulate import RESAMPLE_CELLS, Accumulator, Shape, pending_after, resamples_within_budget
-from attnprobe.bootstrap import (
-    BLOCK,
-    CONFIDENCE,
-    DEFAULT_RESAMPLES,
-    FEW_SEQUENCES,
-    BlockResampler,
-    block_length,
-    bootstrap_method,
-    interval,
-)
-from attnprobe.corpus import IN_MEMORY, Corpus, Sentence, as_corpus, clip_text
+from attnprobe.accumulate import Accumulator, Shape, pending_after, resamples_within_budget
+from attnprobe.batching import Scan, Tokens, pad_batch
+from attnprobe.bootstrap import BLOCK, DEFAULT_RESAMPLES, BlockResampler, bootstrap_method
+from attnprobe.corpus import Corpus, Sentence, as_corpus
 from attnprobe.errors import AttnprobeError
-from attnprobe.kernel import DEFAULT_BUDGET_MIB
 from attnprobe.metrics import (
-    METRICS,
-    POSITION_METRICS,
-    RECENT_WINDOW,
-    SINK_TOKENS,
     SPECIAL,
-    TOKEN_METRICS,
     SentenceSums,
     TokenClasses,
     bin_count,
@@ -47,17 +31,16 @@ from attnprobe.metrics import (
     uniform_received,
     value_weighted,
 )
-from attnprobe.model import LoadedModel, as_loaded, attention_modules, quiet_transformers, stream_attention
+from attnprobe.model import LoadedModel, as_loaded, stream_attention
+from attnprobe.planning import Options, Plan, check_options
+from attnprobe.records import bootstrap_record, model_weights, run_fingerprint, run_info
 from attnprobe.resume import Checkpointing, Expected, State, Stopped, check_example_maps, check_fingerprint
-from attnprobe.scores import OUTPUT_NORM, VW_METRICS, VW_POSITION_METRICS
-from attnprobe.sources import tokenizer_fingerprint, weights_fingerprint
+from attnprobe.scores import OUTPUT_NORM
+from attnprobe.tables import add_intervals, few_sentences_note, summarize_layers, tidy
+from attnprobe.tokens import token_labels
 
 UNTAGGED = "untagged"  # the category of sentences above the first `# category:` line of a tagged corpus
-EXAMPLE_TARGET_TOKENS = 12  # the example sentence for `plot` is the one closest to this length
-EXAMPLE_MAX_TOKENS = 40  # and only its first 40 tokens are kept, so plots stay readable
-EXAMPLES = 8  # examples.npz: the example, one sentence per category, then sentences near these lengths
-EXAMPLE_LENGTHS = (6, 20, 30, 9, 16, 40, 3)
-FEW_SENTENCES = defaults.FEW_SENTENCES
+EXAMPLE_MAX_TOKENS = 40  # only the example's first 40 tokens are kept, so plots stay readable
 
 Progress = Callable[[float], None]  # sentences just finished: a fraction of a batch as each layer finishes
 # called after each batch with its corpus indices, per score [sentence, layer, head], and its sentences
@@ -74,7 +57,7 @@ class Analysis:
     categories: pd.DataFrame | None = None  # category x layer, when the corpus is tagged
     positions: pd.DataFrame | None = None  # layer x head x bin of query positions
     resamples: dict[str, np.ndarray] = field(default_factory=dict)  # per score [resample, layer, head], float32
-    examples: list[dict[str, Any]] = field(default_factory=list)  # up to EXAMPLES sentences' maps (report.html)
+    examples: list[dict[str, Any]] = field(default_factory=list)  # up to batching.EXAMPLES sentences' maps (report)
     top_tokens: pd.DataFrame | None = None  # per head, the key tokens with the highest lift (top_tokens.csv)
 
 
@@ -149,18 +132,17 @@ def analyze_loaded(
     options = options or Options()
     check_options(batch_size, resamples, seed, options)
     started = time.perf_counter()
-    scanned = scan(loaded, corpus, keep_first_window=True,
-                   should_stop=checkpointing.should_stop if checkpointing is not None else None)
+    scanned = batching.scan(loaded, corpus, keep_first_window=True,
+                            should_stop=checkpointing.should_stop if checkpointing is not None else None)
     if on_start:
         on_start(scanned.sentences)
     world = distributed.current()
     distributed.join(world, loaded.device)
-    path = attention_path(loaded, options.attention)
-    projections, weighted = value_weighted_plan(loaded, path, options)
-    names = score_names(scanned.special, projections is not None)
+    plan = planning.plan(loaded, options)
+    names = plan.names(scanned.special)
     shape = Shape(
         names=names,
-        bin_names=(*POSITION_METRICS, *VW_POSITION_METRICS) if projections is not None else POSITION_METRICS,
+        bin_names=plan.bin_names,
         layers=loaded.num_layers, heads=loaded.num_heads, bins=bin_count(scanned.longest),
         resamples=resamples_within_budget(resamples, len(names), loaded.num_layers * loaded.num_heads), seed=seed,
         categories=tuple(dict.fromkeys(label or UNTAGGED for label in corpus.labels)) if corpus.tagged else (),
@@ -176,8 +158,8 @@ def analyze_loaded(
                                   weights=checkpointing is not None)
     if checkpointing is not None and checkpointing.resume_from is not None:
         check_fingerprint(checkpointing.resume_from.fingerprint, fingerprint)
-    measured = measure(loaded, corpus, scanned, batch_size, progress, options, world, shape,
-                       keep_per_sentence, checkpointing, fingerprint, on_batch, projections)
+    measured = measure(loaded, corpus, scanned, batch_size, progress, plan, world, shape,
+                       keep_per_sentence, checkpointing, fingerprint, on_batch)
     totals = measured.totals
     heads = totals.heads()
     layers = summarize_layers(heads)
@@ -187,25 +169,16 @@ def analyze_loaded(
     run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(scanned.sentences)}
     # what identifies the weights measured: `related` loads the model again and must find these weights
     run["model"]["weights"] = fingerprint["model_sha256"] if checkpointing is not None else model_weights(loaded)
-    run["attention"] = {
-        "requested": options.attention, "path": measured.path, "block_budget_mib": options.budget_mib,
-        "sink_tokens": options.sink, "window": options.window, "features": kernel.discover(loaded).record(),
-    }
-    if measured.path == "eager" and options.attention == "auto":
-        run["attention"]["why_eager"] = kernel.unsupported(loaded)
-    if measured.path == "fused":  # the others (windows, soft-capping, sinks) ran blocked
-        run["attention"]["fused_layers"] = kernel.discover(loaded).fused_layers(loaded.device)
-        run["attention"]["fused_min_tokens"] = fused_from(measured.path, options.attention)
-    run["attention"]["sequences"] = sequence_paths(measured.sequences, scanned.sentences)
-    run["value_weighted"] = weighted
+    run["attention"] = plan.record(loaded.device, measured.sequences, scanned.sentences)
+    run["value_weighted"] = plan.weighted
     run["summary"] = summary
     run["bootstrap"] = bootstrap_record(shape, scanned.lengths, resamples)
     run["example_sentence"] = {"index": scanned.example_index, "line": scanned.example.line}
     run["notes"] = [note for note in (few_sentences_note(scanned.sentences, run["bootstrap"].get("block_lengths")),
-                                      weighted.get("note"), run["bootstrap"].get("note")) if note]
+                                      plan.weighted.get("note"), run["bootstrap"].get("note")) if note]
     example = {
         "sentence": scanned.example.text,
-        "tokens": token_labels(loaded.tokenizer, scanned.example_ids[:EXAMPLE_MAX_TOKENS], scanned.example.text),
+        "tokens": token_labels(loaded, scanned.example_ids[:EXAMPLE_MAX_TOKENS], scanned.example.text),
         "maps": measured.example_maps,
         "total_tokens": len(scanned.example_ids),
     }
@@ -215,7 +188,7 @@ def analyze_loaded(
     examples = [{**example, "index": scanned.example_index, "line": scanned.example.line,
                  "category": scanned.example.category}]
     if world.is_main:
-        examples += more_examples(loaded, measured.path, scanned, shape, options, measured.other_maps)
+        examples += more_examples(loaded, plan, scanned, shape, measured.other_maps)
     top = None
     if shape.vocab:
         top = token_classes.top_tokens(totals.sums["tokmass"], totals.sums["tokuniform"], totals.sums["tokcount"],
@@ -226,8 +199,7 @@ def analyze_loaded(
 
 
 def more_examples(
-    loaded: LoadedModel, path: str, scanned: Scan, shape: Shape, options: Options,
-    captured: dict[int, np.ndarray] | None = None,
+    loaded: LoadedModel, plan: Plan, scanned: Scan, shape: Shape, captured: dict[int, np.ndarray] | None = None,
 ) -> list[dict[str, Any]]:
     """The maps of the other example sentences (`Scan.others`).
 
@@ -237,7 +209,8 @@ def more_examples(
     """
     captured = captured or {}
     found = []
-    with kernel.statistics_attention(loaded) if path != "eager" else nullcontext():
+    alone = plan.maps_only()  # only the maps are kept: no value-weighted scores
+    with planning.attention_context(loaded, alone):
         for index, sentence, ids in scanned.others:
             n = min(len(ids), EXAMPLE_MAX_TOKENS)
             maps = captured.get(index)
@@ -246,52 +219,12 @@ def more_examples(
                 buffer = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
                 input_ids, mask = pad_batch([run_ids], loaded.device)  # [1, seq] each
                 special = torch.zeros_like(mask, dtype=torch.bool) if SPECIAL in shape.names else None  # [1, seq]
-                measure_batch(loaded, path, input_ids, mask, special, shape, options, [(0, n, buffer)])
+                measure_batch(loaded, alone, input_ids, mask, special, shape, [(0, n, buffer)])
                 maps = buffer.cpu().numpy()
-            found.append({"maps": maps, "tokens": token_labels(loaded.tokenizer, ids[:n], sentence.text),
+            found.append({"maps": maps, "tokens": token_labels(loaded, ids[:n], sentence.text),
                           "sentence": sentence.text, "total_tokens": len(ids), "index": index, "line": sentence.line,
                           "category": sentence.category})
     return found
-
-
-def run_fingerprint(
-    loaded: LoadedModel, corpus: Corpus, batch_size: int, resamples: int, seed: int, options: Options,
-    processes: int = 1, weights: bool = True,
-) -> dict[str, Any]:
-    """Everything that decides the results of a run: a checkpoint resumes only the same run.
-
-    `weights`: fingerprint the model's weights too (model_sha256; see `model_weights`), which reads them."""
-    return {
-        "model": loaded.source, "model_sha256": model_weights(loaded) if weights else None, "dtype": loaded.dtype,
-        "bos": loaded.bos,
-        "tokenizer_sha256": model_tokenizer(loaded) if weights else None,
-        "corpus_sha256": corpus.sha256, "split": corpus.split, "sentences": len(corpus), "batch_size": batch_size,
-        "resamples": resamples, "seed": seed, "attention": options.attention, "sink": options.sink,
-        "window": options.window, "block_mib": options.budget_mib, "value_weighted": options.value_weighted,
-        "top_tokens": options.top_tokens,
-        "version": __version__, "processes": processes,
-        "limit": corpus.limit,
-    }
-
-
-def model_weights(loaded: LoadedModel) -> str | None:
-    """What identifies the weights: a GGUF file's sha256, a local folder's `sources.weights_fingerprint`, a hub
-    model's commit; None for a model the caller loaded (attnprobe cannot tell where its weights came from)."""
-    if loaded.origin.get("gguf_sha256"):
-        return loaded.origin["gguf_sha256"]
-    if loaded.origin.get("loaded_by") == "caller":
-        return None
-    if Path(loaded.source).is_dir():
-        return weights_fingerprint(loaded.source)
-    return f"revision:{loaded.revision}" if loaded.revision else None
-
-
-def model_tokenizer(loaded: LoadedModel) -> str | None:
-    """What identifies the tokenizer: a local folder's `sources.tokenizer_fingerprint`; None where `model_weights`
-    already covers it (a GGUF file holds its tokenizer, a hub commit its files) or cannot tell (a caller's)."""
-    if loaded.origin.get("gguf_sha256") or loaded.origin.get("loaded_by") == "caller":
-        return None
-    return tokenizer_fingerprint(loaded.source) if Path(loaded.source).is_dir() else None
 
 
 def sentence_categories(corpus: Corpus, sentences: list[Sentence]) -> list[str] | None:
@@ -299,109 +232,10 @@ def sentence_categories(corpus: Corpus, sentences: list[Sentence]) -> list[str] 
     return [s.category or UNTAGGED for s in sentences] if corpus.tagged else None
 
 
-@dataclass(frozen=True)
-class Options:
-    """How the statistics are computed; none of these changes a value beyond float rounding."""
-
-    attention: str = "auto"  # auto | blocked | eager
-    sink: int = SINK_TOKENS  # sink_window: the first S keys
-    window: int = RECENT_WINDOW  # ... and the W most recent
-    budget_mib: float = DEFAULT_BUDGET_MIB  # memory for one block of attention rows
-    block_rows: int | None = None  # a fixed block size instead (tests)
-    value_weighted: bool = True  # also the value-weighted scores and output_norm, where the architecture allows
-    top_tokens: bool = True  # keep the mass each token id receives, per head (top_tokens.csv)
-    top_tokens_min: int = token_classes.MIN_OCCURRENCES  # top_tokens.csv: tokens occurring at least this often
-
-
-ATTENTION_CHOICES = ("auto", "fused", "blocked", "eager")
-
-
-def fused_from(path: str, attention: str) -> int | None:
-    """The shortest batch the fused kernel runs: always under --attention fused; under auto from
-    kernel.FUSED_MIN_TOKENS on (shorter batches run blocked, where the fused kernel's extra calls cost more
-    than they save); never otherwise."""
-    if path != "fused":
-        return None
-    return 0 if attention == "fused" else kernel.FUSED_MIN_TOKENS
-
-
-PATHS = ("fused", "blocked", "eager")
-
-
-def sequence_paths(counted: dict[str, int], sentences: int) -> dict[str, int]:
-    """run.json's `attention.sequences`: how many sequences each path measured (under auto, batches shorter than
-    fused_min_tokens run blocked), and `from_checkpoint`, those a resumed run took from its checkpoint."""
-    record = {name: counted[name] for name in PATHS if counted.get(name)}
-    earlier = sentences - sum(record.values())
-    if earlier > 0:
-        record["from_checkpoint"] = earlier
-    return record
-
-
-def attention_path(loaded: LoadedModel, attention: str) -> str:
-    """`fused` (the fused kernel's logsumexp), `blocked` (attnprobe's statistics attention, O(n) memory) or
-    `eager` (hooks on eager maps).
-
-    `attention` is one of ATTENTION_CHOICES (check_options has checked it).
-    """
-    if attention == "eager":
-        return "eager"
-    reason = kernel.unsupported(loaded)
-    if reason is None:
-        return "fused" if attention == "auto" else attention
-    if attention != "auto":
-        raise AttnprobeError(f"--attention {attention} does not implement {reason}: use --attention eager or auto")
-    return "eager"
-
-
-def score_names(special: bool, weighted: bool) -> tuple[str, ...]:
-    """The per-head scores of a run: METRICS, special_tokens where the tokenizer adds special tokens, and the
-    value-weighted scores and output_norm where they are measured."""
-    return (*METRICS, *((SPECIAL,) if special else ()), *TOKEN_METRICS, *(VW_METRICS if weighted else ()))
-
-
-def value_weighted_plan(loaded: LoadedModel, path: str, options: Options) -> tuple[list[Any] | None, dict[str, Any]]:
-    """Each layer's output projection, when the value-weighted scores are measured (else None), and what run.json
-    records about them: `measured`, the projection found, or why not (`why`, and a `note` for run.json's notes
-    when the architecture, not the user, is the reason)."""
-    if not options.value_weighted:
-        return None, {"measured": False, "why": "turned off (--no-value-weighted)"}
-    modules = [module for module, _ in attention_modules(loaded.model)]
-    projections, found = values.find_projections(loaded.model, modules, loaded.num_heads)
-    why = None if projections is not None else found
-    if why is None and path == "eager":
-        why = eager_values_reason(loaded, modules)
-    if why is not None:
-        return None, {"measured": False, "why": why,
-                      "note": f"value-weighted scores and output_norm not measured: {why}"}
-    return projections, {"measured": True, "output_projection": found.removeprefix("found: ")}
-
-
-def eager_values_reason(loaded: LoadedModel, modules: list[Any]) -> str | None:
-    """Why the eager path cannot read this model's values (None when it can): the values are read by calling the
-    model's own eager attention function under another name (values.capturing_values), which a model that
-    computes attention itself, or changes its eager path by a setting, does not call."""
-    reason = kernel.config_reason(loaded)
-    if reason is not None:
-        return f"the eager path cannot read the values of {reason}"
-    if any(values.eager_function(module) is None for module in modules):
-        return f"the eager path cannot read the values of {type(modules[0]).__name__}: no eager_attention_forward"
-    return None
-
-
-def attention_context(loaded: LoadedModel, path: str, weighted: bool) -> Any:
-    """What the model runs under for `path`: attnprobe's statistics attention, or on the eager path its own eager
-    function (under `attnprobe_eager` when the value-weighted scores need its values)."""
-    if path != "eager":
-        return kernel.statistics_attention(loaded)
-    return values.capturing_values(loaded.model) if weighted else nullcontext()
-
-
 @dataclass
 class Measured:
     totals: Accumulator  # every statistic, summed over the sentences (all ranks merged)
     example_maps: np.ndarray  # [layer, head, query, key], the example's first tokens
-    path: str  # fused, blocked or eager
     per_sentence: dict[str, np.ndarray] | None = None  # per score [sentence, layer, head], when kept
     other_maps: dict[int, np.ndarray] = field(default_factory=dict)  # corpus index -> maps of `Scan.others`
     sequences: dict[str, int] = field(default_factory=dict)  # path -> sequences it measured (all ranks), by this run
@@ -409,27 +243,26 @@ class Measured:
 
 def measure(
     loaded: LoadedModel, corpus: Corpus, scanned: Scan, batch_size: int, progress: Progress | None,
-    options: Options, world: distributed.World, shape: Shape, keep_per_sentence: bool = False,
+    plan: Plan, world: distributed.World, shape: Shape, keep_per_sentence: bool = False,
     checkpointing: Checkpointing | None = None, fingerprint: dict[str, Any] | None = None,
-    on_batch: OnBatch | None = None, projections: list[Any] | None = None,
+    on_batch: OnBatch | None = None,
 ) -> Measured:
     """Run every batch of this rank's sentences and fold its statistics into an Accumulator.
 
     The corpus streams past in windows of WINDOW_SENTENCES: each is tokenized, sorted by length and
     batched, and dropped when done. Under torchrun each rank measures its shard, and the sums are merged.
-    `projections`: each layer's output projection, to measure the value-weighted scores (value_weighted_plan).
+    `plan` (planning.plan): the path every batch runs, and the output projections of the value-weighted scores.
     """
-    path = attention_path(loaded, options.attention)
     totals = Accumulator(shape)
     kept = {name: np.full((scanned.sentences, shape.layers, shape.heads), np.nan) for name in shape.names} \
         if keep_per_sentence else None  # [sentence, layer, head]
     n = min(len(scanned.example_ids), EXAMPLE_MAX_TOKENS)
     example_maps = torch.full((shape.layers, shape.heads, n, n), torch.nan, device=loaded.device)  # [l, h, q, k]
-    total = batch_count(scanned.sentences, batch_size, world)
+    total = batching.batch_count(scanned.sentences, batch_size, world)
     # the other examples' maps are taken from their batches as they pass (rank 0's only: it writes them)
     others = {index: min(len(ids), EXAMPLE_MAX_TOKENS) for index, _, ids in scanned.others} if world.is_main else {}
     other_maps: dict[int, torch.Tensor] = {}  # corpus index -> [layer, head, query, key]
-    slots = batch_size if path == "eager" else 1  # the statistics attention (fused or blocked) hands back one map
+    slots = batch_size if plan.path == "eager" else 1  # the statistics attention (fused or blocked) hands back one map
     start = 0
     state = checkpointing.resume_from if checkpointing is not None else None
     if state is not None:
@@ -470,9 +303,9 @@ def measure(
             if shape.method == BLOCK else None
         taken: dict[str, torch.Tensor] = {}
         with layer_progress.watching(loaded.model, input_ids.shape[1], within, rows=len(batch)):  # layer by layer
-            stats, bins = measure_batch(loaded, path, input_ids, mask, special, shape, options, wanted,
+            stats, bins = measure_batch(loaded, plan, input_ids, mask, special, shape, wanted,
                                         on_layer=(lambda: progress(share)) if progress else None,
-                                        resamplers=resamplers, projections=projections, tokens=classes,
+                                        resamplers=resamplers, tokens=classes,
                                         received_by=taken if shape.vocab else None, paths=paths,
                                         on_resampled=lambda layer, means: totals.add_resampled(layer, means, labels))
         if shape.vocab:
@@ -490,8 +323,8 @@ def measure(
     paths: dict[str, int] = {}  # path -> sequences this process ran through it (measure_batch counts them)
     within = layer_progress.reporter(progress, 0.0)  # progress(0.0, within=...) where it takes a `within` keyword
     number = 0  # batches begun, over the whole run
-    with attention_context(loaded, path, projections is not None):
-        for first, window in windows(corpus.stream(), WINDOW_SENTENCES):
+    with planning.attention_context(loaded, plan):
+        for first, window in batching.windows(corpus.stream(), batching.WINDOW_SENTENCES):
             mine = [i - first for i in world.shard(first + len(window), first)]  # positions in the window
             count = -(-len(mine) // batch_size)
             if number + count <= start:  # done before the checkpoint: skip without tokenizing
@@ -506,9 +339,9 @@ def measure(
             if first == 0 and cached is not None and len(cached.ids) == len(window):
                 tokens = cached.take(mine)
             else:
-                tokens = tokenize_sentences(loaded, [window[k] for k in mine])
+                tokens = batching.tokenize_sentences(loaded, [window[k] for k in mine])
             del cached
-            for local in length_batches(tokens.ids, batch_size):
+            for local in batching.length_batches(tokens.ids, batch_size):
                 number += 1
                 batch = [first + mine[k] for k in local]
                 if number > start:
@@ -529,7 +362,7 @@ def measure(
     try:
         totals.sums = distributed.merge_sums(world, totals.sums, loaded.device)
         counted = distributed.merge_sums(world, {name: np.asarray([paths.get(name, 0)], dtype=np.int64)
-                                                 for name in PATHS}, loaded.device)
+                                                 for name in planning.PATHS}, loaded.device)
         example_maps = distributed.merge(world, {"maps": example_maps})["maps"]
     except RuntimeError as err:  # another rank stopped or died before the merge
         if checkpointing is None or world.size == 1:
@@ -539,7 +372,7 @@ def measure(
     if kept is not None:
         kept = {name: v.cpu().numpy() for name, v in distributed.merge(
             world, {name: torch.from_numpy(v).to(loaded.device) for name, v in kept.items()}).items()}
-    return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), path=path, per_sentence=kept,
+    return Measured(totals=totals, example_maps=example_maps.cpu().numpy(), per_sentence=kept,
                     other_maps={index: maps.cpu().numpy() for index, maps in other_maps.items()},
                     sequences={name: int(count[0]) for name, count in counted.items() if int(count[0])})
 
@@ -585,9 +418,8 @@ def check_values_finite(loaded: LoadedModel, stats: dict[str, np.ndarray], sente
 
 
 def measure_batch(
-    loaded: LoadedModel, path: str, input_ids: torch.Tensor, mask: torch.Tensor, special: torch.Tensor | None,
-    shape: Shape, options: Options, examples: list[tuple[int, int, torch.Tensor]] = (),
-    on_layer: Callable[[], None] | None = None, projections: list[Any] | None = None,
+    loaded: LoadedModel, plan: Plan, input_ids: torch.Tensor, mask: torch.Tensor, special: torch.Tensor | None,
+    shape: Shape, examples: list[tuple[int, int, torch.Tensor]] = (), on_layer: Callable[[], None] | None = None,
     resamplers: list[BlockResampler] | None = None,
     on_resampled: Callable[[int, dict[str, np.ndarray]], None] | None = None,
     tokens: TokenClasses | None = None, received_by: dict[str, torch.Tensor] | None = None,
@@ -597,8 +429,8 @@ def measure_batch(
 
     `examples`: (row in the batch, tokens kept, maps [layer, head, query, key]) of sentences whose maps to write;
     the blocked path writes the first one only. `on_layer` is called as each layer's statistics arrive.
-    `projections`: each layer's output projection, for the value-weighted scores (the eager path reads the values
-    that values.capturing_values keeps, so it runs inside that context).
+    `plan`: the path, the options, and each layer's output projection for the value-weighted scores (the eager
+    path reads the values that values.capturing_values keeps, so it runs inside planning.attention_context).
     `resamplers`: one per sentence, for the block bootstrap: each layer's rows are resampled as they arrive and
     `on_resampled(layer, per score [resample, sentence, head])` gets the means; the rows are then dropped.
     `tokens`: the batch's ids and punctuation flags (punctuation, duplicate); `received_by`, when given, gets
@@ -606,6 +438,7 @@ def measure_batch(
     uniform rows would have given it. `paths`, when given, counts the batch's sentences under the path that ran
     them ("fused", "blocked" or "eager").
     """
+    options, projections = plan.options, plan.projections
     b, sink, window = input_ids.shape[0], options.sink, options.window
     k = min(shape.bins, bin_count(input_ids.shape[1]))
     stats = torch.full((len(shape.names), b, shape.layers, shape.heads), torch.nan,
@@ -613,7 +446,7 @@ def measure_batch(
     bins = torch.full((len(shape.bin_names), b, shape.layers, shape.heads, k), torch.nan,
                       device=loaded.device)  # [binned score, batch, layer, head, bin]
 
-    spans = kernel.discover(loaded).spans(shape.layers)  # each layer's attention window, None: every key
+    spans = plan.spans  # each layer's attention window, None: every key
     lengths = mask.sum(dim=-1)  # [batch]
     if received_by is not None:
         n = input_ids.shape[1]
@@ -634,7 +467,7 @@ def measure_batch(
         if on_layer is not None:
             on_layer()
 
-    if path != "eager":
+    if plan.path != "eager":
         def on_sums(layer: int, sums: SentenceSums, maps: torch.Tensor | None) -> None:
             store(layer, sums)
             if maps is not None:
@@ -642,10 +475,10 @@ def measure_batch(
 
         ran = kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
                          budget_mib=options.budget_mib, block_rows=options.block_rows,
-                         example=examples[0][:2] if examples else None, fused=fused_from(path, options.attention),
+                         example=examples[0][:2] if examples else None, fused=plan.fused,
                          projections=projections, keep_rows=bool(resamplers), tokens=tokens)
     else:
-        modules = [module for module, _ in attention_modules(loaded.model)]
+        modules = plan.modules
 
         def on_map(layer: int, p: torch.Tensor) -> None:
             weighted = None if projections is None else (values.take_values(modules[layer]), projections[layer])
@@ -748,46 +581,10 @@ def _to_numpy(names: tuple[str, ...], stacked: torch.Tensor) -> dict[str, np.nda
     return dict(zip(names, stacked.cpu().numpy().astype(np.float64)))
 
 
-def windows(sentences: Iterable[Sentence], size: int) -> Iterator[tuple[int, list[Sentence]]]:
-    """(index of the first, sentences) for consecutive windows of `size` sentences."""
-    first, window = 0, []
-    for sentence in sentences:
-        window.append(sentence)
-        if len(window) == size:
-            yield first, window
-            first, window = first + size, []
-    if window:
-        yield first, window
-
-
-def batch_count(sentences: int, batch_size: int, world: distributed.World) -> int:
-    """How many batches this rank runs over a corpus of `sentences`: windows are batched separately."""
-    total = 0
-    for first in range(0, sentences, WINDOW_SENTENCES):
-        end = min(first + WINDOW_SENTENCES, sentences)
-        total += -(-len(world.shard(end, first)) // batch_size)
-    return total
-
-
-def batch_sizes(sentences: int, batch_size: int, world: distributed.World, batches: int) -> tuple[list[int], int]:
-    """The sizes of this rank's first `batches` batches, in the order they run, and the corpus index after the
-    window the last of them is in: each window's shard is cut into batches of `batch_size`, the last one shorter
-    (length_batches), so this needs no tokenizing."""
-    sizes: list[int] = []
-    end = 0
-    for first in range(0, sentences, WINDOW_SENTENCES):
-        if len(sizes) >= batches:
-            break
-        end = min(first + WINDOW_SENTENCES, sentences)
-        mine = len(world.shard(end, first))
-        sizes += [min(batch_size, mine - k) for k in range(0, mine, batch_size)][: batches - len(sizes)]
-    return sizes, end
-
-
 def resume_expected(state: State, scanned: Scan, batch_size: int, world: distributed.World, total: int,
                     shape: Shape) -> Expected:
     """What the run's own batches say a checkpoint of `state.batches_done` batches holds (resume.Expected)."""
-    sizes, reached = batch_sizes(scanned.sentences, batch_size, world, state.batches_done)
+    sizes, reached = batching.batch_sizes(scanned.sentences, batch_size, world, state.batches_done)
     return Expected(batches=total, sentences=sum(sizes), pending=pending_after(sizes, shape.method),
                     corpus=scanned.sentences, reached=reached, rank=world.rank, size=world.size)
 
@@ -800,430 +597,3 @@ def check_resumed_example(loaded: LoadedModel, state: State, done: bool, scanned
     sinks = any(f.sinks for f in kernel.discover(loaded).features)
     whole = (loaded.causal or len(scanned.example_ids) <= shape[-1]) and not sinks
     check_example_maps(state, done, shape, eps, whole)
-
-
-def check_options(
-    batch_size: int, resamples: int = DEFAULT_RESAMPLES, seed: int = 0, options: Options | None = None
-) -> None:
-    if batch_size < 1:
-        raise AttnprobeError(f"--batch-size {batch_size} is below 1: use 1 or more (default 8)")
-    if resamples < 1:
-        raise AttnprobeError(f"--resamples {resamples} is below 1: use 1 or more (default {DEFAULT_RESAMPLES})")
-    if seed < 0:
-        raise AttnprobeError(f"--seed {seed} is negative: use 0 or more")
-    limits.check_whole("--batch-size", batch_size, 1, limits.MAX_BATCH_SIZE, 8)
-    limits.check_whole("--resamples", resamples, 1, limits.MAX_RESAMPLES, DEFAULT_RESAMPLES)
-    limits.check_whole("--seed", seed, 0, limits.MAX_SEED)
-    if options is None:
-        return
-    if options.attention not in ATTENTION_CHOICES:
-        raise AttnprobeError(f"unknown --attention {options.attention!r}: use auto, fused, blocked or eager")
-    if options.sink < 0:
-        raise AttnprobeError(f"--sink-tokens {options.sink} is negative: use 0 or more (default {SINK_TOKENS})")
-    if options.window < 1:
-        raise AttnprobeError(f"--window {options.window} is below 1: use 1 or more (default {RECENT_WINDOW})")
-    if options.budget_mib <= 0:
-        raise AttnprobeError(f"--block-mib {options.budget_mib} must be above 0 (default {DEFAULT_BUDGET_MIB})")
-    limits.check_real("--block-mib", options.budget_mib, 0.0, limits.MAX_BLOCK_MIB, DEFAULT_BUDGET_MIB, low_open=True)
-    limits.check_whole("--sink-tokens", options.sink, 0, limits.MAX_POSITIONS, SINK_TOKENS)
-    limits.check_whole("--window", options.window, 1, limits.MAX_POSITIONS, RECENT_WINDOW)
-    limits.check_whole("--top-tokens-min", options.top_tokens_min, 1, limits.MAX_POSITIONS,
-                       token_classes.MIN_OCCURRENCES)
-    if options.block_rows is not None and options.block_rows < 1:
-        raise AttnprobeError(f"block_rows {options.block_rows} is below 1: use 1 or more, or None for the budget")
-
-
-@dataclass
-class Tokens:
-    ids: list[np.ndarray]  # per sentence, int32, truncated to the model's context
-    special: list[np.ndarray]  # per sentence, 1 where the tokenizer added a special token ([CLS], [SEP], BOS)
-    # (line, tokens beyond the context, whether the line was clipped before tokenizing so the count is a lower bound)
-    cut: list[tuple[int, int, bool]] = field(default_factory=list)
-
-    @property
-    def truncated(self) -> int:
-        """How many sentences were longer than the context."""
-        return len(self.cut)
-
-    def take(self, positions: list[int]) -> Tokens:
-        """The sentences at these positions (without the record of truncation)."""
-        return Tokens([self.ids[k] for k in positions], [self.special[k] for k in positions])
-
-
-TOKENIZE_CHUNK = 1024  # sentences per tokenizer call: its per-sentence encodings are large, so keep few alive
-WINDOW_SENTENCES = 4096  # sentences tokenized, sorted by length and batched together: all a run holds of the corpus
-
-
-def tokenize(loaded: LoadedModel, corpus: Corpus) -> Tokens:
-    """Token ids of every sentence (int32 arrays), truncated to the model's context; and how many were truncated."""
-    return tokenize_sentences(loaded, list(corpus.stream()))
-
-
-def tokenize_sentences(loaded: LoadedModel, sentences: list[Sentence]) -> Tokens:
-    """`tokenize` for a list of sentences, in chunks of TOKENIZE_CHUNK."""
-    ids: list[np.ndarray] = []
-    special: list[np.ndarray] = []
-    cut: list[tuple[int, int]] = []
-    for start in range(0, len(sentences), TOKENIZE_CHUNK):
-        chunk = sentences[start : start + TOKENIZE_CHUNK]
-        texts = [clip_text(s.text, loaded.max_length) for s in chunk]  # a huge line: only what can be kept
-        with quiet_transformers():  # it warns about over-long inputs that we truncate anyway
-            kept = token_classes.encode(loaded, texts, truncation=True, max_length=loaded.max_length,
-                                        return_special_tokens_mask=True)
-            # only a sentence that reaches the limit can have been cut: count its full length
-            long = [k for k, tokens in enumerate(kept["input_ids"]) if len(tokens) >= loaded.max_length]
-            full = dict(zip(long, token_classes.encode(loaded, [texts[k] for k in long],
-                                                       truncation=False)["input_ids"])) if long else {}
-        for k, (tokens, flags) in enumerate(zip(kept["input_ids"], kept["special_tokens_mask"])):
-            if not tokens:
-                raise AttnprobeError(f"corpus line {chunk[k].line} gives no tokens: remove or fix it")
-            beyond = len(full[k]) - len(tokens) if k in full else 0  # tokens of the (clipped) text past the limit
-            if texts[k] is not chunk[k].text:  # clipped before tokenizing: the line has more than `beyond`
-                cut.append((chunk[k].line, max(0, beyond), True))
-            elif beyond > 0:
-                cut.append((chunk[k].line, beyond, False))
-            ids.append(np.asarray(tokens, dtype=np.int32))
-            special.append(np.asarray(flags, dtype=np.int8))
-    return Tokens(ids, special, cut)
-
-
-@dataclass
-class Scan:
-    """What a tokenizing pass over the whole corpus tells before the measuring pass; nothing per sentence."""
-
-    sentences: int = 0
-    tokens: int = 0
-    longest: int = 0
-    special: bool = False  # whether the tokenizer adds special tokens
-    truncated: int = 0
-    cut: list[tuple[int, int, bool]] = field(default_factory=list)  # Tokens.cut of the first truncated ones
-    lengths: list[int] = field(default_factory=list)  # tokens of the first FEW_SEQUENCES sequences (block bootstrap)
-    example_index: int = -1  # the example sentence for `plot`: the first closest to EXAMPLE_TARGET_TOKENS
-    example: Sentence | None = None
-    example_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    first_window: Tokens | None = None  # the ids of the first WINDOW_SENTENCES sentences, when asked to keep them
-    # candidates for more examples: per category and per target length, the first closest sentence
-    candidates: dict[tuple[str, Any], tuple[int, Sentence, np.ndarray]] = field(default_factory=dict)
-
-    def offer(self, index: int, sentence: Sentence, ids: np.ndarray) -> None:
-        """Keep `sentence` if it is the closest yet to its category's target or to a target length."""
-        keys = [(("length", t), t) for t in EXAMPLE_LENGTHS]
-        if sentence.category is not None and (("category", sentence.category) in self.candidates
-                                              or len(self.categories) < EXAMPLES):
-            keys.append((("category", sentence.category), EXAMPLE_TARGET_TOKENS))
-        for key, target in keys:
-            best = self.candidates.get(key)
-            if best is None or abs(len(ids) - target) < abs(len(best[2]) - target):
-                self.candidates[key] = (index, sentence, ids)
-
-    @property
-    def categories(self) -> list[str]:
-        return [key[1] for key in self.candidates if key[0] == "category"]
-
-    @property
-    def others(self) -> list[tuple[int, Sentence, np.ndarray]]:
-        """Up to EXAMPLES - 1 sentences besides the example: one per category first, then spread over lengths."""
-        chosen = {self.example_index}
-        picked = []
-        for key in [k for k in self.candidates if k[0] == "category"] + [("length", t) for t in EXAMPLE_LENGTHS]:
-            index, sentence, ids = self.candidates.get(key, (None, None, None))
-            if index is not None and index not in chosen and len(picked) < EXAMPLES - 1:
-                chosen.add(index)
-                picked.append((index, sentence, ids))
-        return picked
-
-
-CUT_SHOWN = 5  # truncated sentences named in the warning
-STOP_CHECK_SECONDS = 0.5  # how often the counting pass asks whether the run should stop
-
-
-def scan(loaded: LoadedModel, corpus: Corpus, keep_first_window: bool = False,
-         should_stop: Callable[[], bool] | None = None) -> Scan:
-    """Tokenize the corpus once, chunk by chunk, keeping only totals, the longest and the example sentence.
-
-    `keep_first_window`: also keep the ids of the first WINDOW_SENTENCES sentences (`Scan.first_window`), so
-    that the measuring pass need not tokenize them again: a corpus of one window is tokenized once. At most
-    one window is kept, whatever the corpus's size. `should_stop` (Ctrl-C, SIGTERM) is asked between chunks of
-    TOKENIZE_CHUNK sentences, every STOP_CHECK_SECONDS: a stop raises Stopped within about that time, not after
-    counting a large corpus whole (a corpus of one chunk is not asked: it is counted in a moment).
-    """
-    result = Scan()
-    window = Tokens([], []) if keep_first_window else None
-    asked = time.monotonic()
-    for first, whole in windows(corpus.stream(), TOKENIZE_CHUNK):
-        if should_stop is not None and first > 0 and time.monotonic() - asked >= STOP_CHECK_SECONDS:
-            asked = time.monotonic()
-            if should_stop():
-                raise Stopped(f"stopped while counting the corpus ({first} sentences counted), before any batch "
-                              "was measured")
-        tokens = tokenize_sentences(loaded, whole)  # clips each text itself, and so knows which it clipped
-        chunk = [clipped(s, loaded.max_length) for s in whole]  # an example keeps the cut text, not 50 MB
-        del whole
-        if window is not None and first < WINDOW_SENTENCES:
-            window.ids.extend(tokens.ids[: WINDOW_SENTENCES - first])
-            window.special.extend(tokens.special[: WINDOW_SENTENCES - first])
-        result.sentences += len(chunk)
-        result.truncated += tokens.truncated
-        result.cut.extend(tokens.cut[: CUT_SHOWN - len(result.cut)])
-        for k, (ids, flags) in enumerate(zip(tokens.ids, tokens.special)):
-            if first + k < FEW_SEQUENCES:
-                result.lengths.append(len(ids))
-            result.tokens += len(ids)
-            result.longest = max(result.longest, len(ids))
-            result.special = result.special or bool(flags.any())
-            if result.example is None or _closer(len(ids), len(result.example_ids)):
-                result.example_index, result.example, result.example_ids = first + k, chunk[k], ids
-            result.offer(first + k, chunk[k], ids)
-    result.first_window = window
-    return result
-
-
-def clipped(sentence: Sentence, max_tokens: int) -> Sentence:
-    """`sentence` with its text cut by `clip_text` (the same object when it is short enough)."""
-    text = clip_text(sentence.text, max_tokens)
-    return sentence if text is sentence.text else replace(sentence, text=text)
-
-
-def _closer(length: int, best: int) -> bool:
-    """Whether a sentence of `length` tokens is a better example than the best so far (earlier wins ties)."""
-    return abs(length - EXAMPLE_TARGET_TOKENS) < abs(best - EXAMPLE_TARGET_TOKENS)
-
-
-def length_batches(ids: list[list[int]], batch_size: int, indices: list[int] | None = None) -> list[list[int]]:
-    """Sentence indices (all, or the given ones) grouped into batches of similar length (least padding)."""
-    chosen = range(len(ids)) if indices is None else indices
-    order = sorted(chosen, key=lambda i: (len(ids[i]), i))
-    return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
-
-
-def pad_batch(batch: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest sentence; padded ids are 0 and are masked out everywhere."""
-    n = max(len(t) for t in batch)
-    input_ids = torch.zeros(len(batch), n, dtype=torch.long)  # [batch, seq]
-    mask = torch.zeros(len(batch), n, dtype=torch.long)  # [batch, seq]
-    for row, tokens in enumerate(batch):
-        input_ids[row, : len(tokens)] = torch.tensor(tokens)
-        mask[row, : len(tokens)] = 1
-    return input_ids.to(device), mask.to(device)
-
-
-def token_labels(tokenizer: Any, ids: Any, text: str | None = None) -> list[str]:
-    """A label per token id: its span of `text`, so any script reads right.
-
-    With a fast tokenizer and the text the ids came from, token i is labelled with the text from the end of
-    the token before it to its own end (a leading space stays with its word, as in GPT-2's `Ġworld`). A
-    character that byte-level BPE splits into several tokens (Cyrillic, CJK, emoji) goes to the first of
-    them and the others get "" - so the labels of a sentence's tokens join back into the sentence. A special
-    token added by the tokenizer keeps its own name (`<s>`, `[CLS]`). Without offsets (a slow tokenizer,
-    no `text`, or ids that `text` does not give) the ids are decoded together, each label being what its
-    token adds, never a lone `\ufffd`.
-    """
-    ids = [int(t) for t in ids]
-    spans = _offset_labels(tokenizer, ids, text) if text is not None else None
-    return spans if spans is not None else _decoded_labels(tokenizer, ids)
-
-
-def _offset_labels(tokenizer: Any, ids: list[int], text: str) -> list[str] | None:
-    """Labels from the fast tokenizer's character offsets, or None when it has none or they do not fit `ids`."""
-    if not getattr(tokenizer, "is_fast", False):
-        return None
-    try:
-        with quiet_transformers():
-            encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True,
-                                return_special_tokens_mask=True)
-    except (NotImplementedError, ValueError, TypeError, KeyError):
-        return None
-    encoded_ids = list(encoded["input_ids"])
-    if encoded_ids[: len(ids)] != ids:  # --bos prepended a BOS the tokenizer does not add, or stripped the one it adds
-        special = set(getattr(tokenizer, "all_special_ids", ()))
-        if ids and ids[0] in special and encoded_ids[: len(ids) - 1] == ids[1:]:
-            rest = _offset_labels(tokenizer, ids[1:], text)
-            return None if rest is None else [str(tokenizer.convert_ids_to_tokens(ids[0])), *rest]
-        if list(encoded["special_tokens_mask"][:1]) != [1] or encoded_ids[1 : len(ids) + 1] != ids:
-            return None  # ids of another text
-        encoded = {key: list(encoded[key])[1:] for key in ("input_ids", "offset_mapping", "special_tokens_mask")}
-    labels, done = [], 0  # done: where the text labelled so far ends
-    for token, (start, end), special in zip(ids, encoded["offset_mapping"], encoded["special_tokens_mask"]):
-        if special and start == end:  # added by the tokenizer, not in the text
-            labels.append(str(tokenizer.convert_ids_to_tokens(token)))
-        elif end > done:
-            labels.append(text[done:end])
-            done = end
-        else:  # another piece of a character already labelled
-            labels.append("")
-    return labels
-
-
-def _decoded_labels(tokenizer: Any, ids: list[int]) -> list[str]:
-    """What each token adds to the decoded text; the pieces of one character label its first token."""
-    labels: list[str] = []
-    done, pending = "", None  # the text decoded so far; the first token of an unfinished character
-    for k, token in enumerate(ids):
-        decoded = tokenizer.decode(ids[: k + 1], clean_up_tokenization_spaces=False)
-        if decoded.endswith("\ufffd") and k + 1 < len(ids):  # a character split over tokens, not yet whole
-            pending = k if pending is None else pending
-            labels.append("")
-            continue
-        added = decoded[len(done):] if decoded.startswith(done) else tokenizer.decode([token])
-        if pending is not None:
-            labels[pending], added = added, ""
-            pending = None
-        labels.append(added)
-        done = decoded
-    return labels
-
-
-def tidy(stats: dict[str, np.ndarray], corpus: Corpus) -> pd.DataFrame:
-    n_sentences, n_layers, n_heads = stats["entropy"].shape
-    grids = np.meshgrid(np.arange(n_sentences), np.arange(n_layers), np.arange(n_heads), indexing="ij")
-    frame = pd.DataFrame({key: g.ravel() for key, g in zip(("sentence", "layer", "head"), grids)})
-    for name, column in stats.items():
-        frame[name] = column.ravel()
-    frame["category"] = [corpus.sentences[i].category for i in frame["sentence"]]
-    return frame
-
-
-def metric_columns(frame: pd.DataFrame) -> list[str]:
-    return [name for name in (*METRICS, SPECIAL, *VW_METRICS) if name in frame.columns]
-
-
-def summarize_layers(heads: pd.DataFrame) -> pd.DataFrame:
-    grouped = heads.groupby("layer", sort=True)
-    layers = grouped[metric_columns(heads)].mean()
-    layers["entropy_head_std"] = grouped["entropy"].std(ddof=0)
-    layers["entropy_head_min"] = grouped["entropy"].min()
-    layers["entropy_head_max"] = grouped["entropy"].max()
-    return layers.reset_index()
-
-
-def third(n_layers: int) -> int:
-    """How many layers are "early" and how many "late": a third of them, at least one."""
-    return max(1, n_layers // 3)
-
-
-def early_late(layers: pd.DataFrame) -> dict[str, Any]:
-    """Mean entropy of the first and last third of the layers, and early minus late."""
-    n = len(layers)
-    k = third(n)
-    early = layers["entropy"].iloc[:k].mean()
-    late = layers["entropy"].iloc[n - k :].mean()
-    return {
-        "early_layers": [0, k - 1],
-        "late_layers": [n - k, n - 1],
-        "early_entropy": float(early),
-        "late_entropy": float(late),
-        "difference": float(early - late),
-    }
-
-
-def add_intervals(
-    heads: pd.DataFrame, layers: pd.DataFrame, totals: Accumulator, resampled: dict[str, np.ndarray] | None = None,
-) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
-    """`<name>_ci_low`/`_ci_high` for every score of heads and layers, and the gradient's interval. `resampled`:
-    per score, totals.resampled_head_means [resample, layer, head], when the caller has them already."""
-    head_columns, layer_columns = {}, {}
-    for name in totals.shape.names:
-        per_head = resampled[name] if resampled is not None else totals.resampled_head_means(name)  # [r, l, h]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN heads stay NaN
-            per_layer = np.nanmean(per_head, axis=2)  # [resample, layer]
-        low, high = interval(per_head)
-        head_columns[f"{name}_ci_low"], head_columns[f"{name}_ci_high"] = low.ravel(), high.ravel()
-        low, high = interval(per_layer)
-        layer_columns[f"{name}_ci_low"], layer_columns[f"{name}_ci_high"] = low, high
-        if name == "entropy":
-            entropy_by_layer = per_layer
-    heads = pd.concat([heads, pd.DataFrame(head_columns, index=heads.index)], axis=1)  # one copy, not one per column
-    layers = pd.concat([layers, pd.DataFrame(layer_columns, index=layers.index)], axis=1)
-    summary = early_late(layers)
-    k = third(entropy_by_layer.shape[1])
-    early = entropy_by_layer[:, :k].mean(axis=1)  # [resample]
-    late = entropy_by_layer[:, -k:].mean(axis=1)  # [resample]
-    for key, resampled in (("early_entropy", early), ("late_entropy", late), ("difference", early - late)):
-        low, high = interval(resampled)
-        summary[f"{key}_ci"] = [float(low), float(high)]
-    return heads, layers, summary
-
-
-def bootstrap_record(shape: Shape, lengths: list[int], asked: int | None = None) -> dict[str, Any]:
-    """run.json's `bootstrap`: how the intervals were made. Under the block bootstrap (fewer than FEW_SEQUENCES
-    sequences), each sequence's query rows (`sequence_rows`) and block length (`block_lengths`), in corpus order.
-    Where the model's heads made the run keep fewer resamples than `asked` (resamples_within_budget), both and a
-    note."""
-    record: dict[str, Any] = {"resamples": shape.resamples, "seed": shape.seed, "confidence": CONFIDENCE,
-                              "method": shape.method, "over": "sentences"}
-    if asked is not None and asked > shape.resamples:
-        heads = shape.layers * shape.heads
-        record.update(resamples_asked=asked, resample_budget=RESAMPLE_CELLS, note=(
-            f"{shape.resamples} bootstrap resamples, not the {asked} asked: {heads} heads x {len(shape.names)} "
-            f"scores keep at most {RESAMPLE_CELLS} resample sums (resamples x scores x heads) so the intervals fit "
-            "in memory; their endpoints carry a little more Monte Carlo noise"))
-    if shape.method == BLOCK:
-        record.update(over="query rows, in blocks within each sequence", sequence_rows=list(lengths),
-                      block_lengths=[block_length(n) for n in lengths],
-                      block_rule="circular blocks of round(n^(1/3)) consecutive query rows of a sequence of n rows, "
-                                 "ceil(n / L) blocks per resample, the last cut to make n rows")
-    return record
-
-
-def few_sentences_note(sentences: int, block_lengths: list[int] | None = None) -> str | None:
-    """The warning for a run over fewer than FEW_SENTENCES sentences (its intervals come from the block bootstrap
-    over query rows, `block_lengths` rows per block), else None."""
-    if sentences >= FEW_SENTENCES:
-        return None
-    sizes = sorted(set(block_lengths or []))
-    blocks = f" (blocks of {sizes[0] if len(sizes) == 1 else f'{sizes[0]}-{sizes[-1]}'} rows)" if sizes else ""
-    return (f"only {sentences} sequence{'' if sentences == 1 else 's'}: the 95% intervals come from a block bootstrap "
-            f"over the query rows within {'it' if sentences == 1 else 'each'}{blocks}, not over sentences; they show "
-            "how the means would vary over another stretch of similar text, assuming rows more than a block apart are "
-            "nearly independent, and say nothing about another sample of sentences or documents. Use at least "
-            f"{FEW_SENTENCES} sequences for intervals over sentences")
-
-
-def model_record(loaded: LoadedModel) -> dict[str, Any]:
-    """The model's provenance and shape, as run.json (and probe.json) record it."""
-    return {
-        "spec": loaded.spec,
-        "source": loaded.source,
-        **loaded.origin,
-        "revision": loaded.revision,
-        "architecture": type(loaded.model).__name__,
-        "layers": loaded.num_layers,
-        "heads": loaded.num_heads,
-        "kv_heads": loaded.num_kv_heads,
-        "head_dim": loaded.head_dim,
-        "causal": loaded.causal,
-        "max_length": loaded.max_length,
-    }
-
-
-def versions() -> dict[str, str]:
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def run_info(
-    loaded: LoadedModel, corpus: Corpus, scanned: Scan, batch_size: int, seconds: float
-) -> dict[str, Any]:
-    return {
-        "attnprobe_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": model_record(loaded),
-        "corpus": {"path": IN_MEMORY if str(corpus.path) == IN_MEMORY else str(corpus.path.resolve()),
-                   "sha256": corpus.sha256, "split": corpus.split},
-        "sentences": scanned.sentences,
-        "limit": corpus.limit,  # --limit: only the corpus's first N sequences were measured (None: all)
-        "tokens": scanned.tokens,
-        "longest_sequence": scanned.longest,
-        "truncated_sentences": scanned.truncated,
-        "truncated_lines": [{"line": line, "tokens_cut": cut, "at_least": at_least}
-                            for line, cut, at_least in scanned.cut],
-        "device": str(loaded.device),
-        "dtype": loaded.dtype,  # what ran
-        "dtype_requested": loaded.dtype_requested,  # --dtype (auto: the checkpoint's own); None: the caller loaded it
-        "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never
-        "batch_size": batch_size,
-        "wall_seconds": round(seconds, 3),
-        "versions": versions(),
-    }

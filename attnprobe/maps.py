@@ -46,10 +46,9 @@ def attention_maps(model: Any, text: str, *, device: str = "auto", dtype: str = 
     The text is cut to the model's context, or to its first `max_tokens` tokens (a decoder's maps of a
     prefix equal the full maps cropped; an encoder sees only the tokens kept).
     """
-    from attnprobe.analysis import token_labels
     from attnprobe.corpus import clip_text
     from attnprobe.model import as_loaded, quiet_transformers, stream_attention
-    from attnprobe.tokens import encode
+    from attnprobe.tokens import encode, token_labels
 
     if not isinstance(text, str) or not text.strip():
         raise AttnprobeError(f"text: expected a non-empty string; got {type(text).__name__ if text else repr(text)}")
@@ -68,7 +67,7 @@ def attention_maps(model: Any, text: str, *, device: str = "auto", dtype: str = 
     layers: list[np.ndarray] = []  # each [head, query, key]
     stream_attention(loaded, input_ids, torch.ones_like(input_ids),
                      lambda _layer, p: layers.append(p[0].float().cpu().numpy()))
-    return AttentionMaps(maps=np.stack(layers), tokens=token_labels(loaded.tokenizer, ids, text))
+    return AttentionMaps(maps=np.stack(layers), tokens=token_labels(loaded, ids, text))
 
 
 class MapFault(NamedTuple):

@@ -22,10 +22,11 @@ import pandas as pd
 import torch
 
 from attnprobe import __version__, limits
-from attnprobe.analysis import check_options, model_record, versions
 from attnprobe.bootstrap import DEFAULT_RESAMPLES, few_items_note, interval, poisson_weights, resampled_means
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, as_loaded, stream_attention
+from attnprobe.planning import check_options
+from attnprobe.records import model_record, versions
 from attnprobe.tokens import encode
 
 Kind = Literal["induction", "duplicate", "previous"]

@@ -393,7 +393,7 @@ def notes(info: dict[str, Any]) -> list[str]:
 def _model_record(loaded: LoadedModel) -> dict[str, Any]:
     """analyze's model record, with the weights fingerprint that run.json has too (`ablate --pattern` and export's
     attnprobe.json check the model by it)."""
-    from attnprobe.analysis import model_record, model_weights
+    from attnprobe.records import model_record, model_weights
 
     return {**model_record(loaded), "weights": model_weights(loaded)}
 

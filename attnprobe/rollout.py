@@ -127,7 +127,7 @@ def choose_sentences(
     `indices` pick sentences of `corpus` (a corpus.Corpus) by 0-based position, `examples` add texts;
     with neither, the sentence `analyze` keeps as its example (the first closest to 12 tokens).
     """
-    from attnprobe.analysis import scan
+    from attnprobe.batching import scan
 
     indices, examples = list(indices or []), list(examples or [])
     check_choice(corpus, indices, examples)
@@ -182,7 +182,8 @@ def rollout_loaded(
     Each sentence is cut to its first `max_tokens` tokens before the forward pass (for a decoder
     this equals cropping the full sentence's maps; an encoder sees only those tokens).
     """
-    from attnprobe.analysis import EXAMPLE_MAX_TOKENS, pad_batch, token_labels
+    from attnprobe.analysis import EXAMPLE_MAX_TOKENS
+    from attnprobe.batching import pad_batch
     from attnprobe.model import quiet_transformers, stream_attention
 
     check_residual(residual)
@@ -194,7 +195,7 @@ def rollout_loaded(
     if len(texts) > MAX_SENTENCES:
         raise AttnprobeError(f"{len(texts)} example sentences: rollout draws at most {MAX_SENTENCES}; pass fewer")
     from attnprobe.corpus import clip_text
-    from attnprobe.tokens import encode
+    from attnprobe.tokens import encode, token_labels
 
     with quiet_transformers():
         full = [list(ids) for ids in encode(loaded, [clip_text(t, loaded.max_length) for t in texts])["input_ids"]]
@@ -208,7 +209,7 @@ def rollout_loaded(
     attention, rolled = batch.results()
     return Rollout(
         sentences=list(texts), indices=list(indices) if indices is not None else [-1] * len(texts),
-        tokens=[token_labels(loaded.tokenizer, ids, text) for ids, text in zip(kept, texts)],
+        tokens=[token_labels(loaded, ids, text) for ids, text in zip(kept, texts)],
         total_tokens=[len(ids) for ids in full],
         attention=attention, rollout=rolled, residual=residual,
         info={"model": loaded.spec, "source": loaded.source, **loaded.origin, "causal": loaded.causal,

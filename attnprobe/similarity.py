@@ -202,7 +202,7 @@ def nearest_heads(js: np.ndarray, layers: np.ndarray, heads: np.ndarray, layer: 
 def batch_rows(loaded: Any, batch: list[list[int]]) -> list[tuple[Tensor, int]]:
     """Run one batch of token ids (a model.LoadedModel); per sentence, the weights of its unforced rows for
     every layer and head, [layer * head, entry] (layer-major), and how many rows they are (`row_entries`)."""
-    from attnprobe.analysis import pad_batch
+    from attnprobe.batching import pad_batch
     from attnprobe.model import stream_attention
 
     lengths = [len(ids) for ids in batch]
@@ -232,7 +232,7 @@ def head_similarity(
     tokenizer) pair; `corpus`: a file, a Corpus or a list of sentences. A decoder's maps of a prefix equal its
     full maps cropped; an encoder sees only the tokens kept.
     """
-    from attnprobe.analysis import clipped, length_batches, tokenize_sentences
+    from attnprobe.batching import clipped, length_batches, tokenize_sentences
     from attnprobe.corpus import as_corpus
     from attnprobe.model import as_loaded
 
@@ -277,9 +277,9 @@ def run_model(run: dict[str, Any]) -> str:
 
 def check_same_weights(run: dict[str, Any], loaded: Any, out: str | Path) -> None:
     """Refuse to measure a model whose weights are not those the run in `out` measured (re-saved, or another
-    folder of the same name from here): run.json's `model.weights` fingerprint (analysis.model_weights) must be
+    folder of the same name from here): run.json's `model.weights` fingerprint (records.model_weights) must be
     the loaded model's. A run.json without one (older, or a model the caller loaded) is not checked."""
-    from attnprobe.analysis import model_weights
+    from attnprobe.records import model_weights
 
     recorded = run["model"].get("weights")
     if not recorded:

@@ -376,7 +376,7 @@ def check_pattern(pattern: Pattern, loaded: LoadedModel) -> list[str]:
         raise AttnprobeError(f"--pattern {pattern.source} has {rows} layers x {columns} KV heads but {loaded.spec} "
                              f"has {shape[0]} x {shape[1]}: export the pattern of this model")
     if pattern.model is not None:
-        from attnprobe.analysis import model_weights
+        from attnprobe.records import model_weights
 
         recorded = pattern.model.get("weights")
         found = model_weights(loaded) if recorded else None
@@ -475,7 +475,8 @@ def streaming_ablate_loaded(
     of `shares` in the pattern's order and in `random_orders` random orders (seeded; their mean). S and W: `sink` and
     `recent`, else the pattern's, else 128 and 256. The needle task needs `needle` (its haystack and settings)."""
     from attnprobe import ablate as ab
-    from attnprobe.analysis import check_options, tokenize
+    from attnprobe.batching import tokenize
+    from attnprobe.planning import check_options
 
     started = time.perf_counter()
     check_options(batch_size, resamples, seed)
@@ -683,7 +684,7 @@ def run_info(
     frame: pd.DataFrame, client: str, continuation: int, random_orders: int, needle: Needle | None,
 ) -> dict[str, Any]:
     from attnprobe.ablate import record_header
-    from attnprobe.analysis import versions
+    from attnprobe.records import versions
 
     tasks = list(bases)
     lengths = [len(t) for t in sequences.ids]

@@ -1,5 +1,6 @@
-"""What heads attend to by token: which tokens are punctuation, and the top_tokens.csv table; and `encode`, the
-tokenizer call every command makes, with the --bos policy.
+"""What heads attend to by token: which tokens are punctuation, and the top_tokens.csv table; `encode`, the
+tokenizer call every command makes, with the --bos policy; and `token_labels`, each token's text for plots and
+reports, as `encode` gave the tokens.
 
 `punctuation` and `duplicate` are row scores (metrics.row_special, metrics.row_duplicate); this module decides
 which token ids are punctuation, and turns the corpus sums of the mass each token's key positions received
@@ -79,6 +80,69 @@ def encode(loaded: Any, texts: str | list[str], **kwargs: Any) -> dict[str, Any]
     if not asked_mask:
         keys.remove("special_tokens_mask")
     return {key: rows[key][0] if single else rows[key] for key in keys}
+
+
+def token_labels(loaded: Any, ids: Any, text: str | None = None) -> list[str]:
+    """A label per token id: its span of `text`, so any script reads right. `loaded`: what `encode` takes (a
+    LoadedModel, or anything with a `tokenizer`, and a `bos` policy where not auto), whose `encode` gave `ids`.
+
+    With a fast tokenizer and the text the ids came from, token i is labelled with the text from the end of
+    the token before it to its own end (a leading space stays with its word, as in GPT-2's `Ġworld`). A
+    character that byte-level BPE splits into several tokens (Cyrillic, CJK, emoji) goes to the first of
+    them and the others get "" - so the labels of a sentence's tokens join back into the sentence. A special
+    token added by the tokenizer, or by the --bos policy, keeps its own name (`<s>`, `[CLS]`). Without offsets
+    (a slow tokenizer, no `text`, or ids that `text` does not give) the ids are decoded together, each label
+    being what its token adds, never a lone `\ufffd`.
+    """
+    ids = [int(t) for t in ids]
+    spans = _offset_labels(loaded, ids, text) if text is not None else None
+    return spans if spans is not None else _decoded_labels(loaded.tokenizer, ids)
+
+
+def _offset_labels(loaded: Any, ids: list[int], text: str) -> list[str] | None:
+    """Labels from the fast tokenizer's character offsets, as `encode` gives them under the --bos policy, or None
+    when it has none or they do not fit `ids`."""
+    from attnprobe.model import quiet_transformers
+
+    tokenizer = loaded.tokenizer
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    try:
+        with quiet_transformers():
+            encoded = encode(loaded, text, return_offsets_mapping=True, return_special_tokens_mask=True)
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return None
+    if list(encoded["input_ids"][: len(ids)]) != ids:  # ids of another text
+        return None
+    labels, done = [], 0  # done: where the text labelled so far ends
+    for token, (start, end), special in zip(ids, encoded["offset_mapping"], encoded["special_tokens_mask"]):
+        if special and start == end:  # added by the tokenizer or the --bos policy, not in the text
+            labels.append(str(tokenizer.convert_ids_to_tokens(token)))
+        elif end > done:
+            labels.append(text[done:end])
+            done = end
+        else:  # another piece of a character already labelled
+            labels.append("")
+    return labels
+
+
+def _decoded_labels(tokenizer: Any, ids: list[int]) -> list[str]:
+    """What each token adds to the decoded text; the pieces of one character label its first token."""
+    labels: list[str] = []
+    done, pending = "", None  # the text decoded so far; the first token of an unfinished character
+    for k, token in enumerate(ids):
+        decoded = tokenizer.decode(ids[: k + 1], clean_up_tokenization_spaces=False)
+        if decoded.endswith("\ufffd") and k + 1 < len(ids):  # a character split over tokens, not yet whole
+            pending = k if pending is None else pending
+            labels.append("")
+            continue
+        added = decoded[len(done):] if decoded.startswith(done) else tokenizer.decode([token])
+        if pending is not None:
+            labels[pending], added = added, ""
+            pending = None
+        labels.append(added)
+        done = decoded
+    return labels
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> punctuation table

@@ -14,11 +14,13 @@ import torch
 from torch import Tensor
 
 from attnprobe import kernel, recompute, values
-from attnprobe.analysis import Options, map_sums, pad_batch, value_weighted_plan
+from attnprobe.analysis import map_sums
+from attnprobe.batching import pad_batch
 from attnprobe.corpus import clip_text
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import SentenceSums, bin_count, valid_keys
 from attnprobe.model import LoadedModel, as_loaded, attention_modules, stream_attention
+from attnprobe.planning import Options, value_weighted_plan
 from attnprobe.tokens import encode
 
 NOTE_WIDTH = 40  # a note fits beside the other columns of verify's table in 80 columns

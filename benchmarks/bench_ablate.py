@@ -53,7 +53,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from attnprobe import ablate as ab
-    from attnprobe.analysis import tokenize
+    from attnprobe.batching import tokenize
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
     from attnprobe.naming import head_name

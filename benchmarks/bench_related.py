@@ -57,7 +57,7 @@ def main() -> None:
     from attnprobe.threads import apply
 
     apply(args.threads)
-    from attnprobe.analysis import clipped, length_batches, tokenize_sentences
+    from attnprobe.batching import clipped, length_batches, tokenize_sentences
     from attnprobe.corpus import corpus_from_texts, read_corpus
     from attnprobe.model import load_model
     from attnprobe.similarity import PairwiseJS, batch_rows, sample_indices

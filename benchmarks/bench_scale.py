@@ -122,7 +122,8 @@ def write_corpora(work: Path, document_tokens: int) -> tuple[Path, Path]:
 def child(way: str, folder: Path, corpus: Path, split: str, out: Path) -> dict:
     import torch
 
-    from attnprobe.analysis import analyze_loaded, length_batches, pad_batch, tokenize
+    from attnprobe.analysis import analyze_loaded
+    from attnprobe.batching import length_batches, pad_batch, tokenize
     from attnprobe.corpus import read_corpus
     from attnprobe.model import forward_kwargs, load_model
     from attnprobe.resume import Checkpointing, Stopped

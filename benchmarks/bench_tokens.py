@@ -38,7 +38,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
 
-    from attnprobe import analysis, tokens
+    from attnprobe import analysis, planning, tokens
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
 
@@ -49,7 +49,7 @@ def main() -> None:
     print(f"punctuation table ({analysis.vocabulary(loaded):,} ids): {time.perf_counter() - start:.2f} s, once")
 
     def run(on: bool) -> tuple[float, float]:
-        options = analysis.Options(attention=args.attention, top_tokens=on)
+        options = planning.Options(attention=args.attention, top_tokens=on)
         start, cpu = time.perf_counter(), time.process_time()
         if on:
             analysis.analyze_loaded(loaded, corpus, batch_size=args.batch_size, options=options)

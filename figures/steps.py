@@ -82,7 +82,7 @@ def sink_groups(folder: str, target: str, resamples: int = 1000, seed: int = 0) 
     import torch
 
     from attnprobe import ablate as ab
-    from attnprobe.analysis import tokenize
+    from attnprobe.batching import tokenize
     from attnprobe.bootstrap import poisson_weights
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model

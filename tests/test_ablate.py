@@ -15,7 +15,7 @@ from conftest import FLOAT32_TOLERANCE, SENTENCES, bundled_sentences, make_bert,
 from test_cli import assert_one_line_error, run
 
 from attnprobe import ablate as ab
-from attnprobe.analysis import tokenize
+from attnprobe.batching import tokenize
 from attnprobe.corpus import read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import load_model

@@ -8,9 +8,10 @@ import pytest
 from conftest import CORPUS_PATH
 
 from attnprobe.accumulate import Accumulator, Shape
-from attnprobe.analysis import analyze_loaded, summarize_layers
+from attnprobe.analysis import analyze_loaded
 from attnprobe.bootstrap import interval, poisson_weights, resampled_means
 from attnprobe.corpus import read_corpus
+from attnprobe.tables import summarize_layers
 
 
 @pytest.fixture(scope="module")

@@ -394,8 +394,9 @@ def test_head_patterns_leaves_out_a_type_whose_picking_score_is_all_nan(copy_of)
 
 
 def test_a_stop_during_the_counting_pass_is_acted_on_at_once(gpt2_dir, tmp_path, monkeypatch):
-    from attnprobe import analysis
-    from attnprobe.analysis import TOKENIZE_CHUNK, analyze_loaded
+    from attnprobe import batching
+    from attnprobe.analysis import analyze_loaded
+    from attnprobe.batching import TOKENIZE_CHUNK
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
     from attnprobe.resume import Checkpointing, Stopped
@@ -415,7 +416,7 @@ def test_a_stop_during_the_counting_pass_is_acted_on_at_once(gpt2_dir, tmp_path,
             return getattr(tokenizer, name)
 
     loaded.tokenizer = Counting()
-    monkeypatch.setattr(analysis, "STOP_CHECK_SECONDS", 0.0)  # ask between every two chunks
+    monkeypatch.setattr(batching, "STOP_CHECK_SECONDS", 0.0)  # ask between every two chunks
     asked = []
     checkpointing = Checkpointing(save=lambda state: None, should_stop=lambda: bool(calls) and not asked.append(1))
     with pytest.raises(Stopped, match="while counting the corpus"):

@@ -8,8 +8,10 @@ import pytest
 from conftest import FLOAT32_TOLERANCE, SENTENCES, make_gpt2
 from transformers import AutoTokenizer
 
-from attnprobe.analysis import analyze, early_late, length_batches
+from attnprobe.analysis import analyze
+from attnprobe.batching import length_batches
 from attnprobe.corpus import read_corpus
+from attnprobe.tables import early_late
 
 
 def test_uniform_heads_give_closed_form_values(uniform_gpt2_dir, corpus_file):

@@ -10,7 +10,7 @@ import torch
 from conftest import FLOAT32_TOLERANCE, SENTENCES
 
 from attnprobe import kernel
-from attnprobe.analysis import Options, analyze_loaded
+from attnprobe.analysis import analyze_loaded
 from attnprobe.corpus import Corpus, Sentence
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import (
@@ -23,6 +23,7 @@ from attnprobe.metrics import (
     sentence_stats,
 )
 from attnprobe.model import load_model
+from attnprobe.planning import Options
 
 SINK, WINDOW = 1, 3  # small, so that sink_window is defined on the test sentences
 

@@ -9,11 +9,10 @@ import pytest
 from conftest import FLOAT32_TOLERANCE, SENTENCES, make_bert, make_gpt2, save_tokenizer
 from typer.testing import CliRunner
 
-from attnprobe.analysis import token_labels
 from attnprobe.cli import app
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import load_model
-from attnprobe.tokens import encode, set_bos
+from attnprobe.tokens import encode, set_bos, token_labels
 
 runner = CliRunner()
 BOS = 0  # <|endoftext|>, the tiny tokenizers' BOS (and the GPT-2 config's bos_token_id)
@@ -84,9 +83,9 @@ def test_labels_of_a_prepended_or_removed_bos(pair):
     text = "Rain fell."
     loaded = loaded_with(plain, "always")
     ids = encode(loaded, text)["input_ids"]
-    assert token_labels(loaded.tokenizer, ids, text) == ["<|endoftext|>", "Rain", " fell", "."]
+    assert token_labels(loaded, ids, text) == ["<|endoftext|>", "Rain", " fell", "."]
     stripped = encode(loaded_with(adding, "never"), text)["input_ids"]
-    assert token_labels(loaded_with(adding, "never").tokenizer, stripped, text) == ["Rain", " fell", "."]
+    assert token_labels(loaded_with(adding, "never"), stripped, text) == ["Rain", " fell", "."]
 
 
 def analyze(model, corpus, out, bos):

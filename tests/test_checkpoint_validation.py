@@ -346,9 +346,9 @@ def test_a_plain_run_still_refuses_the_checkpoint_an_overwrite_left(gpt2_dir, co
 @pytest.mark.parametrize(("sentences", "window", "batches"), [(24, 5, 4), (24, 5, 6), (3, 4096, 1)])
 def test_checkpoints_of_other_batchings_resume_to_the_uninterrupted_results(gpt2_dir, tmp_path, monkeypatch,
                                                                           sentences, window, batches):
-    from attnprobe import analysis
+    from attnprobe import batching
 
-    monkeypatch.setattr(analysis, "WINDOW_SENTENCES", window)  # windows of 5: batches of 2, 2, 1 each
+    monkeypatch.setattr(batching, "WINDOW_SENTENCES", window)  # windows of 5: batches of 2, 2, 1 each
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join((SENTENCES * 3)[:sentences]) + "\n", encoding="utf-8")
     assert analyze(gpt2_dir, corpus, tmp_path / "whole").exit_code == 0

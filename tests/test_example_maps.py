@@ -8,7 +8,8 @@ import torch
 from conftest import FLOAT32_TOLERANCE, SENTENCES
 from transformers import AutoModel, AutoTokenizer
 
-from attnprobe.analysis import Options, analyze
+from attnprobe.analysis import analyze
+from attnprobe.planning import Options
 
 # One sentence alone through transformers' eager attention vs attnprobe's paths: the maps are softmaxes of the same
 # float32 scores computed in other orders, so they agree to float32's error carried through a few layers.

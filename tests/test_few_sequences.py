@@ -17,11 +17,13 @@ from conftest import FLOAT32_TOLERANCE, SENTENCES
 from test_cli import run
 from test_reference import SINK, WINDOW, reference_row_scores
 
-from attnprobe.analysis import Options, analyze_loaded, few_sentences_note
+from attnprobe.analysis import analyze_loaded
 from attnprobe.bootstrap import BlockResampler, block_length, interval
 from attnprobe.corpus import Corpus, Sentence
 from attnprobe.metrics import METRICS
 from attnprobe.model import load_model
+from attnprobe.planning import Options
+from attnprobe.tables import few_sentences_note
 
 RESAMPLES, SEED = 60, 3
 

@@ -17,11 +17,11 @@ from test_cli import run
 from typer.testing import CliRunner
 
 from attnprobe import sources
-from attnprobe.analysis import FEW_SENTENCES, few_sentences_note
 from attnprobe.cli import app
 from attnprobe.commands import common
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import PROXY_VARIABLES
+from attnprobe.tables import FEW_SENTENCES, few_sentences_note
 
 runner = CliRunner()
 

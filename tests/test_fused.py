@@ -9,9 +9,10 @@ from conftest import FLOAT32_TOLERANCE, SENTENCES
 from test_blocked import assert_close, corpus_of
 
 from attnprobe import kernel, values
-from attnprobe.analysis import Options, analyze_loaded
+from attnprobe.analysis import analyze_loaded
 from attnprobe.metrics import VALUE_WEIGHTED, TokenClasses, bin_count, received, sentence_stats
 from attnprobe.model import load_model
+from attnprobe.planning import Options
 
 
 def sharp_heads(n: int, logits: float, seed: int = 0):

@@ -22,9 +22,10 @@ from test_blocked import assert_close, corpus_of
 from zoo import make
 
 from attnprobe import kernel, values
-from attnprobe.analysis import Options, analyze_loaded
+from attnprobe.analysis import analyze_loaded
 from attnprobe.metrics import VALUE_WEIGHTED, TokenClasses, bin_count, received, sentence_stats
 from attnprobe.model import load_model
+from attnprobe.planning import Options
 
 CUDA = torch.cuda.is_available()
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "bert")  # the zoo's main families: tests/zoo.py

@@ -123,7 +123,7 @@ def long_corpus(tmp_path_factory):
 def test_text_task_scores_the_continuation_as_kvpress_would(models, long_corpus, name):  # noqa: F811
     """The kvpress text task: per document the last `continuation` tokens, each predicted by a query after the
     context (which ends one token before them); the loss, its change, the KL and the accuracy equal the oracle's."""
-    from attnprobe.analysis import tokenize
+    from attnprobe.batching import tokenize
 
     loaded = models[name]
     kv_mask = some_heads(loaded, seed=2)

@@ -132,7 +132,8 @@ def test_the_words_next_to_a_bar_and_in_a_log():
 @pytest.mark.parametrize("attention", ["auto", "eager"])
 def test_analyze_reports_layers_of_a_long_document_and_the_numbers_stay(loaded, monkeypatch, attention):
     """The last layer comes as the batch ends: analysis stops the forward inside it (LastLayerDone)."""
-    from attnprobe.analysis import Options, analyze_loaded
+    from attnprobe.analysis import analyze_loaded
+    from attnprobe.planning import Options
 
     monkeypatch.setattr(layer_progress, "EVERY_SECONDS", 0.0)
 

@@ -8,9 +8,9 @@ import numpy as np
 from conftest import SENTENCES
 from test_cli import run
 
-from attnprobe import accumulate, analysis
+from attnprobe import accumulate, records
 from attnprobe.accumulate import RESAMPLE_CELLS, Accumulator, Shape, resamples_within_budget
-from attnprobe.analysis import score_names
+from attnprobe.planning import score_names
 
 
 def test_models_up_to_512_heads_keep_every_resample_asked():
@@ -37,7 +37,7 @@ def test_a_run_past_the_budget_keeps_fewer_resamples_and_says_so(gpt2_dir, tmp_p
     corpus.write_text("\n".join(SENTENCES * 2) + "\n", encoding="utf-8")
     heads = 3 * 4  # the tiny GPT-2: 3 layers x 4 heads
     monkeypatch.setattr(accumulate, "RESAMPLE_CELLS", 600)
-    monkeypatch.setattr(analysis, "RESAMPLE_CELLS", 600)
+    monkeypatch.setattr(records, "RESAMPLE_CELLS", 600)
     out = tmp_path / "out"
     result = run("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", out, "--device", "cpu",
                  "--resamples", "200")

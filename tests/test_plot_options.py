@@ -4,13 +4,14 @@ read right in any script (byte-level BPE splits Cyrillic, Japanese and emoji cha
 import json
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_cli import assert_one_line_error, run
 
 from attnprobe import io, naming
-from attnprobe.analysis import token_labels
 from attnprobe.errors import AttnprobeError
+from attnprobe.tokens import token_labels
 
 SCRIPTS = [
     "Привет, как дела у тебя сегодня?",
@@ -71,15 +72,20 @@ def results(tmp_path_factory, byte_gpt2) -> Path:
 # ---- token labels by text span ----------------------------------------------------------------------------
 
 
+def bare(tokenizer):
+    """What tokens.token_labels takes (as tokens.encode): a tokenizer alone, under --bos auto."""
+    return SimpleNamespace(tokenizer=tokenizer)
+
+
 @pytest.mark.parametrize("text", SCRIPTS + ["  two  spaces", "👨\u200d👩\u200d👧 family"])
 def test_token_labels_join_back_into_the_sentence(text):
     tokenizer = byte_level_tokenizer(["The cat sat on the mat."])
     ids = tokenizer(text)["input_ids"]
-    by_span = token_labels(tokenizer, ids, text)
+    by_span = token_labels(bare(tokenizer), ids, text)
     assert len(by_span) == len(ids)
     assert "".join(by_span) == text
     assert not any("\ufffd" in label for label in by_span)
-    decoded = token_labels(tokenizer, ids)  # no text: decoded together, never a lone replacement character
+    decoded = token_labels(bare(tokenizer), ids)  # no text: decoded together, never a lone replacement character
     assert "".join(decoded) == text and not any("\ufffd" in label for label in decoded)
 
 
@@ -87,7 +93,7 @@ def test_token_labels_of_split_characters():
     tokenizer = byte_level_tokenizer(["The cat sat on the mat."])
     text = "猫 cat"
     ids = tokenizer(text)["input_ids"]
-    labels = token_labels(tokenizer, ids, text)
+    labels = token_labels(bare(tokenizer), ids, text)
     assert len(ids) == 4  # 猫 is three bytes, so three tokens here, then " cat"
     assert labels[0] == "猫" and labels[1:3] == ["", ""]  # the first piece carries it, the others are empty
     assert labels[-1] == " cat"
@@ -97,11 +103,11 @@ def test_token_labels_keep_special_tokens_and_survive_a_cut():
     tokenizer = byte_level_tokenizer(["The cat sat on the mat."], bos=True)
     text = "Привет cat"
     ids = tokenizer(text)["input_ids"]
-    labels = token_labels(tokenizer, ids, text)
+    labels = token_labels(bare(tokenizer), ids, text)
     assert labels[0] == "<|endoftext|>" and "".join(labels[1:]) == text
-    cut = token_labels(tokenizer, ids[:4], text)  # the first tokens only (a truncated example)
+    cut = token_labels(bare(tokenizer), ids[:4], text)  # the first tokens only (a truncated example)
     assert cut == labels[:4]
-    other = token_labels(tokenizer, ids, "some other text")  # ids the text does not give: decoded instead
+    other = token_labels(bare(tokenizer), ids, "some other text")  # ids the text does not give: decoded instead
     assert "".join(other[1:]) == text
 
 

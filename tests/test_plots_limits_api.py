@@ -142,9 +142,10 @@ def test_analyze_limit_is_recorded_and_in_the_resume_fingerprint(gpt2_dir, corpu
                "--resamples", 20)
     assert full.exit_code == 0 and json.loads((out / "run.json").read_text())["limit"] is None
 
-    from attnprobe.analysis import Options, run_fingerprint
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model
+    from attnprobe.planning import Options
+    from attnprobe.records import run_fingerprint
     from attnprobe.resume import check_fingerprint
 
     loaded = load_model(str(gpt2_dir), "cpu")

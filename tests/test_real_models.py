@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import FLOAT32_TOLERANCE, bundled_sentences
 
-from attnprobe.analysis import analyze_loaded, pad_batch
+from attnprobe.analysis import analyze_loaded
+from attnprobe.batching import pad_batch
 from attnprobe.corpus import Corpus, Sentence
 from attnprobe.model import stream_attention
 from attnprobe.verify import DEFAULT_SENTENCES, verify

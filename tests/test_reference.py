@@ -12,10 +12,11 @@ import pytest
 import torch
 from conftest import SENTENCES
 
-from attnprobe.analysis import Options, analyze_loaded
+from attnprobe.analysis import analyze_loaded
 from attnprobe.corpus import Corpus, Sentence
 from attnprobe.metrics import METRICS
 from attnprobe.model import load_model
+from attnprobe.planning import Options
 
 SINK, WINDOW = 1, 3  # small, so that sink_window is defined on short sentences
 

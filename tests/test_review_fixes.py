@@ -10,7 +10,8 @@ import pytest
 from conftest import SENTENCES, save_tokenizer
 from typer.testing import CliRunner
 
-from attnprobe.analysis import EXAMPLE_MAX_TOKENS, analyze, tokenize
+from attnprobe.analysis import EXAMPLE_MAX_TOKENS, analyze
+from attnprobe.batching import tokenize
 from attnprobe.cli import app
 from attnprobe.corpus import Corpus, Sentence
 from attnprobe.errors import AttnprobeError

@@ -10,9 +10,10 @@ from test_blocked import corpus_of
 from test_cli import assert_one_line_error, run
 
 from attnprobe import kernel
-from attnprobe.analysis import Options, analyze_loaded
+from attnprobe.analysis import analyze_loaded
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import load_model, resolve_device
+from attnprobe.planning import Options
 
 
 def test_bfloat16_blocked_stays_as_close_to_eager_in_every_layer(llama_dir):

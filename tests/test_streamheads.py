@@ -110,7 +110,7 @@ def corpus(tmp_path_factory):
 
 
 def padded_batch(loaded, corpus):
-    from attnprobe.analysis import tokenize
+    from attnprobe.batching import tokenize
 
     ids = tokenize(loaded, corpus).ids
     batch = ab.make_batches(loaded, ids, 8)[0]  # every sentence, right-padded to the longest
@@ -437,7 +437,7 @@ def test_ten_sequences_or_more_resample_sequences(models, tmp_path):
                                         curve=False, batch_size=5, resamples=100)
     basis = result.run["bootstrap"]["per_task"]["text"]
     assert basis["method"] == "poisson" and basis["over"] == "sequences"
-    from attnprobe.analysis import tokenize
+    from attnprobe.batching import tokenize
 
     batches = ab.make_batches(loaded, tokenize(loaded, read_corpus(path)).ids, 5)
     mask = np.zeros((3, 4), dtype=bool)

@@ -11,8 +11,9 @@ import pytest
 from conftest import FLOAT32_TOLERANCE, SENTENCES
 from test_cli import run
 
-from attnprobe import analysis, distributed
-from attnprobe.analysis import analyze_loaded, batch_count, windows
+from attnprobe import analysis, batching, distributed, metrics, planning
+from attnprobe.analysis import analyze_loaded
+from attnprobe.batching import batch_count, windows
 from attnprobe.corpus import Sentence, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import load_model
@@ -57,16 +58,31 @@ def test_windows_cover_the_stream_in_order():
     (10, 1, 2, 3, 1 + 1 + 1 + 1),  # rank 1: 1 | 3, 5 | 7 | 9
 ])
 def test_batch_count(monkeypatch, size, rank, world_size, window, expected):
-    monkeypatch.setattr(analysis, "WINDOW_SENTENCES", window)
+    monkeypatch.setattr(batching, "WINDOW_SENTENCES", window)
     world = distributed.World(rank=rank, size=world_size, local_rank=rank)
     assert batch_count(size, 2, world) == expected
+
+
+@pytest.mark.parametrize("batch_size,batches,expected", [
+    (2, 3, ([2, 2, 2], 8)),  # windows of 4, 4, 2 sentences: batches of 2, 2 | 2, 2 | 2
+    (3, 3, ([3, 1, 3], 8)),  # batches of 3, 1 | 3, 1 | 2: a window's last batch is shorter
+    (3, 5, ([3, 1, 3, 1, 2], 10)),
+    (3, 9, ([3, 1, 3, 1, 2], 10)),  # more than the run has: all of them
+    (3, 0, ([], 0)),
+])
+def test_batch_sizes_follow_the_windows(monkeypatch, batch_size, batches, expected):
+    """The sizes of a rank's first batches and the corpus index after their last window, as batch_count counts."""
+    monkeypatch.setattr(batching, "WINDOW_SENTENCES", 4)
+    world = distributed.World(rank=0, size=1, local_rank=0)
+    assert batching.batch_sizes(10, batch_size, world, batches) == expected
+    assert len(batching.batch_sizes(10, batch_size, world, 10**6)[0]) == batch_count(10, batch_size, world)
 
 
 def test_small_windows_give_the_results_of_one_window(gpt2_dir, tagged, monkeypatch):
     loaded = load_model(str(gpt2_dir), "cpu")
     corpus = read_corpus(tagged)
     whole = analyze_loaded(loaded, corpus, batch_size=2, resamples=50, keep_per_sentence=True)
-    monkeypatch.setattr(analysis, "WINDOW_SENTENCES", 3)
+    monkeypatch.setattr(batching, "WINDOW_SENTENCES", 3)
     windowed = analyze_loaded(loaded, corpus, batch_size=2, resamples=50, keep_per_sentence=True)
     # the same sentences' values: batches differ only in padding, so equal to float32 rounding
     np.testing.assert_allclose(windowed.per_sentence["entropy"], whole.per_sentence["entropy"], atol=1e-5)
@@ -79,7 +95,7 @@ def test_small_windows_give_the_results_of_one_window(gpt2_dir, tagged, monkeypa
 
 
 def test_a_run_over_many_windows_resumes_to_identical_results(gpt2_dir, tagged, monkeypatch):
-    monkeypatch.setattr(analysis, "WINDOW_SENTENCES", 3)
+    monkeypatch.setattr(batching, "WINDOW_SENTENCES", 3)
     loaded = load_model(str(gpt2_dir), "cpu")
     corpus = read_corpus(tagged)
     whole = analyze_loaded(loaded, corpus, batch_size=2, resamples=50)
@@ -112,7 +128,7 @@ def test_examples_span_categories_and_lengths_and_match_each_sentence_alone(gpt2
     loaded = load_model(str(gpt2_dir), "cpu")
     result = analyze_loaded(loaded, read_corpus(tagged), batch_size=2, resamples=5)
     examples = result.examples
-    assert 2 <= len(examples) <= analysis.EXAMPLES
+    assert 2 <= len(examples) <= batching.EXAMPLES
     assert examples[0]["index"] == result.run["example_sentence"]["index"]  # the plot's example comes first
     assert len({e["index"] for e in examples}) == len(examples)
     assert {"a", "b"} <= {e["category"] for e in examples}  # each category has one
@@ -124,16 +140,16 @@ def test_examples_span_categories_and_lengths_and_match_each_sentence_alone(gpt2
         assert example["tokens"] == single.example["tokens"]
 
 
-def _counting(monkeypatch, name):
-    """Wrap analysis.`name` to record the length of its second argument (sentences, ids) at each call."""
+def _counting(monkeypatch, module, name):
+    """Wrap module.`name` to record the length of its second argument (sentences, ids) at each call."""
     calls = []
-    original = getattr(analysis, name)
+    original = getattr(module, name)
 
     def wrapped(*args, **kwargs):
         calls.append(len(args[1]) if name == "tokenize_sentences" else 1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(analysis, name, wrapped)
+    monkeypatch.setattr(module, name, wrapped)
     return calls
 
 
@@ -144,11 +160,23 @@ def test_a_window_is_tokenized_once(monkeypatch, gpt2_dir, tagged, window):
     corpus = read_corpus(tagged)
     whole = analyze_loaded(loaded, corpus, batch_size=2, resamples=5)
     if window:
-        monkeypatch.setattr(analysis, "WINDOW_SENTENCES", window)
-    calls = _counting(monkeypatch, "tokenize_sentences")
+        monkeypatch.setattr(batching, "WINDOW_SENTENCES", window)
+    calls = _counting(monkeypatch, batching, "tokenize_sentences")
     again = analyze_loaded(loaded, corpus, batch_size=2, resamples=5)
     assert sum(calls) == len(corpus) + (len(corpus) - window if window else 0)
     pd.testing.assert_frame_equal(again.heads, whole.heads, atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
+
+
+@pytest.mark.parametrize("attention", ["auto", "eager"])
+def test_a_run_is_planned_once(monkeypatch, gpt2_dir, tagged, attention):
+    """The attention path and the value-weighted plan are decided once per run (planning.plan), not per batch."""
+    loaded = load_model(str(gpt2_dir), "cpu")
+    paths = _counting(monkeypatch, planning, "attention_path")
+    weighted = _counting(monkeypatch, planning, "value_weighted_plan")
+    result = analyze_loaded(loaded, read_corpus(tagged), batch_size=2, resamples=5,
+                            options=planning.Options(attention=attention))
+    assert sum(result.run["attention"]["sequences"].values()) == len(read_corpus(tagged)) > 2  # several batches
+    assert (len(paths), len(weighted)) == (1, 1)
 
 
 @pytest.mark.parametrize("attention", ["blocked", "eager"])
@@ -158,20 +186,20 @@ def test_examples_come_from_the_corpus_pass(monkeypatch, gpt2_dir, tagged, atten
     already gave the blocked path's single example) and equal each sentence run alone."""
     loaded = load_model(str(gpt2_dir), "cpu")
     corpus = read_corpus(tagged)
-    options = analysis.Options(attention=attention)
-    calls = _counting(monkeypatch, "measure_batch")
+    options = planning.Options(attention=attention)
+    calls = _counting(monkeypatch, analysis, "measure_batch")
     result = analyze_loaded(loaded, corpus, batch_size=batch_size, resamples=5, options=options)
     batches = batch_count(len(corpus), batch_size, distributed.current())
     extra = len(calls) - batches  # examples run alone after the corpus pass
-    scanned = analysis.scan(loaded, corpus)
+    scanned = batching.scan(loaded, corpus)
     assert len(result.examples) == 1 + len(scanned.others) >= 3
     if attention == "eager" or batch_size == 1:
         assert extra == 0
     elif batch_size < len(corpus):  # blocked: one sentence's maps per batch; others sharing it run alone
         assert extra < len(scanned.others)
-    shape = analysis.Shape(names=analysis.METRICS, bin_names=analysis.POSITION_METRICS, layers=loaded.num_layers,
+    shape = analysis.Shape(names=metrics.METRICS, bin_names=metrics.POSITION_METRICS, layers=loaded.num_layers,
                            heads=loaded.num_heads, bins=1, resamples=1, seed=0, categories=())
-    alone = analysis.more_examples(loaded, analysis.attention_path(loaded, attention), scanned, shape, options)
+    alone = analysis.more_examples(loaded, planning.plan(loaded, options), scanned, shape)
     for got, want in zip(result.examples[1:], alone):
         assert (got["index"], got["tokens"], got["total_tokens"]) == (want["index"], want["tokens"],
                                                                        want["total_tokens"])

@@ -11,10 +11,12 @@ from test_blocked import assert_close, corpus_of
 
 from attnprobe import kernel, tokens
 from attnprobe.accumulate import Accumulator, Shape
-from attnprobe.analysis import Options, analyze_loaded, pad_batch
+from attnprobe.analysis import analyze_loaded
+from attnprobe.batching import pad_batch
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import key_range, uniform_received
 from attnprobe.model import forward_kwargs, load_model
+from attnprobe.planning import Options
 
 PATHS = ("blocked", "fused", "eager")
 TEXTS = [*SENTENCES, "The cat , the dog , the mat .", "Rain ! Rain ? Rain ."]  # duplicates and punctuation

@@ -15,12 +15,14 @@ from test_blocked import assert_close, corpus_of
 from typer.testing import CliRunner
 
 from attnprobe import kernel, values
-from attnprobe.analysis import Options, analyze_loaded, pad_batch
+from attnprobe.analysis import analyze_loaded
+from attnprobe.batching import pad_batch
 from attnprobe.classify import Thresholds, classify, head_types, output_ratio
 from attnprobe.cli import app
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import VALUE_WEIGHTED, bin_count, sentence_stats
 from attnprobe.model import forward_kwargs, load_model
+from attnprobe.planning import Options
 from attnprobe.scores import VW_METRICS
 
 SINK, WINDOW = 1, 3  # small, so that sink_window is defined on the test sentences

@@ -19,10 +19,12 @@ from test_blocked import assert_close, corpus_of
 from zoo import OWN_ATTENTION, WINDOW, ZOO, architecture_row, make
 
 from attnprobe import kernel
-from attnprobe.analysis import Options, analyze_loaded, pad_batch
+from attnprobe.analysis import analyze_loaded
+from attnprobe.batching import pad_batch
 from attnprobe.errors import AttnprobeError
 from attnprobe.metrics import sentence_stats
 from attnprobe.model import forward_kwargs, load_model
+from attnprobe.planning import Options
 from attnprobe.scores import VW_METRICS
 
 TABLE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "long-documents.md"  # "Architectures"

@@ -156,9 +156,10 @@ def analyze(
     )
 
     from attnprobe import distributed, io, layer_progress
-    from attnprobe.analysis import Options, analyze_loaded, check_options
+    from attnprobe.analysis import analyze_loaded
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model, parse_max_memory
+    from attnprobe.planning import Options, check_options
     from attnprobe.resume import Checkpointing, Stopped
 
     freeze_imports()
@@ -307,7 +308,7 @@ def truncation_message(run: dict) -> str:
 
 def measures_value_weighted(loaded, options) -> bool:
     """Whether this run measures the value-weighted scores (the model's output projection is found)."""
-    from attnprobe.analysis import attention_path, value_weighted_plan
+    from attnprobe.planning import attention_path, value_weighted_plan
 
     return value_weighted_plan(loaded, attention_path(loaded, options.attention), options)[0] is not None
 
@@ -320,7 +321,7 @@ def sentence_writer(out: Path, corpus, wanted: bool, world=None, weighted: bool 
         yield None
         return
     from attnprobe import io
-    from attnprobe.analysis import score_names
+    from attnprobe.planning import score_names
 
     names = score_names(True, weighted)  # special_tokens is NaN where the tokenizer adds none
     part = world.rank if world is not None and world.size > 1 else None  # one part per rank, joined by rank 0

@@ -49,8 +49,8 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
                      threads: str) -> None:
     from attnprobe import io, kvtasks, naming, plotting, streamheads
     from attnprobe import retrieval as rt
-    from attnprobe.analysis import check_options
     from attnprobe.corpus import read_corpus
+    from attnprobe.planning import check_options
 
     o = options
     if layers:
