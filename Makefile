@@ -67,11 +67,12 @@ reference: setup
 figures: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m figures $(if $(RENDER),--render )$(if $(PART),--part $(PART) )$(if $(ONLY),--only $(ONLY))
 
-# The check a lent GPU machine runs in one command of at most 8 minutes (docs/development.md#gpu-check): the tests
-# marked cuda, the GPU benchmarks, torchrun with NCCL, and one JSON of results in $OUT (outputs/gpu-check/ when OUT
-# is unset). It needs no setup: the machine has no internet, so it runs the python3 that holds torch there (.venv's
-# python where there is one). DRY=1 runs the same script on CPU with tiny shapes (tests/test_gpu_check.py runs it);
-# STEPS=bench,torchrun reruns some steps (tests, bench, torchrun), BUDGET=300 caps the seconds.
+# The check a lent GPU machine runs in one command of at most 9 minutes (docs/development.md#gpu-check): the tests
+# marked cuda, the GPU benchmarks, a few train-pattern steps, torchrun with NCCL, and one JSON of results in $OUT
+# (outputs/gpu-check/ when OUT is unset). It needs no setup: the machine has no internet, so it runs the python3
+# that holds torch there (.venv's python where there is one). DRY=1 runs the same script on CPU with tiny shapes
+# (tests/test_gpu_check.py runs it); STEPS=bench,torchrun reruns some steps (tests, bench, train, torchrun),
+# BUDGET=300 caps the seconds.
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
 	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )$(if $(STEPS),--steps $(STEPS) )\

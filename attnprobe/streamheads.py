@@ -257,7 +257,7 @@ def softmax(scores: Tensor, sinks: Tensor | None) -> Tensor:
 
 @contextmanager
 def streaming(loaded: LoadedModel, heads: Tensor | np.ndarray, sink: int, recent: int,
-              budget_mib: int = defaults.BLOCK_MIB, context: Tensor | list[int] | None = None) -> Iterator[None]:
+              budget_mib: float = defaults.BLOCK_MIB, context: Tensor | list[int] | None = None) -> Iterator[None]:
     """Run `loaded.model` with the KV heads `heads` [layer, kv head] (or [rows, layer, kv head], per batch row)
     streaming, keeping the first `sink` and last `recent` keys; the model's attention is put back afterwards.
     `context` [batch]: each batch row's context length, for the kvpress client (`kept`); None: DuoAttention's."""
@@ -271,7 +271,7 @@ def streaming(loaded: LoadedModel, heads: Tensor | np.ndarray, sink: int, recent
                              f"{loaded.num_layers} layers x {loaded.num_kv_heads} KV heads")
     layers = {id(module): layer for layer, (module, _) in enumerate(attention_modules(loaded.model))}
     lengths = None if context is None else torch.as_tensor(context, dtype=torch.long, device=loaded.device)
-    plan = Plan(layers, mask.to(loaded.device), int(sink), int(recent), budget_mib * 2**20, lengths)
+    plan = Plan(layers, mask.to(loaded.device), int(sink), int(recent), int(budget_mib * 2**20), lengths)
     token = _ACTIVE.set(plan)
     try:
         with using_attention(loaded.model, NAME, streaming_attention, kernel.stats_mask):

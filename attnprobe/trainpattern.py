@@ -83,7 +83,7 @@ class Settings:
     passkeys: int = DEFAULT_PASSKEYS
     passkey_words: int = DEFAULT_PASSKEY_WORDS
     seed: int = DUO_SEED
-    budget_mib: int = defaults.BLOCK_MIB
+    budget_mib: float = defaults.BLOCK_MIB  # memory for one block of query rows of the blocked attention
 
     def check(self) -> None:
         """Each setting in range, in one line naming it."""
@@ -98,6 +98,7 @@ class Settings:
         limits.check_whole("--passkeys", self.passkeys, 1, len(passkeys.ORDINALS), DEFAULT_PASSKEYS)
         limits.check_whole("--passkey-words", self.passkey_words, 1, 10_000, DEFAULT_PASSKEY_WORDS)
         limits.check_whole("--seed", self.seed, 0, limits.MAX_SEED, DUO_SEED)
+        limits.check_real("--block-mib", self.budget_mib, 0.0, limits.MAX_BLOCK_MIB, defaults.BLOCK_MIB, low_open=True)
         if not self.lengths:
             raise AttnprobeError("--lengths names no length: give e.g. 1024,1536 (tokens per sample)")
         for length in self.lengths:
@@ -224,14 +225,14 @@ def gated_block(query: Tensor, keys_t: Tensor, value: Tensor, real: Tensor, a: T
 
 @contextmanager
 def gating(loaded: LoadedModel, gates: Tensor, rows: dict[int, int], sink: int, recent: int,
-           budget_mib: int = defaults.BLOCK_MIB) -> Iterator[GatePlan]:
+           budget_mib: float = defaults.BLOCK_MIB) -> Iterator[GatePlan]:
     """Run `loaded.model` with the gated attention: layer l's KV heads mixed by gates[rows[l]] (a layer not in
     `rows` runs its own attention); the model's attention is put back afterwards. Yields the plan, whose `spans`
     records each layer's own window as the layers run."""
     from attnprobe import kernel
 
     layers = {id(module): layer for layer, (module, _) in enumerate(attention_modules(loaded.model))}
-    plan = GatePlan(layers, gates, dict(rows), int(sink), int(recent), budget_mib * 2**20)
+    plan = GatePlan(layers, gates, dict(rows), int(sink), int(recent), int(budget_mib * 2**20))
     token = _ACTIVE.set(plan)
     try:
         with using_attention(loaded.model, NAME, gated_attention, kernel.stats_mask):

@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import FLOAT32_TOLERANCE, SENTENCES, make_bert, make_gpt2, make_llama, save_tokenizer
 from test_cli import assert_one_line_error, run
+from test_gpu import cuda_test
 from zoo import OWN_ATTENTION, make
 
 from attnprobe import passkeys, streamheads
@@ -450,3 +451,28 @@ def test_the_default_haystack_is_not_kvpress_checks(tmp_path):
     text, name = passkeys.default_haystack()
     assert len(text) > 200_000 and "pydoc_data" in name
     assert "Mozilla Public License" not in text
+
+
+@cuda_test
+def test_cuda_bfloat16_gates_are_the_model_and_the_streaming_head(llama_dir):
+    loaded = load_model(str(llama_dir), "cuda", "bfloat16")
+    ids = ids_of(60).cuda()
+    rows = gated_rows(loaded)
+    none = np.zeros((2, 2), dtype=bool)
+    assert torch.equal(hidden(loaded, ids, torch.ones(2, 2, device="cuda"), rows), streamed(loaded, ids, none))
+    mask = np.array([[True, False], [False, True]])
+    gates = torch.tensor(np.where(mask, 0.0, 1.0), dtype=torch.float32, device="cuda")
+    assert torch.equal(hidden(loaded, ids, gates, rows), streamed(loaded, ids, mask))
+
+
+@cuda_test
+def test_cuda_cli_trains_in_bfloat16(llama_dir, haystack, tmp_path):
+    out = tmp_path / "cuda"
+    small = [a for a in SMALL if a not in ("--device", "cpu")]
+    result = run("train-pattern", "--model", llama_dir, "--haystack", haystack, "--out", out, "--steps", "3",
+                 *small, "--device", "cuda", "--dtype", "bfloat16")
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / tp.RUN_FILE).read_text())
+    assert record["device"].startswith("cuda") and record["dtype"] == "bfloat16"
+    assert record["peak_memory_mib"]["cuda"] > 0
+    assert pd.read_csv(out / tp.GATES_FILE)["gate"].between(0, 1).all()

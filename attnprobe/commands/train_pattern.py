@@ -67,6 +67,10 @@ def train_pattern(
         bool, typer.Option("--resume", help=f"Continue the training whose {CHECKPOINT_FILE} is in --out (same "
                            "settings).")
     ] = False,
+    block_mib: Annotated[
+        float, typer.Option("--block-mib", help="Memory budget (MiB) for one block of attention rows (a GPU wants "
+                            "more than the default).")
+    ] = D.BLOCK_MIB,
     bos: cli.BosOption = cli.BosChoice.auto,
     threads: cli.ThreadsOption = "auto",
 ) -> None:
@@ -80,7 +84,8 @@ def train_pattern(
     cli.freeze_imports()
     started = time.time()
     length_list = tp.DEFAULT_LENGTHS if lengths is None else tuple(cli.number_list(lengths, int, "--lengths"))
-    settings = tp.Settings(length_list, steps, lr, reg_weight, sink_size, recent_size, passkeys, passkey_words, seed)
+    settings = tp.Settings(length_list, steps, lr, reg_weight, sink_size, recent_size, passkeys, passkey_words, seed,
+                           block_mib)
     settings.check()
     limits.check_whole("--checkpoint-every", checkpoint_every, 1, tp.MAX_STEPS, tp.DEFAULT_CHECKPOINT_EVERY)
     io.check_out_dir(out)
