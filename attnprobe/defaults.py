@@ -26,7 +26,7 @@ DUO_STEPS = 2000  # scripts/train.sh --num_steps
 DUO_PASSKEYS = 10  # scripts/run_train.sh num_passkey
 DUO_PASSKEY_WORDS = 32  # duo_attn/data.py passkey_length
 # and attnprobe's own, smaller: the default run on SmolLM2-135M fits 20 minutes on two CPU cores (docs/kv-cache.md)
-TRAIN_LENGTHS = (1024, 1536)  # tokens per sample (DuoAttention: 1,000 to 32,000 haystack tokens)
+TRAIN_LENGTHS = (1024, 1280)  # tokens per sample (DuoAttention: 1,000 to 32,000 haystack tokens)
 TRAIN_STEPS = 60
 TRAIN_PASSKEYS = 3
 TRAIN_PASSKEY_WORDS = 8

@@ -11,8 +11,10 @@ Two formats:
 - `retrieval-head`: Wu et al. 2024's `head_score/<model>.json` (which HeadKV reads too): one object
   `{"L-H": [score per trial]}`, keyed per **query head**.
 
-The per-query-head score, in [0, 1], comes from `attnprobe retrieval` where it ran into the folder (each head's mean
-retrieval score over the trials) and otherwise from `analyze`'s heads.csv (the kv score, `kv_scores`): the far share
+The per-query-head score, in [0, 1], comes from `attnprobe train-pattern` where it ran into the folder (each query
+head gets its KV head's trained gate, `load_trained`: DuoAttention's gates are per KV head), else from `attnprobe
+retrieval` where it ran there (each head's mean retrieval score over the trials) and otherwise from `analyze`'s
+heads.csv (the kv score, `kv_scores`): the far share
 (1 - sink_window) / (1 - first_token), clipped to [0, 1], i.e. of the attention a head does not park on the first
 token, the share that a sink + window cache would drop. Dividing by 1 - first_token matters for retrieval (copy,
 induction) heads: on ordinary text they park most of their attention on the first token and look local by
