@@ -413,7 +413,6 @@ def train_pattern_loaded(loaded: LoadedModel, haystack: str, settings: Settings 
     import hashlib
 
     from attnprobe import resume
-    from attnprobe.probe import special_frame
 
     started = time.perf_counter()
     settings.check()
@@ -422,11 +421,7 @@ def train_pattern_loaded(loaded: LoadedModel, haystack: str, settings: Settings 
     if too_long:
         raise AttnprobeError(f"--lengths {too_long[0]} is longer than {loaded.spec}'s context of "
                              f"{loaded.max_length:,} tokens: use lengths up to {loaded.max_length:,}")
-    if samples is None:
-        prefix, _ = special_frame(loaded)  # the BOS token under --bos, as retrieval's prompts begin
-        parts = passkeys.pieces(loaded.tokenizer, prefix, haystack, max(settings.lengths), settings.passkeys)
-        passkeys.check_lengths(parts, settings.lengths, settings.passkey_words, haystack_name)
-        samples = partial(passkeys.sample_at, parts, settings.lengths, settings.passkey_words, settings.seed)
+    samples = samples or passkey_samples(loaded, haystack, settings, haystack_name)
     spans = layer_spans(loaded, settings.sink, settings.recent)
     gated = [layer for layer, span in enumerate(spans) if span is None]
     if not gated:
@@ -444,8 +439,45 @@ def train_pattern_loaded(loaded: LoadedModel, haystack: str, settings: Settings 
         resume.check_fingerprint(state.fingerprint, finger)
         first = restore(state, gates, optimizer, settings.steps)
         log = [list(row) for row in state.rows]
-    for parameter in loaded.model.parameters():
-        parameter.requires_grad_(False)  # frozen: no gradient, no optimizer state
+    with frozen(loaded.model):
+        run_steps(loaded, settings, samples, gates, rows, optimizer, log, first, finger, progress, checkpointing)
+    return result(loaded, settings, spans, gated, gates.detach().cpu().numpy(), log, haystack_name, hay_sha, finger,
+                  time.perf_counter() - started, first)
+
+
+def passkey_samples(loaded: LoadedModel, haystack: str, settings: Settings,
+                    haystack_name: str) -> Callable[[int], passkeys.Sample]:
+    """step -> DuoAttention's multi-passkey sample of that step, the haystack checked long enough first."""
+    from attnprobe.probe import special_frame
+
+    prefix, _ = special_frame(loaded)  # the BOS token under --bos, as retrieval's prompts begin
+    parts = passkeys.pieces(loaded.tokenizer, prefix, haystack, max(settings.lengths), settings.passkeys)
+    passkeys.check_lengths(parts, settings.lengths, settings.passkey_words, haystack_name)
+    return partial(passkeys.sample_at, parts, settings.lengths, settings.passkey_words, settings.seed)
+
+
+@contextmanager
+def frozen(model: nn.Module) -> Iterator[None]:
+    """The model's weights without gradients (no gradient, no optimizer state for them) for the duration; each
+    parameter's requires_grad is put back afterwards."""
+    parameters = list(model.parameters())
+    before = [parameter.requires_grad for parameter in parameters]
+    for parameter in parameters:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter, wanted in zip(parameters, before):
+            parameter.requires_grad_(wanted)
+
+
+def run_steps(loaded: LoadedModel, settings: Settings, samples: Callable[[int], passkeys.Sample],
+              gates: nn.Parameter, rows: dict[int, int], optimizer: torch.optim.Optimizer, log: list[list[float]],
+              first: int, finger: dict[str, Any], progress: Progress | None,
+              checkpointing: Checkpointing | None) -> None:
+    """Steps `first` to settings.steps - 1, appending each step's row to `log`; checkpoints every
+    `checkpointing.every` steps, and on a stop request (Stopped) or a loss that is not a number (the last good
+    state saved, AttnprobeError naming the step)."""
     layers = decoder_layers(loaded)
     last_saved = first
     for step in range(first, settings.steps):
@@ -453,8 +485,7 @@ def train_pattern_loaded(loaded: LoadedModel, haystack: str, settings: Settings 
             if step > last_saved:
                 checkpointing.save(snapshot(finger, step, gates, optimizer, log))
             raise Stopped(f"stopped after {step} of {settings.steps} steps")
-        sample = samples(step)
-        row = train_step(loaded, layers, gates, rows, optimizer, sample, settings, step)
+        row = train_step(loaded, layers, gates, rows, optimizer, samples(step), settings, step)
         if not all(math.isfinite(v) for v in row):
             if checkpointing is not None and step > last_saved:
                 checkpointing.save(snapshot(finger, step, gates, optimizer, log))
@@ -469,8 +500,6 @@ def train_pattern_loaded(loaded: LoadedModel, haystack: str, settings: Settings 
         if checkpointing is not None and (step + 1) % checkpointing.every == 0 and step + 1 < settings.steps:
             checkpointing.save(snapshot(finger, step + 1, gates, optimizer, log))
             last_saved = step + 1
-    return result(loaded, settings, spans, gated, gates.detach().cpu().numpy(), log, haystack_name, hay_sha, finger,
-                  time.perf_counter() - started, first)
 
 
 def full_hidden(loaded: LoadedModel, ids: Tensor, span: Tensor, settings: Settings) -> Tensor:

@@ -228,6 +228,7 @@ def test_a_far_reading_head_keeps_its_gate_and_a_local_head_loses_it(tmp_path):
     far, local = trained.gates["gate"].tolist()
     assert far > 0.9 and local == 0.0, (far, local)
     assert trained.log["distill_loss"].iloc[0] == 0.0  # at gates of 1 the gated model is the model itself
+    assert all(p.requires_grad for p in loaded.model.parameters())  # frozen while training, put back after
 
 
 def test_layers_with_their_own_window_get_no_gate(models):
