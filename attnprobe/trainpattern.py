@@ -100,7 +100,7 @@ class Settings:
         limits.check_whole("--seed", self.seed, 0, limits.MAX_SEED, DUO_SEED)
         limits.check_real("--block-mib", self.budget_mib, 0.0, limits.MAX_BLOCK_MIB, defaults.BLOCK_MIB, low_open=True)
         if not self.lengths:
-            raise AttnprobeError("--lengths names no length: give e.g. 1024,1536 (tokens per sample)")
+            raise AttnprobeError("--lengths names no length: give e.g. 1024,1280 (tokens per sample)")
         for length in self.lengths:
             limits.check_whole("--lengths", length, 1, limits.MAX_POSITIONS, ",".join(map(str, DEFAULT_LENGTHS)))
             if length <= self.sink + self.recent:
