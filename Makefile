@@ -67,11 +67,12 @@ reference: setup
 figures: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m figures $(if $(RENDER),--render )$(if $(PART),--part $(PART) )$(if $(ONLY),--only $(ONLY))
 
-# The check a lent GPU machine runs in one command of at most 8 minutes (docs/development.md#gpu-check): the tests
-# marked cuda, the GPU benchmarks, torchrun with NCCL, and one JSON of results in $OUT (outputs/gpu-check/ when OUT
-# is unset). It needs no setup: the machine has no internet, so it runs the python3 that holds torch there (.venv's
-# python where there is one). DRY=1 runs the same script on CPU with tiny shapes (tests/test_gpu_check.py runs it);
-# STEPS=bench,torchrun reruns some steps (tests, bench, torchrun), BUDGET=300 caps the seconds.
+# The check a lent GPU machine runs in one command of at most 9 minutes (docs/development.md#gpu-check): the tests
+# marked cuda, the GPU benchmarks, a few train-pattern steps, torchrun with NCCL, and one JSON of results in $OUT
+# (outputs/gpu-check/ when OUT is unset). It needs no setup: the machine has no internet, so it runs the python3
+# that holds torch there (.venv's python where there is one). DRY=1 runs the same script on CPU with tiny shapes
+# (tests/test_gpu_check.py runs it); STEPS=bench,torchrun reruns some steps (tests, bench, train, torchrun),
+# BUDGET=300 caps the seconds.
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
 	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )$(if $(STEPS),--steps $(STEPS) )\
@@ -103,11 +104,12 @@ clean:
 
 # attnprobe's KV-cache exports measured inside the real client, NVIDIA kvpress 0.5.5 (docs/kv-cache.md#in-kvpress):
 # kvpress needs transformers<5.3, so it gets a venv of its own (KVPRESS_VENV; never .venv); SmolLM2's GGUF becomes a
-# Hugging Face folder once; `retrieval` and `analyze` runs on GPL-3 (kept in KVPRESS_OUT: delete them to rerun) are
-# exported, with the other analyze scores of benchmarks/kvpress_candidates.py, and benchmarks/bench_kvpress.py scores
-# them on a held-out needle and text (~30 min here; the bench alone ~12); it fails unless every default export keeps
-# the needle better than random heads at every ratio (benchmarks/kvpress_verdict.py). Not part of `make test`; CI runs
-# it after the suites.
+# Hugging Face folder once; `retrieval` and `analyze` runs on GPL-3 and a `train-pattern` run (kept in KVPRESS_OUT:
+# delete them to rerun) are exported, with the other analyze scores of benchmarks/kvpress_candidates.py, and
+# benchmarks/bench_kvpress.py scores them on a held-out needle and text (~50 min here with the training; the bench
+# alone ~12); it fails unless every default export of `analyze` and `retrieval` keeps the needle better than random
+# heads at every ratio (benchmarks/kvpress_verdict.py; the trained pattern is printed beside them). Not part of
+# `make test`; CI runs it after the suites.
 KVPRESS_VENV ?= .venv-kvpress
 KVPRESS_OUT ?= outputs/kvpress
 KVPRESS_TEXT ?= /usr/share/common-licenses/GPL-3
@@ -125,17 +127,24 @@ $(KVPRESS_OUT)/retrieval/retrieval_heads.csv: | $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/attnprobe retrieval --model smollm2-135m --haystack $(KVPRESS_TEXT) --lengths 1024,2048 \
 	  --threads $(KVPRESS_THREADS) --out $(KVPRESS_OUT)/retrieval
 
+# the trained pattern, at the sizes the bench compares every pattern at (sink 4 + recent 256; ~20 min here)
+$(KVPRESS_OUT)/train/gates.csv: | $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/attnprobe train-pattern --model smollm2-135m --sink-size 4 --recent-size 256 \
+	  --threads $(KVPRESS_THREADS) --out $(KVPRESS_OUT)/train
+
 $(KVPRESS_OUT)/analyze/heads.csv: | $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/attnprobe analyze --model smollm2-135m --corpus $(KVPRESS_TEXT) --split file --no-top-tokens \
 	  --threads $(KVPRESS_THREADS) --out $(KVPRESS_OUT)/analyze
 
 kvpress-check: $(VENV)/.installed $(KVPRESS_VENV)/.installed $(KVPRESS_OUT)/retrieval/retrieval_heads.csv \
-		$(KVPRESS_OUT)/analyze/heads.csv
+		$(KVPRESS_OUT)/analyze/heads.csv $(KVPRESS_OUT)/train/gates.csv
 	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/retrieval --format duo-attention --to $(KVPRESS_OUT)/duo-retrieval \
 	  --sink-size 4 --recent-size 256
 	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/analyze --format duo-attention --to $(KVPRESS_OUT)/duo-analyze
+	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/train --format duo-attention --to $(KVPRESS_OUT)/duo-trained
 	$(BIN)/python benchmarks/kvpress_candidates.py --out $(KVPRESS_OUT)/analyze --to $(KVPRESS_OUT)/candidates
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(KVPRESS_THREADS) $(KVPRESS_VENV)/bin/python benchmarks/bench_kvpress.py \
 	  --model-dir $(KVPRESS_OUT)/smollm2-hf --threads $(KVPRESS_THREADS) --pattern retrieval=$(KVPRESS_OUT)/duo-retrieval \
-	  --pattern analyze=$(KVPRESS_OUT)/duo-analyze --pattern-dir $(KVPRESS_OUT)/candidates --out $(KVPRESS_JSON)
+	  --pattern analyze=$(KVPRESS_OUT)/duo-analyze --pattern trained=$(KVPRESS_OUT)/duo-trained \
+	  --pattern-dir $(KVPRESS_OUT)/candidates --out $(KVPRESS_JSON)
 	$(BIN)/python benchmarks/kvpress_verdict.py $(KVPRESS_JSON)

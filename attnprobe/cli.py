@@ -26,6 +26,7 @@ from attnprobe.commands import (
     report,
     retrieval,
     rollout,
+    train_pattern,
     verify,
 )
 from attnprobe.commands.common import err_console, is_main_process
@@ -69,6 +70,7 @@ app.command()(rollout.rollout)
 app.command()(related.related)
 app.command()(retrieval.retrieval)
 app.command()(export.export)
+app.command("train-pattern")(train_pattern.train_pattern)
 
 
 def is_usage_error(err: BaseException) -> bool:

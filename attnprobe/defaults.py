@@ -15,3 +15,19 @@ SINK_TOKENS = 4  # sink_window: the first S keys (the attention sinks of Streami
 WINDOW = 256  # sink_window: the W most recent keys, j > i - W
 BLOCK_MIB = 64  # blocked attention: memory for one block of query rows (small blocks stay in cache)
 FEW_SENTENCES = 10  # below this many sentences, a bootstrap over sentences gives intervals that mean little
+
+# train-pattern: DuoAttention's (mit-han-lab/duo-attention fe93c31; trainpattern.py's docstring names each source)
+DUO_LR = 0.02  # scripts/run_train.sh, and every published pattern's config.json
+DUO_REG_WEIGHT = 0.05  # scripts/run_train.sh
+DUO_SINK = 128  # scripts/train.sh --sink_size
+DUO_RECENT = 256  # scripts/train.sh --recent_size
+DUO_SEED = 42  # duo_attn/utils.py --seed
+DUO_STEPS = 2000  # scripts/train.sh --num_steps
+DUO_PASSKEYS = 10  # scripts/run_train.sh num_passkey
+DUO_PASSKEY_WORDS = 32  # duo_attn/data.py passkey_length
+# and attnprobe's own, smaller: the default run on SmolLM2-135M fits 20 minutes on two CPU cores (docs/kv-cache.md)
+TRAIN_LENGTHS = (1024, 1280)  # tokens per sample (DuoAttention: 1,000 to 32,000 haystack tokens)
+TRAIN_STEPS = 60
+TRAIN_PASSKEYS = 3
+TRAIN_PASSKEY_WORDS = 8
+TRAIN_CHECKPOINT_EVERY = 10  # steps (DuoAttention saves every 50)

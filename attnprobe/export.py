@@ -11,8 +11,10 @@ Two formats:
 - `retrieval-head`: Wu et al. 2024's `head_score/<model>.json` (which HeadKV reads too): one object
   `{"L-H": [score per trial]}`, keyed per **query head**.
 
-The per-query-head score, in [0, 1], comes from `attnprobe retrieval` where it ran into the folder (each head's mean
-retrieval score over the trials) and otherwise from `analyze`'s heads.csv (the kv score, `kv_scores`): the far share
+The per-query-head score, in [0, 1], comes from `attnprobe train-pattern` where it ran into the folder (each query
+head gets its KV head's trained gate, `load_trained`: DuoAttention's gates are per KV head), else from `attnprobe
+retrieval` where it ran there (each head's mean retrieval score over the trials) and otherwise from `analyze`'s
+heads.csv (the kv score, `kv_scores`): the far share
 (1 - sink_window) / (1 - first_token), clipped to [0, 1], i.e. of the attention a head does not park on the first
 token, the share that a sink + window cache would drop. Dividing by 1 - first_token matters for retrieval (copy,
 induction) heads: on ordinary text they park most of their attention on the first token and look local by
@@ -55,7 +57,12 @@ from attnprobe import defaults, io, limits
 from attnprobe.errors import AttnprobeError, plain
 
 FORMATS = ("duo-attention", "retrieval-head")
-SOURCES = ("auto", "retrieval", "kv")  # --scores: where the per-head scores come from
+SOURCES = ("auto", "retrieval", "kv", "trained")  # --scores: where the per-head scores come from
+TRAINED_RUN_FILE = "train_pattern.json"  # `attnprobe train-pattern`'s record
+TRAINED_GATES_FILE = "gates.csv"  # and its gates: layer, kv_head, gate, trained
+TRAINED_BY = "attnprobe train-pattern"
+TRAINED_WORDS = ("trained gates (train-pattern), one per KV head: each query head gets its KV head's gate, the "
+                 "retrieval-head format too")
 DUO_SCORES_FILE = "full_attention_heads.tsv"
 DUO_CONFIG_FILE = "config.json"
 PROVENANCE_FILE = "attnprobe.json"  # export's record of what it wrote, and from which model (no tool reads it)
@@ -179,8 +186,12 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
                              "with --out first")
     has_run = (out / io.RUN_FILE).is_file()
     has_retrieval = (out / io.RETRIEVAL_RUN_FILE).is_file()
-    run = io.read_run(out) if has_run or scores == "kv" else None
-    source = scores if scores != "auto" else ("retrieval" if has_retrieval else "kv")
+    trained = scores == "trained" or (scores == "auto" and (out / TRAINED_RUN_FILE).is_file())
+    run = io.read_run(out) if (has_run or scores == "kv") and not trained else None
+    has_trained = (out / TRAINED_RUN_FILE).is_file()
+    source = scores if scores != "auto" else ("trained" if has_trained else "retrieval" if has_retrieval else "kv")
+    if source == "trained":
+        return load_trained(out, sink, recent)
     if source == "retrieval":
         retrieval = io.read_json(out, io.RETRIEVAL_RUN_FILE, "attnprobe retrieval")
         model = _shape(retrieval.get("model"), str(out / io.RETRIEVAL_RUN_FILE))
@@ -242,6 +253,57 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
                 secondary = None  # another model's, or damaged: the layer, head order breaks the ties
     return HeadScores(per_query, source, model, int(sink), int(recent), per_trial, secondary, secondary_name,
                       sizes_from, str(out))
+
+
+def load_trained(out: Path, sink: int | None, recent: int | None) -> HeadScores:
+    """`attnprobe train-pattern`'s gates as per-query-head scores: each query head gets its KV head's gate (the
+    pooling of pool_kv_heads gives the gates back); S and W from its settings unless given."""
+    run = io.read_json(out, TRAINED_RUN_FILE, TRAINED_BY)
+    where = str(out / TRAINED_RUN_FILE)
+    settings = run.get("settings")
+    if run.get("command") != TRAINED_BY or not isinstance(settings, dict):
+        raise AttnprobeError(f"{where} is not a record of `{TRAINED_BY}`: run it again")
+    model = _shape(run.get("model"), where)
+    check_recorded(out, run, TRAINED_GATES_FILE, where)
+    table = io.read_table(out, TRAINED_GATES_FILE, ["gate"], TRAINED_BY)  # per KV head: read_table keys heads
+    layers, kv_heads = model["layers"], model["kv_heads"]
+    for column in ("layer", "kv_head"):
+        values = pd.to_numeric(table[column], errors="coerce") if column in table.columns else None
+        if values is None or not (np.isfinite(values) & (values >= 0) & (values == np.round(values))).all():
+            raise AttnprobeError(f"{out / TRAINED_GATES_FILE} has no {column} column or one that is not whole "
+                                 f"numbers of 0 or more: run `{TRAINED_BY}` again")
+    renamed = table.astype({"layer": np.int64, "kv_head": np.int64}).rename(columns={"kv_head": "head"})
+    gates = _grid(renamed, "gate", layers, kv_heads, TRAINED_GATES_FILE, TRAINED_BY)  # [layer, kv head]
+    if not np.isfinite(gates).all() or ((gates < 0) | (gates > 1)).any():
+        raise AttnprobeError(f"{out / TRAINED_GATES_FILE} has a gate that is missing or outside [0, 1]: run "
+                             f"`{TRAINED_BY}` again")
+    sizes = [settings.get(k) for k in ("sink", "recent")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+        raise AttnprobeError(f"{where} lacks its sink and recent sizes: run `{TRAINED_BY}` again")
+    given = [name for name, value in (("--sink-size", sink), ("--recent-size", recent)) if value is not None]
+    sink = sizes[0] if sink is None else sink
+    recent = sizes[1] if recent is None else recent
+    check_sizes(sink, recent)
+    sizes_from = " and ".join(given) if len(given) == 2 else \
+        f"{TRAINED_RUN_FILE}'s --sink-size and --recent-size" + (f", and {given[0]}" if given else "")
+    per_query = np.repeat(gates, model["heads"] // kv_heads, axis=1)  # [layer, head]: query head h reads h // groups
+    return HeadScores(per_query, "trained", model, int(sink), int(recent), None, None, None, sizes_from, str(out))
+
+
+def check_recorded(out: Path, run: dict[str, Any], name: str, where: str) -> None:
+    """Refuse `name` in `out` when the record `run` lists the sha256 of the files its run wrote and this one's
+    differs (a copy from another run)."""
+    files = run.get(io.RUN_FILES_KEY)
+    if not isinstance(files, dict) or not (out / name).is_file():
+        return
+    if files.get(name) != _sha256(out / name):
+        raise AttnprobeError(f"{name} in {out} was not written by the run that wrote {Path(where).name} (its sha256 "
+                             f"differs from the one recorded): run `{TRAINED_BY}` again, or copy the whole folder")
+
+
+def source_words(scores: HeadScores) -> str:
+    """Where the exported scores came from, in words (export's summary line)."""
+    return {"kv": KV_SCORE, "retrieval": "retrieval scores (retrieval)", "trained": TRAINED_WORDS}[scores.source]
 
 
 def _check_same_model(retrieval: dict[str, Any], analyzed: dict[str, Any]) -> None:

@@ -174,29 +174,49 @@ def attend(
     from attnprobe import kernel
 
     batch, heads, n, dim = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads  # query heads sharing one KV head
     keys_t = key.transpose(-1, -2)  # [batch, kv head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
     rows = block_rows(batch, heads, n, budget_bytes, span)
     chosen = streaming[:, :, None, None] if bool(streaming.any()) else None  # [rows, head, 1, 1]
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
-    lowest = torch.finfo(torch.float32).min
     for q0 in range(0, n, rows):
         q1 = min(n, q0 + rows)
         k0, k1 = kernel.block_keys(q0, q1, n, True, span)
-        q_block = query[:, :, q0:q1].reshape(batch, kv_heads, groups * (q1 - q0), dim)  # [batch, kv, g*r, dim]
-        scores = (q_block @ keys_t[..., k0:k1]).mul_(scale)  # [batch, kv, g*r, keys]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys]
-        scores = scores.view(batch, heads, q1 - q0, k1 - k0).float()  # [batch, head, r, keys]
+        scores = block_scores(query, keys_t, q0, q1, k0, k1, scale, softcap)  # [batch, head, r, keys]
         allowed = block_mask(real, q0, q1, k0, k1, span, chosen, sink, recent, context)  # [batch, 1|head, r, keys]
-        scores.masked_fill_(~allowed, lowest)
-        p = softmax(scores, sink_logits)  # [batch, head, r, keys]
-        weights = p.to(value.dtype).view(batch, kv_heads, groups * (q1 - q0), k1 - k0)  # [batch, kv, g*r, keys]
-        out = (weights @ value[:, :, k0:k1]).view(batch, heads, q1 - q0, dim)  # [batch, head, r, dim]
+        scores.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        out = block_output(softmax(scores, sink_logits), value, k0, k1)  # [batch, head, r, dim]
         output[:, q0:q1] = out.transpose(1, 2)  # [batch, r, head, dim]
     return output
+
+
+def block_scores(query: Tensor, keys_t: Tensor, q0: int, q1: int, k0: int, k1: int, scale: float,
+                 softcap: float | None) -> Tensor:
+    """The scores of query rows [q0, q1) against keys [k0, k1) in float32 (float64 for a float64 model): query
+    [batch, head, n, dim], keys_t [batch, kv head, dim, n]; scaled (and soft-capped) in the model's dtype as eager
+    attention does. Returns [batch, head, r, keys]."""
+    batch, heads, _, dim = query.shape
+    kv_heads = keys_t.shape[1]
+    groups = heads // kv_heads  # query heads sharing one KV head
+    q_block = query[:, :, q0:q1].reshape(batch, kv_heads, groups * (q1 - q0), dim)  # [batch, kv, g*r, dim]
+    scores = (q_block @ keys_t[..., k0:k1]).mul_(scale)  # [batch, kv, g*r, keys]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # [batch, kv, g*r, keys]
+    return scores.view(batch, heads, q1 - q0, k1 - k0).to(wide(scores.dtype))  # [batch, head, r, keys]
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax: float32, or float64 for a float64 model (a test's exact reference)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def block_output(p: Tensor, value: Tensor, k0: int, k1: int) -> Tensor:
+    """The weights p [batch, head, r, keys] (`wide`) applied to the values [k0, k1) of value [batch, kv head, n,
+    dim], in the values' dtype: [batch, head, r, dim]."""
+    batch, heads, rows, keys = p.shape
+    kv_heads = value.shape[1]
+    weights = p.to(value.dtype).view(batch, kv_heads, heads // kv_heads * rows, keys)  # [batch, kv, g*r, keys]
+    return (weights @ value[:, :, k0:k1]).view(batch, heads, rows, value.shape[-1])  # [batch, head, r, dim]
 
 
 def block_mask(real: Tensor, q0: int, q1: int, k0: int, k1: int, span: int | None, chosen: Tensor | None,
@@ -237,7 +257,7 @@ def softmax(scores: Tensor, sinks: Tensor | None) -> Tensor:
 
 @contextmanager
 def streaming(loaded: LoadedModel, heads: Tensor | np.ndarray, sink: int, recent: int,
-              budget_mib: int = defaults.BLOCK_MIB, context: Tensor | list[int] | None = None) -> Iterator[None]:
+              budget_mib: float = defaults.BLOCK_MIB, context: Tensor | list[int] | None = None) -> Iterator[None]:
     """Run `loaded.model` with the KV heads `heads` [layer, kv head] (or [rows, layer, kv head], per batch row)
     streaming, keeping the first `sink` and last `recent` keys; the model's attention is put back afterwards.
     `context` [batch]: each batch row's context length, for the kvpress client (`kept`); None: DuoAttention's."""
@@ -251,7 +271,7 @@ def streaming(loaded: LoadedModel, heads: Tensor | np.ndarray, sink: int, recent
                              f"{loaded.num_layers} layers x {loaded.num_kv_heads} KV heads")
     layers = {id(module): layer for layer, (module, _) in enumerate(attention_modules(loaded.model))}
     lengths = None if context is None else torch.as_tensor(context, dtype=torch.long, device=loaded.device)
-    plan = Plan(layers, mask.to(loaded.device), int(sink), int(recent), budget_mib * 2**20, lengths)
+    plan = Plan(layers, mask.to(loaded.device), int(sink), int(recent), int(budget_mib * 2**20), lengths)
     token = _ACTIVE.set(plan)
     try:
         with using_attention(loaded.model, NAME, streaming_attention, kernel.stats_mask):
@@ -302,7 +322,7 @@ def read_pattern(folder: str | Path) -> Pattern:
                              "folder or an `attnprobe analyze` results folder")
     table = folder / DUO_SCORES_FILE
     if not table.is_file():
-        if not (folder / io.RUN_FILE).is_file() and not (folder / io.RETRIEVAL_RUN_FILE).is_file():
+        if not any((folder / name).is_file() for name in (io.RUN_FILE, io.RETRIEVAL_RUN_FILE, export.TRAINED_RUN_FILE)):
             raise AttnprobeError(f"--pattern {folder} holds no {DUO_SCORES_FILE} and no results: write one with "
                                  "`attnprobe export --format duo-attention --to DIR`, or pass an analyze --out folder")
         scores = export.load_scores(folder)

@@ -1,8 +1,8 @@
-"""`make gpu-check`: what a lent GPU machine runs for attnprobe, in one command of at most 8 minutes.
+"""`make gpu-check`: what a lent GPU machine runs for attnprobe, in one command of at most 9 minutes.
 
 Run:  make gpu-check                    (on the lent machine; results in $OUT, else outputs/gpu-check/)
       make gpu-check DRY=1              (here, on CPU, in CI-sized time: proves the script itself works)
-      python3 benchmarks/gpu_check.py [--dry] [--out FOLDER] [--budget SECONDS] [--steps tests,bench,torchrun]
+      python3 benchmarks/gpu_check.py [--dry] [--out FOLDER] [--budget SECONDS] [--steps tests,bench,train,torchrun]
 
 Steps, each in a process of its own with a time limit (a step that fails or runs out of time is recorded and the
 next one runs), and one JSON of results, FOLDER/gpu-check.json, rewritten after every step (a stopped run keeps what
@@ -12,9 +12,10 @@ it measured), with every step's output in FOLDER/gpu-check.log:
                 `pip install --no-deps --no-build-isolation --no-index -e .` (the machine has no internet; the dry
                 run adds --dry-run), then a check that every module the steps import is there: a missing one stops
                 the run with one line naming the wheel to carry and the `pip download` line that fetches it;
-  tests       - `pytest -m cuda tests/test_gpu.py`: the real CUDA kernel against the stand-in and a float64 softmax,
-                fused = blocked = eager on the zoo's gpt2, llama, qwen2, mistral and bert in float32 and bfloat16, no
-                [n, n] map (all skipped on CPU);
+  tests       - `pytest -m cuda tests/test_gpu.py tests/test_train_pattern.py`: the real CUDA kernel against the
+                stand-in and a float64 softmax, fused = blocked = eager on the zoo's gpt2, llama, qwen2, mistral and
+                bert in float32 and bfloat16, no [n, n] map, train-pattern on the GPU in bfloat16 (all skipped on
+                CPU);
   bench       - a random model of Llama-3.2-1B's published shape (hidden 2048, 16 layers, 32 heads, 8 KV heads,
                 intermediate 8192, vocabulary 128256, RoPE theta 500000 with llama3 scaling) in bfloat16, base model
                 (no LM head): the short benchmark (64 sentences of 8-40 tokens in right-padded batches of 8) and the
@@ -24,6 +25,10 @@ it measured), with every step's output in FOLDER/gpu-check.log:
                 installed), `fused` (kernel.run_batch on the fused path), `fused+vw` (with the value-weighted
                 scores, analyze's default) and `blocked` (block budget BLOCKED_MIB); time (CUDA-synchronized) and
                 peak GPU memory (torch.cuda.max_memory_allocated, also above the loaded model);
+  train       - `attnprobe train-pattern`'s optimization (trainpattern.train_pattern_loaded) on the same model in
+                bfloat16: TRAIN_STEPS steps on samples of TRAIN_LENGTH random tokens whose last TRAIN_TAIL repeat
+                tokens from a quarter of the way in (the loss is taken on them), sink 128 + recent 256, block
+                budget BLOCKED_MIB; seconds per step and peak GPU memory, the distillation loss and the gates;
   torchrun    - `torchrun --standalone --nproc-per-node 1` of a process-group check (NCCL on the GPU: all_reduce and
                 barrier) and of `attnprobe analyze` on a tiny zoo Llama on the GPU.
 The JSON's `targets` says whether issue 29's targets were met: fused bfloat16 statistics within TARGET_TIME x the
@@ -31,8 +36,8 @@ SDPA forward's time at the longest length, peak memory within TARGET_MEMORY x, f
 tolerance on every family tested.
 
 The dry run (--dry): the same steps on CPU with a tiny model of the same kind (2 layers, 4 heads of 16), lengths
-of 128-512 tokens, 8 short sentences, 16 corpus sentences under torchrun, gloo instead of NCCL; its numbers are not
-GPU figures (`dry: true`, and the targets are not judged).
+of 128-512 tokens, 8 short sentences, DRY_TRAIN_LENGTH-token training samples, 16 corpus sentences under torchrun,
+gloo instead of NCCL; its numbers are not GPU figures (`dry: true`, and the targets are not judged).
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl"  # git-ignored: wheels carried to a machine that lacks them
 SITE = Path(tempfile.gettempdir()) / "attnprobe-gpu-check-site"  # where carried wheels are unpacked
-BUDGET_S = 480  # the whole command, at most (the device tool allows 10 minutes a command)
-STEP_S = {"install": 60, "tests": 150, "bench": 200, "torchrun": 70}  # each step's limit, within what remains
+BUDGET_S = 540  # the whole command, at most (the device tool allows 10 minutes a command)
+STEP_S = {"install": 60, "tests": 150, "bench": 200, "train": 60, "torchrun": 70}  # each step's limit, within what
+# remains
 TARGET_TIME = 1.5  # fused bfloat16 statistics / SDPA forward, time at the longest length, at most
 TARGET_MEMORY = 1.1  # the same, peak GPU memory, at most
 LENGTHS = (4096, 16384, 32768)
@@ -65,7 +71,10 @@ BLOCKED_MIB = 1024  # the blocked path's block budget on the GPU (the CPU defaul
 SINK, WINDOW = 4, 256  # attnprobe's defaults
 NEEDED = ("torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "accelerate", "numpy", "pandas",
           "pyarrow", "scipy", "matplotlib", "typer", "rich", "pytest")
-STEPS = ("tests", "bench", "torchrun")  # after environment and install, which always run (--steps picks these)
+STEPS = ("tests", "bench", "train", "torchrun")  # after environment and install, which always run (--steps picks)
+TRAIN_LENGTH, TRAIN_TAIL, TRAIN_STEPS = 8192, 256, 5  # train: tokens per sample, of them supervised, steps
+DRY_TRAIN_LENGTH = 512
+TRAIN_SINK, TRAIN_RECENT = 128, 256  # DuoAttention's
 DISTRIBUTIONS = {"pyarrow": "pyarrow", "pytest": "pytest iniconfig pluggy"}  # module -> what to download
 DOWNLOAD = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
             "--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "
@@ -236,13 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"comma-separated steps to run after install (a rerun of some): {', '.join(STEPS)}")
-    parser.add_argument("--child", choices=("bench", "group"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("bench", "group", "train"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child == "bench":
         return bench(args.dry, args.json)
     if args.child == "group":
         return group(args.json)
+    if args.child == "train":
+        return train(args.dry, args.json)
     chosen = [step for step in args.steps.split(",") if step]
     if not chosen or set(chosen) - set(STEPS):
         parser.error(f"--steps: choose among {', '.join(STEPS)}")
@@ -263,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if "tests" in chosen:
         report.data["steps"]["tests"] = tests = run(
             report, "tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-rA", "-p", "no:cacheprovider",
-                              "tests/test_gpu.py"], left("tests"), env)
+                              "tests/test_gpu.py", "tests/test_train_pattern.py"], left("tests"), env)
         tests.update(pytest_outcomes(tests["tail"] if tests["timed_out"] else _full_log(report, "tests")))
         tests["ok"] = tests["returncode"] == 0
         report.save()
@@ -276,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
             found = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
             report.data["steps"]["bench"] = {**bench_run, **found, "ok": bench_run["returncode"] == 0}
             report.data["targets"] = targets(report.data)
+            report.save()
+        if "train" in chosen:
+            results = Path(work) / "train.json"
+            train_run = run(report, "train", [sys.executable, __file__, "--child", "train", "--json", str(results),
+                                              *(["--dry"] if args.dry else [])], left("train"), env)
+            found = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
+            report.data["steps"]["train"] = {**train_run, **found, "ok": train_run["returncode"] == 0
+                                             and found.get("steps_done") == found.get("steps")}
             report.save()
         if "torchrun" in chosen:
             report.data["steps"]["torchrun"] = torchrun(report, args.dry, Path(work), left, env)
@@ -462,6 +481,68 @@ def bench(dry: bool, into: Path) -> int:
         for name in ways:
             found["long"][str(n)][name] = measured(lambda name=name, x=x, mask=mask: way(name, x, mask), cuda)
             save()
+    found["seconds"] = round(time.perf_counter() - started, 1)
+    save()
+    return 0
+
+
+def train(dry: bool, into: Path) -> int:
+    """train-pattern's optimization on the benchmark's model (module docstring), written to `into` after every
+    step: seconds per step (CUDA-synchronized), peak GPU memory, the distillation loss and the gates."""
+    import numpy as np
+    import torch
+
+    from attnprobe import kernel, passkeys
+    from attnprobe import trainpattern as tp
+
+    cuda = not dry
+    length = DRY_TRAIN_LENGTH if dry else TRAIN_LENGTH
+    steps = 3 if dry else TRAIN_STEPS
+    found: dict = {"dtype": "bfloat16", "length": length, "tail": TRAIN_TAIL, "steps": steps, "steps_done": 0,
+                   "sink": TRAIN_SINK, "recent": TRAIN_RECENT,
+                   "block_mib": BLOCKED_MIB if cuda else kernel.DEFAULT_BUDGET_MIB, "step_seconds": []}
+
+    def save() -> None:
+        temporary = into.with_suffix(".tmp")
+        temporary.write_text(json.dumps(found), encoding="utf-8")
+        temporary.replace(into)
+
+    started = time.perf_counter()
+    loaded, config = build_model(dry)
+    found["built_seconds"] = round(time.perf_counter() - started, 1)
+    save()
+
+    def sample(step: int) -> passkeys.Sample:
+        rng = np.random.default_rng([0, step])
+        ids = rng.integers(3, config.vocab_size, length)  # [n]
+        ids[-TRAIN_TAIL:] = ids[length // 4 : length // 4 + TRAIN_TAIL]  # copied from far back
+        return passkeys.Sample(ids, np.arange(length) >= length - TRAIN_TAIL, (), ())
+
+    clock = [time.perf_counter()]
+
+    def progress(done: int, total: int, row: dict) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        found["step_seconds"].append(round(now - clock[0], 3))
+        found["steps_done"] = done
+        found.setdefault("distill_loss", []).append(row["distill_loss"])
+        found["mean_gate"] = row["mean_gate"]
+        if cuda:
+            found["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        clock[0] = now
+        save()
+
+    settings = tp.Settings(lengths=(length,), steps=steps, sink=TRAIN_SINK, recent=TRAIN_RECENT,
+                           budget_mib=found["block_mib"])
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        found["model_mib"] = round(torch.cuda.memory_allocated() / 2**20, 1)
+    clock[0] = time.perf_counter()
+    result = tp.train_pattern_loaded(loaded, "", settings, samples=sample, progress=progress)
+    found["gates"] = {"kv_heads": int(result.gates["trained"].sum()), "mean": float(result.gates["gate"].mean()),
+                      "min": float(result.gates["gate"].min())}
     found["seconds"] = round(time.perf_counter() - started, 1)
     save()
     return 0

@@ -711,10 +711,11 @@ def half_sentence(curve: list[dict], task: str = "text") -> str:
 
 # ---- the exports inside kvpress (docs/kv-cache.md#in-kvpress) -------------------------------------------------------
 
-KVPRESS_ORDER = ("full", "no_needle", "retrieval", "analyze", "distance", "duplicate_token", "first_token",
+KVPRESS_ORDER = ("full", "no_needle", "trained", "retrieval", "analyze", "distance", "duplicate_token", "first_token",
                  "sink_window", "sink_window_vw", "random", "StreamingLLMPress", "SnapKVPress", "KnormPress",
                  "ExpectedAttentionPress")
 KVPRESS_NAMES = {"full": "full cache", "no_needle": "full cache, no needle in the context",
+                 "trained": "trained by `train-pattern` (DuoAttention's gates)",
                  "retrieval": "export of `retrieval`", "analyze": "export of `analyze` (far share, the default)",
                  "distance": "analyze: distance", "duplicate_token": "analyze: duplicate_token",
                  "first_token": "analyze: first_token", "sink_window": "analyze: 1 - sink_window (the old default)",
@@ -769,7 +770,7 @@ def kvpress_verdict(d: dict) -> str:
 
     parts = []
     for task in dict.fromkeys(r["task"] for r in d["summary"]):
-        for method in ("analyze", "retrieval", "sink_window"):
+        for method in ("trained", "analyze", "retrieval", "sink_window"):
             pairs = [(at(task, method, q), at(task, "random", q)) for q in d["settings"]["ratios"]]
             if any(a is None or b is None for a, b in pairs):
                 continue

@@ -7,9 +7,9 @@ where and how long into `<work>/_runs/<run>.json`; the figures read those folder
 
 Runs belong to a part: `results` (the real models' results, the default), `bench` (benchmarks that take a few
 minutes) and `slow` (those that take tens of minutes: the full SmolLM2 ablation, the dormant sinks' ablation,
-bench_ablate, bench_corpus, the thread comparison, the test suite). `python -m figures --part ...` chooses. The part
-`gpu` runs nothing here: it checks and copies the results `make gpu-check` brought back from a lent GPU
-(`--part gpu` or `--only gpu-check`; never in `--part all`).
+bench_ablate, bench_corpus, the thread comparison, the test suite, the trained pattern). `python -m figures
+--part ...` chooses. The part `gpu` runs nothing here: it checks and copies the results `make gpu-check` brought
+back from a lent GPU (`--part gpu` or `--only gpu-check`; never in `--part all`).
 """
 
 from __future__ import annotations
@@ -217,6 +217,11 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         ap("plot", "--out", "{out}")),
         needs=("demo-extended",), about="`attnprobe ablate --model smollm2-135m --layers --threads 1`",
         minutes=20),
+    Run("train-smollm2", "slow", (
+        ap("train-pattern", "--model", "smollm2-135m", "--threads", "2", "--out", "{out}", key="train"),
+        ap("export", "--out", "{out}", "--format", "duo-attention", "--to", "{out}/duo")),
+        about="`attnprobe train-pattern --model smollm2-135m` at its defaults on two threads (issue 35's target: 20 "
+        "minutes, 4 GiB), and its DuoAttention export", minutes=20),
     Run("sink-groups", "slow", (helper("sink-groups", "{work}/demo-extended", "{out}/sink-groups.json"),),
         needs=("demo-extended",), about="all of SmolLM2's sink heads ablated at once, zero and mean", minutes=4),
     Run("dormant-sinks", "slow", (

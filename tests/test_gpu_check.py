@@ -33,7 +33,7 @@ def test_the_dry_run_passes_every_step_and_writes_one_json(dry_run):
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.log"]  # what $OUT brings back
     found = json.loads((out / "gpu-check.json").read_text(encoding="utf-8"))
     assert found["dry"] is True and found["ok"] is True
-    assert set(found["steps"]) == {"install", "tests", "bench", "torchrun"}
+    assert set(found["steps"]) == {"install", "tests", "bench", "train", "torchrun"}
     assert all(step["ok"] for step in found["steps"].values()), {k: v.get("tail") for k, v in found["steps"].items()}
     environment = found["environment"]
     assert environment["gpu"] is None and environment["torch"] and environment["transformers"]
@@ -46,6 +46,10 @@ def test_the_dry_run_passes_every_step_and_writes_one_json(dry_run):
     assert set(bench["long"]) == {str(n) for n in gpu_check.DRY_LENGTHS}
     for ways in (bench["short"]["runs"], *bench["long"].values()):
         assert all(r["seconds"] > 0 for r in ways.values()), ways
+    train = found["steps"]["train"]
+    assert train["steps_done"] == train["steps"] == 3 and train["length"] == gpu_check.DRY_TRAIN_LENGTH
+    assert len(train["step_seconds"]) == 3 and all(s > 0 for s in train["step_seconds"])
+    assert train["distill_loss"][0] == 0.0 and 0 <= train["gates"]["mean"] <= 1  # gates of 1: the model itself
     torchrun = found["steps"]["torchrun"]
     assert torchrun["group"]["backend"] == "gloo" and torchrun["group"]["all_reduce_ok"] is True
     assert torchrun["analyze"]["world_size"] == 1 and torchrun["analyze"]["path"] == "fused"

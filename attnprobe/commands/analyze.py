@@ -15,15 +15,16 @@ from rich.text import Text
 
 from attnprobe import defaults, limits
 from attnprobe.commands.common import (
-    AT_END,
     check_placement,
     err_console,
     freeze_imports,
     friendly_errors,
+    hold_out,
     loading,
     out_console,
     release_offload,
     set_bos,
+    stop_requests,
 )
 from attnprobe.commands.options import (
     DEFAULT_OUT,
@@ -292,13 +293,6 @@ def analyze(
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
 
 
-def hold_out(out: Path, command: str = "analyze") -> None:
-    """Lock results folder `out` for this command (attnprobe.lock) until the command ends, however it ends."""
-    from attnprobe import lock
-
-    AT_END.append(lock.take(out, command).release)
-
-
 def truncation_message(run: dict) -> str:
     """Which sentences were cut to the model's context, and by how many tokens (the first few named)."""
     from attnprobe.analysis import truncation_message as message
@@ -327,32 +321,6 @@ def sentence_writer(out: Path, corpus, wanted: bool, world=None, weighted: bool 
     part = world.rank if world is not None and world.size > 1 else None  # one part per rank, joined by rank 0
     with io.SentenceWriter(out, names, corpus.tagged, part=part) as writer:
         yield writer
-
-
-@contextmanager
-def stop_requests():
-    """Ctrl-C or SIGTERM asks the run to stop after its current batch (and save a checkpoint); a second
-    Ctrl-C stops at once."""
-    import signal
-    import threading
-
-    asked: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-
-    def handler(signum, _frame):
-        if asked and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        asked.append(signum)
-        err_console.print("Stopping after this batch (Ctrl-C again to stop now)...", markup=False)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield lambda: bool(asked)
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def summary_table(run: dict) -> Table:

@@ -1,5 +1,5 @@
 """What several commands share: the consoles, one-line errors (friendly_errors), loading a model, progress bars and
-number formats."""
+number formats; the results-folder lock (hold_out) and stop requests (Ctrl-C, SIGTERM)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import gc
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -167,3 +168,36 @@ def decimal(value, sign: str = "") -> str:
 def interval(bounds) -> str:
     """A 95% interval's bounds, signed, as `[low, high]`."""
     return f"[{decimal(bounds[0], '+')}, {decimal(bounds[1], '+')}]"
+
+
+def hold_out(out: Path, command: str = "analyze") -> None:
+    """Lock results folder `out` for this command (attnprobe.lock) until the command ends, however it ends."""
+    from attnprobe import lock
+
+    AT_END.append(lock.take(out, command).release)
+
+
+@contextmanager
+def stop_requests():
+    """Ctrl-C or SIGTERM asks the run to stop after its current batch (and save a checkpoint); a second
+    Ctrl-C stops at once."""
+    import signal
+    import threading
+
+    asked: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def handler(signum, _frame):
+        if asked and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        asked.append(signum)
+        err_console.print("Stopping after this batch (Ctrl-C again to stop now)...", markup=False)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: bool(asked)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -21,6 +21,7 @@ class ExportScores(str, Enum):
     auto = "auto"
     retrieval = "retrieval"
     kv = "kv"
+    trained = "trained"
 
 
 @friendly_errors
@@ -41,8 +42,9 @@ def export(
     scores: Annotated[
         ExportScores, typer.Option("--scores", help="Per-head scores: retrieval (from `attnprobe retrieval`), kv "
                                    "(the far share (1 - sink_window) / (1 - first_token) from `attnprobe analyze`), "
-                                   "or auto: retrieval where it ran "
-                                   "into --out, else kv.")
+                                   "trained (the gates of `attnprobe train-pattern`, one per KV head), or auto: "
+                                   "trained where train-pattern ran into --out, else retrieval where it ran "
+                                   "there, else kv.")
     ] = ExportScores.auto,
     sink_size: Annotated[
         int | None, typer.Option("--sink-size", metavar="S", help="config.json's sink_size, 0 to 10,000,000 "
@@ -59,7 +61,7 @@ def export(
     head_scores = exporting.load_scores(out, scores.value, sink_size, recent_size)
     written = exporting.write_export(to, head_scores, format.value)
     model = head_scores.model
-    what = exporting.KV_SCORE if head_scores.source == "kv" else "retrieval scores (retrieval)"
+    what = exporting.source_words(head_scores)
     sizes = f"; sink {head_scores.sink}, recent {head_scores.recent} (from {head_scores.sizes_from})" \
         if format is ExportFormat.duo_attention else ""
     out_console.print(f"{model['spec']}: {model['layers']} layers x {model['kv_heads']} KV heads "
