@@ -177,14 +177,14 @@ def attend(
     keys_t = key.transpose(-1, -2)  # [batch, kv head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
     rows = block_rows(batch, heads, n, budget_bytes, span)
-    chosen = streaming[:, :, None, None] if bool(streaming.any()) else None  # [rows, head, 1, 1]
+    padded = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
+    runs = streaming_runs(streaming)
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
     for q0 in range(0, n, rows):
         q1 = min(n, q0 + rows)
         k0, k1 = kernel.block_keys(q0, q1, n, True, span)
         scores = block_scores(query, keys_t, q0, q1, k0, k1, scale, softcap)  # [batch, head, r, keys]
-        allowed = block_mask(real, q0, q1, k0, k1, span, chosen, sink, recent, context)  # [batch, 1|head, r, keys]
-        scores.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        hide(scores, q0, k0, span, padded, runs, sink, recent, context)
         out = block_output(softmax(scores, sink_logits), value, k0, k1)  # [batch, head, r, dim]
         output[:, q0:q1] = out.transpose(1, 2)  # [batch, r, head, dim]
     return output
@@ -219,19 +219,55 @@ def block_output(p: Tensor, value: Tensor, k0: int, k1: int) -> Tensor:
     return (weights @ value[:, :, k0:k1]).view(batch, heads, rows, value.shape[-1])  # [batch, head, r, dim]
 
 
-def block_mask(real: Tensor, q0: int, q1: int, k0: int, k1: int, span: int | None, chosen: Tensor | None,
-               sink: int, recent: int, context: Tensor | None = None) -> Tensor:
-    """The keys [k0, k1) each query row [q0, q1) may see: real, causal, within the layer's window, and for the
-    streaming heads (chosen [rows, head, 1, 1], None: none) what `kept` keeps. [batch, 1 or head, r, keys]."""
-    i = torch.arange(q0, q1, device=real.device)[:, None]  # [r, 1]
-    j = torch.arange(k0, k1, device=real.device)[None, :]  # [1, keys]
-    visible = j <= i  # [r, keys]
+def streaming_runs(streaming: Tensor) -> list[tuple[int, int, Tensor | bool]]:
+    """The heads of `streaming` [rows, head] as runs of neighbouring heads that stream in the same batch rows (a KV
+    head's query heads make one): (first head, last head + 1, which rows stream them: True every row, False none,
+    else [rows, 1, 1, 1] bool)."""
+    columns = list(zip(*streaming.tolist()))  # per head, whether each row streams it
+    runs: list[tuple[int, int, Tensor | bool]] = []
+    first = 0
+    for end in range(1, len(columns) + 1):
+        if end < len(columns) and columns[end] == columns[first]:
+            continue
+        every, none = all(columns[first]), not any(columns[first])
+        runs.append((first, end, every if every or none else streaming[:, first, None, None, None]))  # [rows, 1, 1, 1]
+        first = end
+    return runs
+
+
+def hide(scores: Tensor, q0: int, k0: int, span: int | None, padded: Tensor | None,
+         runs: list[tuple[int, int, Tensor | bool]], sink: int, recent: int, context: Tensor | None = None) -> None:
+    """Set to the float32 minimum, in place, the scores [batch, head, r, keys] (rows from q0, keys from k0) of the keys
+    a row may not see: later keys and those outside the layer's window (`span`), padded keys (`padded` [batch, 1, 1,
+    key] or None), and in the streaming heads (the `runs` of streaming_runs) the keys `kept` drops.
+
+    As kernel.mask_plan, only a strip of columns where some row sees less is touched and no [batch, head, r, keys]
+    mask is built; here the strip follows from the positions alone (no device sync): it runs to the block's end from
+    row q0's next key (from the block's first key where the window or padding may hide it), in a streaming head from
+    the first key after the sinks at the latest. Each head's scores are filled once."""
+    rows, keys = scores.shape[-2:]
+    q1, k1 = q0 + rows, k0 + keys
+    lo = k0 if padded is not None or (span is not None and k0 <= q1 - 1 - span) else max(k0, q0 + 1)  # every head's
+    streams = any(chosen is not False for _, _, chosen in runs) and max(k0, sink) < min(k1, q1 - recent)
+    first_key = min(lo, max(k0, sink)) if streams else lo  # the strip: [first_key, k1)
+    if first_key >= k1:
+        return
+    i = torch.arange(q0, q1, device=scores.device)[:, None]  # [r, 1]
+    j = torch.arange(first_key, k1, device=scores.device)[None, :]  # [1, strip]
+    hidden = j > i  # [r, strip]
     if span is not None:
-        visible = visible & (j > i - span)
-    allowed = visible[None, None] & real[:, None, None, k0:k1]  # [batch, 1, r, keys]
-    if chosen is None:
-        return allowed
-    return allowed & (kept(i, j, sink, recent, context) | ~chosen)  # [batch, head, r, keys]
+        hidden |= j <= i - span
+    if padded is not None:
+        hidden = hidden | padded[..., first_key:k1]  # [batch, 1, r, strip]
+    missed = ~kept(i, j, sink, recent, context) if streams else None  # [1 or batch, 1, r, strip]
+    lowest = torch.finfo(torch.float32).min
+    for first, end, chosen in runs:
+        if chosen is False or not streams:
+            if lo < k1:
+                scores[:, first:end, :, lo - k0 :].masked_fill_(hidden[..., lo - first_key :], lowest)  # [b, run, r, .]
+            continue
+        either = hidden | (missed if chosen is True else missed & chosen)  # [1 or batch, 1, r, strip]
+        scores[:, first:end, :, first_key - k0 :].masked_fill_(either, lowest)  # [batch, run, r, strip]
 
 
 def kept(i: Tensor, j: Tensor, sink: int, recent: int, context: Tensor | None) -> Tensor:

@@ -14,7 +14,7 @@ per sample without gradients), on DuoAttention's multi-passkey samples (passkeys
 gate (its cache is bounded already); its KV heads are reported at 1.
 
 The gated attention is registered with transformers' AttentionInterface (`attnprobe_gated`): eager attention in
-blocks of query rows as streamheads.attend computes it (its block_scores, block_mask, kept, softmax and
+blocks of query rows as streamheads.attend computes it (its block_scores, hide, softmax and
 block_output), both branches from one block of scores, each block under torch.utils.checkpoint so that no block's
 weights are kept for the backward pass (no [n, n] map exists), and every decoder layer under activation
 checkpointing too. At alpha = 1 a head's output is the model's (streamheads with no head streaming) bit for bit, at
@@ -187,37 +187,38 @@ def gated_attend(query: Tensor, key: Tensor, value: Tensor, real: Tensor, scale:
     rows = streamheads.block_rows(batch, heads, n, budget_bytes, None)
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
     a = alpha.view(1, heads, 1, 1)  # [1, head, 1, 1]
+    padded = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, alpha))
     blocks = []
     for q0 in range(0, n, rows):
         q1 = min(n, q0 + rows)
         k0, k1 = kernel.block_keys(q0, q1, n, True, None)
-        args = (query, keys_t, value, real, a, sink_logits, q0, q1, k0, k1, scale, softcap, sink, recent)
+        args = (query, keys_t, value, padded, a, sink_logits, q0, q1, k0, k1, scale, softcap, sink, recent)
         out = checkpoint(gated_block, *args, use_reentrant=False, preserve_rng_state=False) if recording \
             else gated_block(*args)  # [batch, head, r, dim]
         blocks.append(out)
     return torch.cat(blocks, dim=2).transpose(1, 2)  # [batch, query, head, dim]
 
 
-def gated_block(query: Tensor, keys_t: Tensor, value: Tensor, real: Tensor, a: Tensor, sink_logits: Tensor | None,
-                q0: int, q1: int, k0: int, k1: int, scale: float, softcap: float | None, sink: int,
-                recent: int) -> Tensor:
-    """One block of query rows [q0, q1): the full and the streaming attention weights from the same scores, mixed
-    by a [1, head, 1, 1] in float32 (float64 where the gates or the model are) and applied to the values in their
-    dtype: [batch, head, r, dim]. Mixing the weights, a x P_full + (1 - a) x P_streaming, is mixing the outputs (the
-    values are linear in them) at one product with the values instead of two; at a = 1 (or 0) the mixed weights are
-    P_full (or P_streaming) exactly (torch.lerp computes end - (end - start)(1 - a) for a >= 0.5, start + a (end -
-    start) below), so the output is streamheads.attend's bit for bit."""
+def gated_block(query: Tensor, keys_t: Tensor, value: Tensor, padded: Tensor | None, a: Tensor,
+                sink_logits: Tensor | None, q0: int, q1: int, k0: int, k1: int, scale: float,
+                softcap: float | None, sink: int, recent: int) -> Tensor:
+    """One block of query rows [q0, q1): the full and the streaming attention weights from the same scores (padded
+    [batch, 1, 1, key] or None hides padding, as in streamheads.attend), mixed by a [1, head, 1, 1] in float32
+    (float64 where the gates or the model are) and applied to the values in their dtype: [batch, head, r, dim].
+    Mixing the weights, a x P_full + (1 - a) x P_streaming, is mixing the outputs (the values are linear in them)
+    at one product with the values instead of two; at a = 1 (or 0) the mixed weights are P_full (or P_streaming)
+    exactly (torch.lerp computes end - (end - start)(1 - a) for a >= 0.5, start + a (end - start) below), so the
+    output is streamheads.attend's bit for bit."""
     from attnprobe import streamheads as sh
 
-    lowest = torch.finfo(torch.float32).min
     scores = sh.block_scores(query, keys_t, q0, q1, k0, k1, scale, softcap)  # [batch, head, r, keys]
-    allowed = sh.block_mask(real, q0, q1, k0, k1, None, None, sink, recent)  # [batch, 1, r, keys]
-    i = torch.arange(q0, q1, device=real.device)[:, None]  # [r, 1]
-    j = torch.arange(k0, k1, device=real.device)[None, :]  # [1, keys]
-    streamed = allowed & sh.kept(i, j, sink, recent, None)  # [batch, 1, r, keys]
-    full = sh.softmax(torch.where(allowed, scores, lowest), sink_logits)  # [batch, head, r, keys]
-    stream = sh.softmax(torch.where(streamed, scores, lowest), sink_logits)  # [batch, head, r, keys]
+    heads = scores.shape[1]
+    full, stream = scores, scores.clone()  # [batch, head, r, keys] each
+    sh.hide(full, q0, k0, None, padded, [(0, heads, False)], sink, recent)  # causal and padding
+    sh.hide(stream, q0, k0, None, padded, [(0, heads, True)], sink, recent)  # and what `kept` drops
+    full = sh.softmax(full, sink_logits)  # [batch, head, r, keys]
+    stream = sh.softmax(stream, sink_logits)  # [batch, head, r, keys]
     wide = torch.promote_types(full.dtype, a.dtype)  # float32, or float64
     mixed = torch.lerp(stream.to(wide), full.to(wide), a.to(wide))  # [batch, head, r, keys]: a full + (1 - a) stream
     return sh.block_output(mixed, value, k0, k1)  # [batch, head, r, dim]
@@ -394,7 +395,7 @@ class Stopped(AttnprobeError):
 def fingerprint(loaded: LoadedModel, settings: Settings, haystack_sha256: str) -> dict[str, Any]:
     """Everything that decides the gates: a checkpoint resumes only the same run."""
     from attnprobe import __version__
-    from attnprobe.analysis import model_tokenizer, model_weights
+    from attnprobe.records import model_tokenizer, model_weights
 
     return {"model": loaded.source, "model_sha256": model_weights(loaded), "tokenizer_sha256": model_tokenizer(loaded),
             "dtype": loaded.dtype, "device": loaded.device.type, "bos": loaded.bos, "haystack_sha256": haystack_sha256,
@@ -609,7 +610,7 @@ def result(loaded: LoadedModel, settings: Settings, spans: list[int | None], gat
            log: list[list[float]], haystack_name: str, haystack_sha256: str, finger: dict[str, Any], seconds: float,
            resumed_at: int) -> TrainedPattern:
     from attnprobe import __version__
-    from attnprobe.analysis import model_record, versions
+    from attnprobe.records import model_record, versions
 
     gates = gates_table(loaded.num_layers, loaded.num_kv_heads, gated, trained)
     frame = pd.DataFrame(log, columns=list(LOG_COLUMNS))

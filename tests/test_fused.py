@@ -116,8 +116,8 @@ def test_a_sink_of_norm_zero_far_above_the_rest_keeps_the_value_weighted_window(
 def test_fused_token_scores_equal_a_float64_softmax_with_many_repeats(causal, monkeypatch):
     """duplicate (token-order tiles: small packs and a large group cut by rows and keys), punctuation and the mass
     each key receives, with few distinct ids so that most positions repeat, against the float64 map."""
-    monkeypatch.setattr(kernel, "TILE_ROWS", 8)
-    monkeypatch.setattr(kernel, "TILE_KEYS", 24)
+    monkeypatch.setattr(kernel.duplicates, "TILE_ROWS", 8)
+    monkeypatch.setattr(kernel.duplicates, "TILE_KEYS", 24)
     n = 300
     q, k, v, real = sharp_heads(n, 30.0)
     generator = torch.Generator().manual_seed(1)
@@ -141,8 +141,8 @@ def test_the_mass_received_is_computed_only_when_top_tokens_reads_it(llama_dir, 
     score is the same."""
     loaded = load_model(str(llama_dir), "cpu")
     made = []
-    real = kernel._fused_received
-    monkeypatch.setattr(kernel, "_fused_received", lambda *args: made.append(1) or real(*args))
+    real = kernel.fused._fused_received
+    monkeypatch.setattr(kernel.fused, "_fused_received", lambda *args: made.append(1) or real(*args))
     runs = {}
     for top in (True, False):
         made.clear()
@@ -165,7 +165,7 @@ def test_auto_fuses_batches_from_the_threshold_on(llama_dir, monkeypatch):
         ran.append(query.shape[2])
         return real(query, *args, **kwargs)
 
-    monkeypatch.setattr(kernel, "fused_attend", counted)
+    monkeypatch.setattr(kernel.attention, "fused_attend", counted)
     runs = {a: analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=2, resamples=5, keep_per_sentence=True,
                               options=Options(attention=a, sink=1, window=4)) for a in ("auto", "eager")}
     assert runs["auto"].run["attention"]["path"] == "fused" and runs["auto"].run["attention"]["fused_min_tokens"] == 12

@@ -144,7 +144,7 @@ def test_the_stand_in_has_the_cuda_op_s_results():
     dtype and memory layout, and the float32 logsumexp padded to a multiple of 32 queries."""
     q, k = torch.randn(2, 3, 37, 16), torch.randn(2, 3, 37, 16)
     v = torch.randn(2, 3, 37, 24)
-    bias = kernel._kernel_bias(torch.zeros(2, 1, 1, 37), q, k)
+    bias = kernel.devices._kernel_bias(torch.zeros(2, 1, 1, 37), q, k)
     got = efficient_attention(q, k, v, bias, True, 0.0, True, scale=0.25)
     meta = torch.ops.aten._scaled_dot_product_efficient_attention(
         *(x.to("meta") for x in (q, k, v, bias)), True, 0.0, True, scale=0.25)
@@ -176,7 +176,7 @@ def test_the_kernel_s_bias_is_aligned_broadcast_and_equal_to_the_mask():
     (stride 0: no [n, n] copy), and the values of the [batch, head or 1, 1, key] term it was given."""
     q, k = torch.randn(2, 4, 37, 8, dtype=torch.bfloat16), torch.randn(2, 4, 37, 8, dtype=torch.bfloat16)
     additive = torch.zeros(2, 1, 1, 37).masked_fill_(torch.arange(37) > 30, float("-inf"))
-    bias = kernel._kernel_bias(additive, q, k)
+    bias = kernel.devices._kernel_bias(additive, q, k)
     assert bias.shape == (2, 4, 37, 37) and bias.dtype == torch.bfloat16
     assert bias.stride(2) == 0 and bias.stride(1) == 0 and bias.stride(0) % kernel.BIAS_ALIGNMENT == 0
     assert torch.equal(bias[1, 3, 5].float(), additive[1, 0, 0])
@@ -192,7 +192,7 @@ def test_the_seam_gives_the_cpu_kernel_s_results_through_the_cuda_branch(standin
         out, lse = kernel.flash(q, k, v, causal, additive, 0.3)
         assert standin[-1] == (16, 40)  # Q/K at their own head size
         cpu = kernel.KERNELS["cpu"]
-        kernel.KERNELS["cpu"] = kernel.FusedKernel("cpu", kernel._cpu_flash, one_head_size=True)
+        kernel.KERNELS["cpu"] = kernel.FusedKernel("cpu", kernel.devices._cpu_flash, one_head_size=True)
         try:
             out_cpu, lse_cpu = kernel.flash(q, k, v, causal, additive, 0.3)
         finally:
@@ -271,7 +271,7 @@ def test_the_zoo_s_scores_stay_below_max_logit(families, name, monkeypatch):
         largest.append(float(scores.abs().max()))  # padded keys too: an upper bound
         return real(query, key, value, padding, scaling, *args, **kwargs)
 
-    monkeypatch.setattr(kernel, "attend", measured)
+    monkeypatch.setattr(kernel.attention, "attend", measured)
     analyzed(load_model(str(families[name]), "cpu"), "blocked")
     assert largest and max(largest) < MAX_LOGIT, max(largest)
 

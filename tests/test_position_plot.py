@@ -163,7 +163,7 @@ def test_depth_runs_light_to_dark_as_in_the_report():
     left = panels(figure)[0]
     shade = [0.299 * r + 0.587 * g + 0.114 * b for r, g, b, *_ in (to_rgb(line.get_color()) for line in left.lines)]
     assert shade == sorted(shade, reverse=True) and shade[0] > shade[-1]  # layer 0 lightest, the last darkest
-    script = (Path(plotting.__file__).parent / "report_assets" / "report.js").read_text(encoding="utf-8")
+    script = (Path(plotting.__file__).parents[1] / "report_assets" / "report.js").read_text(encoding="utf-8")
     found = re.search(r"const c = \[(\d+), (\d+), (\d+)\]\.map\(\(x, j\) => Math\.round\(x \+ \(\[(\d+), (\d+), "
                       r"(\d+)\]\[j\] - x\) \* shade\)\)", script)
     assert found, "report.js's depth colours moved: keep them those of plotting.DEPTH_LIGHT / DEPTH_DARK"

@@ -152,11 +152,11 @@ def test_planted_previous_token_head_attends_to_the_punctuation_before_it(plante
 def test_same_token_tiles_hold_the_pairs_of_the_dense_comparison_once_each(monkeypatch, rows, keys):
     """The fused path's duplicate tiles (small ones too: packs of groups, a large group cut by rows and by keys)
     hold every pair of positions with the same id exactly once, and `has` marks the rows that have one."""
-    monkeypatch.setattr(kernel, "TILE_ROWS", rows)
-    monkeypatch.setattr(kernel, "TILE_KEYS", keys)
+    monkeypatch.setattr(kernel.duplicates, "TILE_ROWS", rows)
+    monkeypatch.setattr(kernel.duplicates, "TILE_KEYS", keys)
     ids = torch.tensor([5, 1, 5, 5, 2, 1, 5, 7, 2, 5, 3, 5, 5, 9, 1, 5, 4, 4])
     for causal in (True, False):
-        plan = kernel._same_token(ids, causal)
+        plan = kernel.duplicates._same_token(ids, causal)
         pairs = []
         for r0, r1, c0, c1 in plan.tiles:
             assert r1 - r0 <= rows and c1 - c0 <= max(rows, keys)

@@ -86,7 +86,7 @@ def test_blocked_checks_pass_within_float32_bounds_and_catch_a_wrong_kernel(gpt2
     def hotter(scores, *rest):
         return real(scores * 1.01, *rest)
 
-    monkeypatch.setattr(verify_module.kernel, "softmax_with_entropy", hotter)
+    monkeypatch.setattr(verify_module.kernel.blocked, "softmax_with_entropy", hotter)
     checks = {c.name: c for c in verify(gpt2, list(DEFAULT_SENTENCES))}
     assert not checks["blocked statistics = eager"].passed
     assert not checks["blocked position bins = eager"].passed
@@ -98,7 +98,7 @@ def test_blocked_checks_pass_within_float32_bounds_and_catch_a_wrong_kernel(gpt2
     def off(query, key, value, causal, additive, scale):
         return real_flash(query, key, value, causal, additive, scale * 1.01)
 
-    monkeypatch.setattr(verify_module.kernel, "flash", off)  # ... but a kernel 1% off fails it
+    monkeypatch.setattr(verify_module.kernel.fused, "flash", off)  # ... but a kernel 1% off fails it
     assert not {c.name: c for c in verify(gpt2, list(DEFAULT_SENTENCES))}["fused statistics = eager"].passed
 
 
@@ -159,16 +159,17 @@ def test_a_wrong_kernel_fails_in_bfloat16(gpt2_bf16, monkeypatch):
     """bfloat16's bounds are wide enough for its roundings, not for a wrong path: scores 1.5x too hot in the
     blocked kernel, then in the fused kernel, fail their checks."""
     real = verify_module.kernel.softmax_with_entropy
-    monkeypatch.setattr(verify_module.kernel, "softmax_with_entropy", lambda scores, *rest: real(scores * 1.5, *rest))
+    monkeypatch.setattr(verify_module.kernel.blocked, "softmax_with_entropy",
+                        lambda scores, *rest: real(scores * 1.5, *rest))
     checks = checks_of(gpt2_bf16)
     assert not checks["blocked statistics = eager"].passed and not checks["blocked position bins = eager"].passed
-    monkeypatch.setattr(verify_module.kernel, "softmax_with_entropy", real)
+    monkeypatch.setattr(verify_module.kernel.blocked, "softmax_with_entropy", real)
     real_flash = verify_module.kernel.flash
 
     def hot(query, key, value, causal, additive, scale):
         return real_flash(query, key, value, causal, additive, scale * 1.5)
 
-    monkeypatch.setattr(verify_module.kernel, "flash", hot)
+    monkeypatch.setattr(verify_module.kernel.fused, "flash", hot)
     checks = checks_of(gpt2_bf16)
     assert not checks["fused statistics = eager"].passed, checks["fused statistics = eager"]
     assert checks["blocked statistics = eager"].passed
