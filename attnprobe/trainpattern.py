@@ -38,7 +38,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -133,7 +132,10 @@ class GatePlan:
     spans: dict[int, int | None] = field(default_factory=dict)  # per layer seen: its own window (None: all keys)
 
 
-_ACTIVE: ContextVar[GatePlan | None] = ContextVar("attnprobe_gated_plan", default=None)
+# The plans of the gating contexts open now, innermost last. A process-wide list, not a ContextVar: on CUDA the
+# backward pass (and with it each checkpointed block's recomputation) runs on autograd's own device thread, which
+# sees no context variable of the thread that opened `gating`.
+_ACTIVE: list[GatePlan] = []
 
 
 def gated_attention(
@@ -144,7 +146,7 @@ def gated_attention(
     selves by their KV head's gate; (output [batch, query, head, dim], None)."""
     from attnprobe import kernel, streamheads
 
-    plan = _ACTIVE.get()
+    plan = _ACTIVE[-1] if _ACTIVE else None
     if plan is None:
         raise AttnprobeError("attnprobe's gated attention runs only inside attnprobe.trainpattern.gating")
     problems: list[str] = []
@@ -234,7 +236,7 @@ def gating(loaded: LoadedModel, gates: Tensor, rows: dict[int, int], sink: int, 
 
     layers = {id(module): layer for layer, (module, _) in enumerate(attention_modules(loaded.model))}
     plan = GatePlan(layers, gates, dict(rows), int(sink), int(recent), int(budget_mib * 2**20))
-    token = _ACTIVE.set(plan)
+    _ACTIVE.append(plan)
     try:
         with using_attention(loaded.model, NAME, gated_attention, kernel.stats_mask):
             yield plan
@@ -243,7 +245,7 @@ def gating(loaded: LoadedModel, gates: Tensor, rows: dict[int, int], sink: int, 
                              f"{err.feature}; use a model whose attention is causal, with or without a sliding "
                              "window") from None
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.remove(plan)
 
 
 def decoder_layers(loaded: LoadedModel) -> list[nn.Module]:

@@ -167,6 +167,34 @@ def test_gradient_matches_central_differences_in_float64(models, name, eps, rel)
     assert gates.grad.abs().min() > 1e-4  # every gate matters here: the check compares numbers, not zeros
 
 
+def test_the_backward_pass_finds_the_gates_from_another_thread(models):
+    """On CUDA autograd runs the backward pass, and with it every checkpointed block's recomputation, on a thread of
+    its own: the gated attention must find the open gating context from there too (a ContextVar did not)."""
+    import threading
+
+    loaded = models["llama-gqa"]
+    ids, span = ids_of(30, seed=3), torch.arange(30) >= 20
+    settings = tp.Settings(lengths=(30,), sink=SINK, recent=RECENT)
+    full = tp.full_hidden(loaded, ids, span, settings)
+    rows = gated_rows(loaded)
+    gates = torch.full((len(rows), loaded.num_kv_heads), 0.5, requires_grad=True)
+    failed: list[BaseException] = []
+    with tp.gating(loaded, gates, rows, SINK, RECENT), tp.checkpointed(tp.decoder_layers(loaded)):
+        distill, penalty = tp.loss_terms(loaded, gates, ids, span, full, 0.05)
+
+        def backward() -> None:
+            try:
+                (distill + penalty).backward()
+            except BaseException as err:  # noqa: BLE001 (reported below)
+                failed.append(err)
+
+        worker = threading.Thread(target=backward)
+        worker.start()
+        worker.join()
+    assert not failed, failed
+    assert gates.grad is not None and bool(gates.grad.abs().sum() > 0)
+
+
 def make_far_and_local_gpt2(folder: Path, far_scale: float = 2.0, local_scale: float = 16.0) -> Path:
     """A one-layer GPT-2 of two heads over one-hot tokens (dims 0-63) and one-hot positions (dims 64-127):
 
