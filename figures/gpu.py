@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from figures import fmt
@@ -53,6 +54,29 @@ def _runs(ways: object, what: str) -> dict:
     return found
 
 
+def merge_reruns(paths: list[Path]) -> dict:
+    """One gpu-check.json from a full check and reruns of some of its steps (`make gpu-check STEPS=...`) on the same
+    GPU: each rerun's steps replace the earlier ones, and `reruns` records which file gave which steps."""
+    merged: dict = {}
+    for path in paths:
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise GpuCheckError(f"{path}: not a readable JSON file ({type(err).__name__})") from err
+        if not isinstance(raw, dict) or not isinstance(raw.get("steps"), dict):
+            raise GpuCheckError(f"{path}: not gpu-check.json (no steps)")
+        if not merged:
+            merged = {**raw, "steps": dict(raw["steps"]), "reruns": []}
+            continue
+        if (raw.get("environment") or {}).get("gpu") != (merged.get("environment") or {}).get("gpu"):
+            raise GpuCheckError(f"{path}: a rerun on another GPU than {paths[0]}'s; rerun every step there")
+        steps = {k: v for k, v in raw["steps"].items() if k not in ("environment", "install")}
+        merged["steps"].update(steps)
+        merged["reruns"].append({"file": Path(path).name, "started": raw.get("started"), "steps": sorted(steps)})
+        merged["ok"] = bool(merged.get("ok")) and bool(raw.get("ok"))
+    return merged
+
+
 def read_gpu_check(path: str | Path) -> dict:
     """The figure's data from a gpu-check.json, checked: a GPU run (not the dry run) with its GPU's name, versions and
     timings; GpuCheckError says what is wrong."""
@@ -85,6 +109,13 @@ def read_gpu_check(path: str | Path) -> dict:
                                                                                   "skipped")}
     failed = sorted(t for t, o in (tests.get("outcomes") or {}).items() if o in ("FAILED", "ERROR"))
     group = (raw["steps"].get("torchrun") or {}).get("group") or {}
+    train = raw["steps"].get("train") or {}
+    train_found = None
+    if train.get("step_seconds"):
+        train_found = {"ok": bool(train.get("ok")), "length": int(train["length"]), "steps": int(train["steps_done"]),
+                       "step_seconds": [float(x) for x in train["step_seconds"]], "peak_mib": train.get("peak_mib"),
+                       "model_mib": train.get("model_mib"), "sink": train.get("sink"), "recent": train.get("recent"),
+                       "mean_gate": train.get("mean_gate")}
     targets = raw.get("targets") or {}
     keep = ("tokens", "fused_time_ratio", "time_met", "time_target", "fused_memory_ratio", "memory_met",
             "memory_target")
@@ -92,6 +123,7 @@ def read_gpu_check(path: str | Path) -> dict:
             "versions": {k: str(environment.get(k)) for k in ("torch", "cuda", "transformers", "python")},
             "parameters": int(bench.get("model", {}).get("parameters", 0)), "block_mib": bench.get("block_mib"),
             "long": long_found, "short": short_found, "tests": {"counts": counts, "failed": failed[:20]},
+            "train": train_found, "reruns": [r.get("steps") for r in raw.get("reruns") or []],
             "torchrun": {"backend": group.get("backend"), "all_reduce_ok": group.get("all_reduce_ok")},
             "targets": {k: targets.get(k) for k in keep},
             "eager_bfloat16": targets.get("fused_equals_eager_bfloat16"), "ok": bool(raw.get("ok")),
@@ -159,6 +191,18 @@ def _(d: dict) -> str:
         + (f" ({fmt.listing(d['tests']['failed'])})" if d["tests"]["failed"] else "")
         + f"; `torchrun --nproc-per-node 1` with {d['torchrun']['backend'] or '-'}: all_reduce "
         f"{'correct' if d['torchrun']['all_reduce_ok'] else 'failed'}.",
+    ]
+    if d.get("train"):
+        tr = d["train"]
+        parts += ["", f"`attnprobe train-pattern` on the same model in bfloat16 on the GPU (sink {tr['sink']}, recent "
+                  f"{tr['recent']}, samples of {fmt.whole(tr['length'])} tokens): {tr['steps']} steps, "
+                  f"{fmt.seconds(statistics.median(tr['step_seconds']))} a step (median), peak GPU memory "
+                  f"{fmt.whole(tr['peak_mib'])} MiB with the model's {fmt.whole(tr['model_mib'])} MiB of weights"
+                  f"{'' if tr['ok'] else ' (the step failed)'}."]
+    if d.get("reruns"):
+        parts += ["", "Rerun on the same GPU after a fix, and taken from that rerun: "
+                  f"{fmt.listing(sorted({s for r in d['reruns'] for s in r}))}."]
+    parts += [
         "",
         fmt.source(f"`make gpu-check` (benchmarks/gpu_check.py) on a lent {d['gpu']}, {d['date']}"),
     ]

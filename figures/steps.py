@@ -312,20 +312,27 @@ def zoo(work: str, target: str) -> None:
 
 
 def gpu_result(target: str) -> None:
-    """The gpu-check.json `make gpu-check` wrote on a lent GPU (GPU_CHECK_JSON, else outputs/gpu-check/), checked
-    (figures.gpu.read_gpu_check: a GPU run, not the dry run) and copied to `target`."""
-    from figures.gpu import GpuCheckError, read_gpu_check
+    """The gpu-check.json `make gpu-check` wrote on a lent GPU, checked (figures.gpu.read_gpu_check: a GPU run, not
+    the dry run) and copied to `target`. GPU_CHECK_JSON names it, else outputs/gpu-check/gpu-check.json; reruns of
+    some steps (`make gpu-check STEPS=...`) saved beside it as gpu-check-*.json, or named after it in GPU_CHECK_JSON
+    (separated by os.pathsep), replace those steps, in order (figures.gpu.merge_reruns)."""
+    from figures.gpu import GpuCheckError, merge_reruns, read_gpu_check
 
-    source = Path(os.environ.get("GPU_CHECK_JSON") or ROOT / "outputs" / "gpu-check" / "gpu-check.json")
-    if not source.is_file():
-        raise SystemExit(f"no {source}: run `make gpu-check` on a lent GPU and put its gpu-check.json there (or set "
-                         "GPU_CHECK_JSON to it)")
+    given = os.environ.get("GPU_CHECK_JSON")
+    folder = ROOT / "outputs" / "gpu-check"
+    sources = [Path(p) for p in given.split(os.pathsep) if p] if given else \
+        [folder / "gpu-check.json", *sorted(folder.glob("gpu-check-*.json"))]
+    for source in sources:
+        if not source.is_file():
+            raise SystemExit(f"no {source}: run `make gpu-check` on a lent GPU and put its gpu-check.json there (or "
+                             "set GPU_CHECK_JSON to it)")
     try:
-        read_gpu_check(source)
+        merged = merge_reruns(sources)
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(target).write_text(json.dumps(merged, indent=1), encoding="utf-8")
+        read_gpu_check(target)
     except GpuCheckError as err:
         raise SystemExit(str(err)) from None
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, target)
 
 
 STEPS = {"copy-analysis": copy_analysis, "screenshot": screenshot, "verify": verify, "gpt2-small": gpt2_small,
