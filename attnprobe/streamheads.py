@@ -321,14 +321,20 @@ def streaming(loaded: LoadedModel, heads: Tensor | np.ndarray, sink: int, recent
 
 def check_model(loaded: LoadedModel) -> None:
     """A decoder whose attention runs through transformers' AttentionInterface."""
+    check_decoder(loaded, "so no head can be streaming; use --method zero or mean",
+                  "the streaming-head ablation cannot run")
+
+
+def check_decoder(loaded: LoadedModel, encoder_fix: str, cannot: str) -> None:
+    """Refuse, in one line, an encoder (`encoder_fix` ends the line) or a model whose attention does not run
+    through transformers' AttentionInterface (`cannot` begins the line)."""
     from attnprobe import kernel
 
     if not loaded.causal:
-        raise AttnprobeError(f"{loaded.spec} is an encoder: it keeps no KV cache, so no head can be streaming; use "
-                             "--method zero or mean")
+        raise AttnprobeError(f"{loaded.spec} is an encoder: it keeps no KV cache, {encoder_fix}")
     reason = kernel.config_reason(loaded)
     if reason is not None:
-        raise AttnprobeError(f"the streaming-head ablation cannot run {reason}: use another decoder")
+        raise AttnprobeError(f"{cannot} {reason}: use another decoder")
 
 
 def check_sizes(sink: int, recent: int) -> None:

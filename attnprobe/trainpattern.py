@@ -290,14 +290,9 @@ def last_hidden(loaded: LoadedModel, ids: Tensor) -> Tensor:
 
 def check_model(loaded: LoadedModel) -> None:
     """A decoder whose attention runs through transformers' AttentionInterface."""
-    from attnprobe import kernel
+    from attnprobe import streamheads
 
-    if not loaded.causal:
-        raise AttnprobeError(f"{loaded.spec} is an encoder: it keeps no KV cache, so there is no pattern to train; "
-                             "use a decoder")
-    reason = kernel.config_reason(loaded)
-    if reason is not None:
-        raise AttnprobeError(f"train-pattern cannot gate {reason}: use another decoder")
+    streamheads.check_decoder(loaded, "so there is no pattern to train; use a decoder", "train-pattern cannot gate")
 
 
 def layer_spans(loaded: LoadedModel, sink: int, recent: int) -> list[int | None]:
