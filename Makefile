@@ -107,9 +107,9 @@ clean:
 # Hugging Face folder once; `retrieval` and `analyze` runs on GPL-3 and a `train-pattern` run (kept in KVPRESS_OUT:
 # delete them to rerun) are exported, with the other analyze scores of benchmarks/kvpress_candidates.py, and
 # benchmarks/bench_kvpress.py scores them on a held-out needle and text (~50 min here with the training; the bench
-# alone ~12); it fails unless every default export of `analyze` and `retrieval` keeps the needle better than random
-# heads at every ratio (benchmarks/kvpress_verdict.py; the trained pattern is printed beside them). Not part of
-# `make test`; CI runs it after the suites.
+# alone ~12); it fails unless every default export of `analyze` and `retrieval`, and the trained pattern, keeps the
+# needle better than random heads at every ratio (benchmarks/kvpress_verdict.py). Not part of `make test`; CI runs it
+# after the suites.
 KVPRESS_VENV ?= .venv-kvpress
 KVPRESS_OUT ?= outputs/kvpress
 KVPRESS_TEXT ?= /usr/share/common-licenses/GPL-3

@@ -780,6 +780,30 @@ def kvpress_verdict(d: dict) -> str:
     return "; ".join(parts) + "."
 
 
+def kvpress_trained(d: dict) -> str:
+    """Issue 35's targets for the trained pattern: its needle NLL within 0.1 nats of the full cache at ratio 0.5, and
+    where it stands against the retrieval export, task by task."""
+    def at(task: str, method: str, q: float) -> float | None:
+        found = [r["nll"] for r in d["summary"] if r["task"] == task and r["method"] == method
+                 and (method == "full" or abs(r["ratio"] - q) < 1e-9)]
+        return found[0] if found else None
+
+    ratios = d["settings"]["ratios"]
+    trained, full = at("needle", "trained", 0.5), at("needle", "full", 0.5)
+    if trained is None or full is None:
+        return ""
+    gap = trained - full
+    parts = [f"The trained pattern's needle NLL at ratio 0.5 is {fmt.num(gap)} nats above the full cache's "
+             f"(target: within 0.1, {'met' if gap <= 0.1 else 'missed'})"]
+    for task in dict.fromkeys(r["task"] for r in d["summary"]):
+        pairs = [(at(task, "trained", q), at(task, "retrieval", q)) for q in ratios]
+        if any(a is None or b is None for a, b in pairs):
+            continue
+        parts.append(f"{task}: below the export of `retrieval` at {sum(a < b for a, b in pairs)} of {len(pairs)} "
+                     "ratios")
+    return "; ".join(parts) + "."
+
+
 @kvpress_smollm2.renderer
 def _(d: dict) -> str:
     s = d["settings"]
@@ -799,6 +823,7 @@ def _(d: dict) -> str:
         kvpress_table(d, "accuracy"),
         "",
         f"In words: {kvpress_verdict(d)}",
+        *(["", kvpress_trained(d)] if kvpress_trained(d) else []),
         "",
         "![SmolLM2-135M in kvpress: NLL against the share of the context's KV kept](images/smollm2-135m-kvpress.png)",
         "",

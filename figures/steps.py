@@ -162,7 +162,7 @@ def suite(target: str) -> None:
 
 KVPRESS_LABELS = {"full": "full cache", "no_needle": "full cache, no needle in the context",
                   "retrieval": "export of `retrieval`", "analyze": "export of `analyze` (far share, the default)",
-                  "random": "random patterns"}
+                  "random": "random patterns", "trained": "trained by `train-pattern`"}
 
 
 def kvpress_plot(results: str, target: str) -> None:
@@ -179,8 +179,8 @@ def kvpress_plot(results: str, target: str) -> None:
     tasks = list(dict.fromkeys(r["task"] for r in data["summary"]))
     figure = Figure(figsize=(6.2 * len(tasks), 4.8), layout="constrained")
     axes = figure.subplots(1, len(tasks), squeeze=False)[0]
-    shown = ("retrieval", "analyze", "sink_window", "random", "StreamingLLMPress", "SnapKVPress", "KnormPress",
-             "ExpectedAttentionPress")
+    shown = ("trained", "retrieval", "analyze", "sink_window", "random", "StreamingLLMPress", "SnapKVPress",
+             "KnormPress", "ExpectedAttentionPress")
     for ax, task in zip(axes, tasks):
         rows = [r for r in data["summary"] if r["task"] == task]
         for name in shown:
@@ -190,7 +190,7 @@ def kvpress_plot(results: str, target: str) -> None:
             x = [100 * (1 - r["ratio"] * kept_if) for r in mine]
             label = KVPRESS_LABELS.get(name, "analyze: 1 - sink_window (old default)" if name == "sink_window"
                                        else name)
-            style = "-" if name in ("retrieval", "analyze", "random", "sink_window") else "--"
+            style = "-" if name in ("trained", "retrieval", "analyze", "random", "sink_window") else "--"
             line, = ax.plot(x, [r["nll"] for r in mine], style, marker="o", markersize=3, label=label)
             if name == "random":
                 ax.fill_between(x, [r["nll_min"] for r in mine], [r["nll_max"] for r in mine], alpha=0.15,
