@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnprobe import io
 from attnprobe.errors import AttnprobeError
 from attnprobe.io.names import FIGURE_FORMATS, MAX_EXAMPLES
 
@@ -90,6 +89,8 @@ def examples_writer(examples: list[dict[str, Any]]) -> Writer:
     `count` and, per example i, `maps_{i}`, `tokens_{i}`, `sentence_{i}`, `total_tokens_{i}`, `category_{i}`,
     `index_{i}` and `line_{i}`: no pickles, so `np.load(..., allow_pickle=False)` reads it.
     """
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
     if not 1 <= len(examples) <= MAX_EXAMPLES:
         raise ValueError(f"examples.npz holds 1 to {MAX_EXAMPLES} examples, not {len(examples)}")
     arrays: dict[str, np.ndarray] = {"count": np.asarray(len(examples), dtype=np.int64)}

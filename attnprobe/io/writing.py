@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from attnprobe import io
 from attnprobe.errors import AttnprobeError
 from attnprobe.io.names import (
     ABLATE_PLOT_FIGURES,
@@ -233,6 +232,7 @@ def write_run(out: str | Path, writers: dict[str, Writer], run: dict[str, Any], 
     """analyze's results (`writers`) and, last, run.json: `run` with `files`, the sha256 of every file of this run
     by name (those of `writers`, from their temporary files, and those already `written` in `out`, such as
     sentences.parquet). One write_files: all temporary files, then all renames, run.json's the last."""
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
     from attnprobe.sources import file_sha256
 
     before = {Path(path).name: file_sha256(Path(path)) for path in written}
@@ -386,6 +386,8 @@ def join_sentence_parts(out: str | Path, ranks: int) -> Path:
 
 def write_report(out: str | Path, html: str) -> Path:
     """report.html (temporary name, then renamed)."""
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
     return write_files(out, {REPORT_FILE: io.text_writer(html)})[0]
 
 
@@ -395,6 +397,8 @@ def write_ablation(out: str | Path, ablation: Any, figures: dict[str, Any]) -> l
     A layer_importance.csv or pruning.csv of an earlier run that this one did not make is removed, and so are
     the figures `plot` drew of them (pruning.png, layer_importance.png in any format): they show the earlier run.
     """
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
     files: dict[str, Writer] = {IMPORTANCE_FILE: io.csv_writer(ablation.heads),
                                 ABLATE_RUN_FILE: io.json_writer(ablation.run)}
     stale = [name for name in (f"{stem}.{suffix}" for stem in ABLATE_PLOT_FIGURES for suffix in FIGURE_FORMATS)
@@ -411,6 +415,8 @@ def write_ablation(out: str | Path, ablation: Any, figures: dict[str, Any]) -> l
 def write_streaming(out: str | Path, ablation: Any, figure: Any) -> list[Path]:
     """streaming.csv, streaming.json and streaming.png for `attnprobe ablate --method streaming` (a
     streamheads.StreamingAblation and its figure), each to a temporary name, then renamed."""
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
     return write_files(out, {STREAMING_FILE: io.csv_writer(ablation.curve),
                              STREAMING_RUN_FILE: io.json_writer(ablation.run),
                              STREAMING_FIGURE: io.figure_writer(figure)})
@@ -419,6 +425,8 @@ def write_streaming(out: str | Path, ablation: Any, figure: Any) -> list[Path]:
 def write_retrieval(out: str | Path, retrieval: Any) -> list[Path]:
     """retrieval.json, and where any trial counted retrieval_heads.csv and head_score.json (else those of an
     earlier run go: they are not this run's)."""
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
     files: dict[str, Writer] = {RETRIEVAL_RUN_FILE: io.json_writer(retrieval.info)}
     stale: list[str] = []
     if retrieval.per_trial:
@@ -435,6 +443,8 @@ def write_rollout(out: str | Path, rollout: Any, figure: Any) -> list[Path]:
     Sentences differ in length, so every per-sentence array has a leading [sentence] axis and is
     padded to the longest: maps with NaN, tokens with "". `lengths` gives each sentence's tokens kept.
     """
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
     lengths = [len(tokens) for tokens in rollout.tokens]
     n, layers = max(lengths), rollout.rollout[0].shape[0]
     padded = np.full((len(lengths), layers, n, n), np.nan, dtype=np.float32)  # [sentence, layer, query, key]
@@ -465,6 +475,8 @@ def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
     ran with), `sentences_asked` and `pair_rows` (int64: --sentences and the budget in head-pair rows that cut
     the sample to `sentences`; 0: no budget). No pickles: `np.load(path)` reads it.
     """
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
     info = similarity.info
     arrays = {
         "js": np.asarray(similarity.js, dtype=np.float64), "layer": np.asarray(similarity.layer, dtype=np.int64),
