@@ -505,3 +505,33 @@ def test_cuda_cli_trains_in_bfloat16(llama_dir, haystack, tmp_path):
     assert record["device"].startswith("cuda") and record["dtype"] == "bfloat16"
     assert record["peak_memory_mib"]["cuda"] > 0
     assert pd.read_csv(out / tp.GATES_FILE)["gate"].between(0, 1).all()
+
+
+def test_a_checkpoint_with_a_row_that_is_not_a_number_is_refused():
+    """Only finite rows are ever appended to the log, so a checkpoint holding NaN or inf in its rows was damaged or
+    tampered with: resuming it would write those numbers into training.csv."""
+    gates = np.full((2, 2), 0.5, dtype=np.float32)
+    rows = np.array([[1, 80, 0.0, 0.05, 0.05, 0.99, 0.0, 0.004], [2, 96, 0.1, 0.05, 0.15, 0.98, 0.0, 0.008]])
+    good = tp.State({"model": "m"}, 2, gates, np.zeros_like(gates), np.zeros_like(gates), rows)
+    assert tp.State.from_arrays(good.to_arrays()).done == 2
+    for bad in (np.nan, np.inf):
+        damaged = rows.copy()
+        damaged[1, 2] = bad
+        state = tp.State({"model": "m"}, 2, gates, np.zeros_like(gates), np.zeros_like(gates), damaged)
+        with pytest.raises(ValueError, match="training rows"):
+            tp.State.from_arrays(state.to_arrays())
+
+
+def test_export_refuses_gates_whose_record_lost_its_hashes(trained_dir, tmp_path):
+    """train-pattern always records the sha256 of gates.csv in train_pattern.json: a record without them (edited)
+    cannot vouch for the gates beside it."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(trained_dir, copy)
+    record = json.loads((copy / tp.RUN_FILE).read_text())
+    del record["files"]
+    (copy / tp.RUN_FILE).write_text(json.dumps(record))
+    (copy / tp.GATES_FILE).write_text((copy / tp.GATES_FILE).read_text().replace(",True", ",True ", 1))
+    result = run("export", "--out", copy, "--to", tmp_path / "duo")
+    assert_one_line_error(result, tp.RUN_FILE, "sha256")
