@@ -449,19 +449,22 @@ def test_cli_models_it_cannot_gate_are_one_line(tmp_path, haystack):
 
 def test_cli_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(llama_dir, haystack, tmp_path,
                                                                           monkeypatch):
-    real = tp.train_step
+    real, calls = tp.loss_terms, []
 
-    def failing(*args, **kwargs):
-        row = real(*args, **kwargs)
-        return row if row[0] < 3 else [row[0], row[1], float("nan"), 0.05, float("nan"), np.nan, np.nan, row[-1]]
+    def failing(*args, **kwargs):  # the third step's loss is NaN: train_step itself must leave the gates alone
+        distill, penalty = real(*args, **kwargs)
+        calls.append(1)
+        return (distill * float("nan"), penalty) if len(calls) == 3 else (distill, penalty)
 
-    monkeypatch.setattr(tp, "train_step", failing)
+    monkeypatch.setattr(tp, "loss_terms", failing)
     out = tmp_path / "o"
     result = run("train-pattern", "--model", llama_dir, "--haystack", haystack, "--out", out, "--steps", "5",
                  "--checkpoint-every", "5", *SMALL)
     assert_one_line_error(result, "not a number", "at step 3", "checkpoint of step 2, the last good one, is kept")
     state = tp.State.from_arrays(dict(np.load(out / CHECKPOINT_FILE)))
     assert state.done == 2 and not (out / tp.GATES_FILE).exists()
+    # the gates of step 2, not those of the step that failed: row 2's mean gate is theirs
+    assert state.rows[-1, tp.LOG_COLUMNS.index("mean_gate")] == float(state.gates.astype(np.float64).mean())
 
 
 def test_cli_resume_without_a_checkpoint_and_a_stopped_run_are_one_line(llama_dir, haystack, tmp_path):
