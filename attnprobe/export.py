@@ -264,6 +264,10 @@ def load_trained(out: Path, sink: int | None, recent: int | None) -> HeadScores:
     if run.get("command") != TRAINED_BY or not isinstance(settings, dict):
         raise AttnprobeError(f"{where} is not a record of `{TRAINED_BY}`: run it again")
     model = _shape(run.get("model"), where)
+    files = run.get(io.RUN_FILES_KEY)
+    if not isinstance(files, dict) or not isinstance(files.get(TRAINED_GATES_FILE), str):
+        raise AttnprobeError(f"{where} lacks the sha256 of its {TRAINED_GATES_FILE} (every `{TRAINED_BY}` records "
+                             "it; this record was edited): run it again")
     check_recorded(out, run, TRAINED_GATES_FILE, where)
     table = io.read_table(out, TRAINED_GATES_FILE, ["gate"], TRAINED_BY)  # per KV head: read_table keys heads
     layers, kv_heads = model["layers"], model["kv_heads"]

@@ -367,8 +367,8 @@ class State:
         if ((gates < 0) | (gates > 1)).any() or (arrays["exp_avg_sq"] < 0).any():
             raise ValueError("a gate outside [0, 1] or a negative second moment")
         rows = arrays["rows"]
-        if rows.dtype != np.float64 or rows.shape != (done, len(LOG_COLUMNS)):
-            raise ValueError(f"its training rows are not {done} rows of {len(LOG_COLUMNS)} numbers")
+        if rows.dtype != np.float64 or rows.shape != (done, len(LOG_COLUMNS)) or not np.isfinite(rows).all():
+            raise ValueError(f"its training rows are not {done} rows of {len(LOG_COLUMNS)} finite numbers")
         return cls(meta["fingerprint"], done, gates, arrays["exp_avg"], arrays["exp_avg_sq"], rows, path)
 
 

@@ -449,19 +449,22 @@ def test_cli_models_it_cannot_gate_are_one_line(tmp_path, haystack):
 
 def test_cli_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(llama_dir, haystack, tmp_path,
                                                                           monkeypatch):
-    real = tp.train_step
+    real, calls = tp.loss_terms, []
 
-    def failing(*args, **kwargs):
-        row = real(*args, **kwargs)
-        return row if row[0] < 3 else [row[0], row[1], float("nan"), 0.05, float("nan"), np.nan, np.nan, row[-1]]
+    def failing(*args, **kwargs):  # the third step's loss is NaN: train_step itself must leave the gates alone
+        distill, penalty = real(*args, **kwargs)
+        calls.append(1)
+        return (distill * float("nan"), penalty) if len(calls) == 3 else (distill, penalty)
 
-    monkeypatch.setattr(tp, "train_step", failing)
+    monkeypatch.setattr(tp, "loss_terms", failing)
     out = tmp_path / "o"
     result = run("train-pattern", "--model", llama_dir, "--haystack", haystack, "--out", out, "--steps", "5",
                  "--checkpoint-every", "5", *SMALL)
     assert_one_line_error(result, "not a number", "at step 3", "checkpoint of step 2, the last good one, is kept")
     state = tp.State.from_arrays(dict(np.load(out / CHECKPOINT_FILE)))
     assert state.done == 2 and not (out / tp.GATES_FILE).exists()
+    # the gates of step 2, not those of the step that failed: row 2's mean gate is theirs
+    assert state.rows[-1, tp.LOG_COLUMNS.index("mean_gate")] == float(state.gates.astype(np.float64).mean())
 
 
 def test_cli_resume_without_a_checkpoint_and_a_stopped_run_are_one_line(llama_dir, haystack, tmp_path):
@@ -505,3 +508,33 @@ def test_cuda_cli_trains_in_bfloat16(llama_dir, haystack, tmp_path):
     assert record["device"].startswith("cuda") and record["dtype"] == "bfloat16"
     assert record["peak_memory_mib"]["cuda"] > 0
     assert pd.read_csv(out / tp.GATES_FILE)["gate"].between(0, 1).all()
+
+
+def test_a_checkpoint_with_a_row_that_is_not_a_number_is_refused():
+    """Only finite rows are ever appended to the log, so a checkpoint holding NaN or inf in its rows was damaged or
+    tampered with: resuming it would write those numbers into training.csv."""
+    gates = np.full((2, 2), 0.5, dtype=np.float32)
+    rows = np.array([[1, 80, 0.0, 0.05, 0.05, 0.99, 0.0, 0.004], [2, 96, 0.1, 0.05, 0.15, 0.98, 0.0, 0.008]])
+    good = tp.State({"model": "m"}, 2, gates, np.zeros_like(gates), np.zeros_like(gates), rows)
+    assert tp.State.from_arrays(good.to_arrays()).done == 2
+    for bad in (np.nan, np.inf):
+        damaged = rows.copy()
+        damaged[1, 2] = bad
+        state = tp.State({"model": "m"}, 2, gates, np.zeros_like(gates), np.zeros_like(gates), damaged)
+        with pytest.raises(ValueError, match="training rows"):
+            tp.State.from_arrays(state.to_arrays())
+
+
+def test_export_refuses_gates_whose_record_lost_its_hashes(trained_dir, tmp_path):
+    """train-pattern always records the sha256 of gates.csv in train_pattern.json: a record without them (edited)
+    cannot vouch for the gates beside it."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(trained_dir, copy)
+    record = json.loads((copy / tp.RUN_FILE).read_text())
+    del record["files"]
+    (copy / tp.RUN_FILE).write_text(json.dumps(record))
+    (copy / tp.GATES_FILE).write_text((copy / tp.GATES_FILE).read_text().replace(",True", ",True ", 1))
+    result = run("export", "--out", copy, "--to", tmp_path / "duo")
+    assert_one_line_error(result, tp.RUN_FILE, "sha256")
