@@ -196,9 +196,10 @@ def _(d: dict) -> str:
         tr = d["train"]
         parts += ["", f"`attnprobe train-pattern` on the same model in bfloat16 on the GPU (sink {tr['sink']}, recent "
                   f"{tr['recent']}, samples of {fmt.whole(tr['length'])} tokens): {tr['steps']} steps, "
-                  f"{fmt.seconds(statistics.median(tr['step_seconds']))} a step (median), peak GPU memory "
-                  f"{fmt.whole(tr['peak_mib'])} MiB with the model's {fmt.whole(tr['model_mib'])} MiB of weights"
-                  f"{'' if tr['ok'] else ' (the step failed)'}."]
+                  f"{fmt.seconds(statistics.median(tr['step_seconds']))} a step (median)"
+                  + (f", peak GPU memory {fmt.whole(tr['peak_mib'])} MiB with the model's "
+                     f"{fmt.whole(tr['model_mib'])} MiB of weights" if tr["peak_mib"] and tr["model_mib"] else "")
+                  + f"{'' if tr['ok'] else ' (the step failed)'}."]
     if d.get("reruns"):
         parts += ["", "Rerun on the same GPU after a fix, and taken from that rerun: "
                   f"{fmt.listing(sorted({s for r in d['reruns'] for s in r}))}."]
