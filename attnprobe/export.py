@@ -58,8 +58,7 @@ from attnprobe.errors import AttnprobeError, plain
 
 FORMATS = ("duo-attention", "retrieval-head")
 SOURCES = ("auto", "retrieval", "kv", "trained")  # --scores: where the per-head scores come from
-TRAINED_RUN_FILE = "train_pattern.json"  # `attnprobe train-pattern`'s record
-TRAINED_GATES_FILE = "gates.csv"  # and its gates: layer, kv_head, gate, trained
+TRAINED_RUN_FILE, TRAINED_GATES_FILE = io.TRAINED_RUN_FILE, io.TRAINED_GATES_FILE  # `attnprobe train-pattern`'s
 TRAINED_BY = "attnprobe train-pattern"
 TRAINED_WORDS = ("trained gates (train-pattern), one per KV head: each query head gets its KV head's gate, the "
                  "retrieval-head format too")

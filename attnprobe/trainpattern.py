@@ -47,7 +47,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from attnprobe import defaults, export, passkeys
+from attnprobe import defaults, io, passkeys
 from attnprobe.errors import AttnprobeError, plain
 from attnprobe.model import LoadedModel, attention_modules, forward_kwargs, using_attention
 
@@ -62,9 +62,8 @@ DEFAULT_PASSKEYS, DEFAULT_PASSKEY_WORDS = defaults.TRAIN_PASSKEYS, defaults.TRAI
 DEFAULT_CHECKPOINT_EVERY = defaults.TRAIN_CHECKPOINT_EVERY
 HALF = 0.5  # training.csv's below_half: the share of gates below it (DuoAttention's --threshold)
 MAX_STEPS = 1_000_000
-GATES_FILE, RUN_FILE = export.TRAINED_GATES_FILE, export.TRAINED_RUN_FILE  # what `attnprobe export` reads
-LOG_FILE, FIGURE_FILE = "training.csv", "training.png"
-TRAIN_FILES = (GATES_FILE, LOG_FILE, FIGURE_FILE, RUN_FILE)
+GATES_FILE, RUN_FILE = io.TRAINED_GATES_FILE, io.TRAINED_RUN_FILE  # what `attnprobe export` reads
+LOG_FILE, FIGURE_FILE = io.TRAINED_LOG_FILE, io.TRAINED_FIGURE
 COMMAND = "attnprobe train-pattern"
 Progress = Callable[[int, int, dict[str, float]], None]  # (steps done, steps in all, the last step's row)
 

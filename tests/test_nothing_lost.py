@@ -58,7 +58,8 @@ def test_the_other_commands_that_read_a_corpus_refuse_too(gpt2_dir, corpus_file,
 
 def test_is_result_name_knows_every_file_a_run_writes():
     for name in ("heads.csv", "checkpoint-rank1-of-2.npz", "entropy_heatmap.svg", "probe/probe.csv",
-                 "compare/compare_heads.csv", "sentences.parquet", "importance_vs_type.png"):
+                 "compare/compare_heads.csv", "sentences.parquet", "importance_vs_type.png", "gates.csv",
+                 "train_checkpoint.npz", "train_pattern.json", "training.png"):
         assert io.is_result_name(name), name
     for name in ("sentences.txt", "checkpoint_epoch3.npz", "notes/heads.csv", "heads.csv.bak"):
         assert not io.is_result_name(name), name

@@ -27,9 +27,8 @@ from test_cli import assert_one_line_error, run
 from test_gpu import cuda_test
 from zoo import OWN_ATTENTION, make
 
-from attnprobe import passkeys, streamheads
+from attnprobe import io, passkeys, streamheads
 from attnprobe import trainpattern as tp
-from attnprobe.commands.train_pattern import CHECKPOINT_FILE
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import forward_kwargs, load_model
 
@@ -333,16 +332,16 @@ def test_a_killed_process_resumes_to_identical_files(llama_dir, haystack, tmp_pa
     out = tmp_path / "cut"
     process = start(llama_dir, haystack, out, *steps, "--checkpoint-every", "1")
     deadline = time.monotonic() + 300
-    while not (out / CHECKPOINT_FILE).exists():
+    while not (out / io.TRAINED_CHECKPOINT_FILE).exists():
         assert process.poll() is None, "the run ended before its first checkpoint"
         assert time.monotonic() < deadline
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
-    assert not (out / tp.GATES_FILE).exists() and (out / CHECKPOINT_FILE).exists()
+    assert not (out / tp.GATES_FILE).exists() and (out / io.TRAINED_CHECKPOINT_FILE).exists()
     resumed = start(llama_dir, haystack, out, *steps, "--checkpoint-every", "1", "--resume")
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
-    assert not (out / CHECKPOINT_FILE).exists()  # the run is complete
+    assert not (out / io.TRAINED_CHECKPOINT_FILE).exists()  # the run is complete
     for name in (tp.GATES_FILE, tp.LOG_FILE):
         assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     assert json.loads((out / tp.RUN_FILE).read_text())["resumed_at_step"] >= 1
@@ -371,7 +370,7 @@ def test_cli_writes_gates_log_figure_and_record(trained_dir):
     assert run_record["model"]["weights"] and run_record["haystack"]["sha256"]
     assert run_record["peak_memory_mib"]["rss"] > 0 and set(run_record["files"]) == {tp.GATES_FILE, tp.LOG_FILE,
                                                                                      tp.FIGURE_FILE}
-    assert not (trained_dir / CHECKPOINT_FILE).exists()
+    assert not (trained_dir / io.TRAINED_CHECKPOINT_FILE).exists()
 
 
 def test_export_writes_the_gates_as_duoattentions_table(trained_dir, tmp_path, llama_dir):
@@ -461,10 +460,25 @@ def test_cli_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(llama_
     result = run("train-pattern", "--model", llama_dir, "--haystack", haystack, "--out", out, "--steps", "5",
                  "--checkpoint-every", "5", *SMALL)
     assert_one_line_error(result, "not a number", "at step 3", "checkpoint of step 2, the last good one, is kept")
-    state = tp.State.from_arrays(dict(np.load(out / CHECKPOINT_FILE)))
+    state = tp.State.from_arrays(dict(np.load(out / io.TRAINED_CHECKPOINT_FILE)))
     assert state.done == 2 and not (out / tp.GATES_FILE).exists()
     # the gates of step 2, not those of the step that failed: row 2's mean gate is theirs
     assert state.rows[-1, tp.LOG_COLUMNS.index("mean_gate")] == float(state.gates.astype(np.float64).mean())
+
+
+def test_a_haystack_under_a_result_name_in_out_is_refused_and_stale_temps_go(llama_dir, haystack, tmp_path):
+    """train-pattern's files are result names to io: a --haystack that one of them would overwrite is refused in one
+    line, and a temporary file a killed train-pattern left (its writer gone) is removed by the next run."""
+    out = tmp_path / "apart"
+    out.mkdir()
+    (out / "gates.csv").write_text(Path(haystack).read_text())
+    assert_one_line_error(run("train-pattern", "--model", llama_dir, "--haystack", out / "gates.csv", "--out", out,
+                              *SMALL), "would be overwritten", "gates.csv")
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    left = stale / ".gates.csv.999999999-abcdefgh.tmp"  # a writer's pid that no process has
+    left.write_text("partial")
+    assert io.remove_stale_temps(stale, 0.0) == [left.name]
 
 
 def test_cli_resume_without_a_checkpoint_and_a_stopped_run_are_one_line(llama_dir, haystack, tmp_path):
@@ -472,7 +486,7 @@ def test_cli_resume_without_a_checkpoint_and_a_stopped_run_are_one_line(llama_di
     assert_one_line_error(run("train-pattern", "--model", llama_dir, "--haystack", haystack, "--out", out, *SMALL,
                               "--resume"), "nothing to resume")
     out.mkdir()
-    (out / CHECKPOINT_FILE).write_bytes(b"not a zip")
+    (out / io.TRAINED_CHECKPOINT_FILE).write_bytes(b"not a zip")
     assert_one_line_error(run("train-pattern", "--model", llama_dir, "--haystack", haystack, "--out", out, *SMALL),
                           "holds a stopped training", "--resume")
     assert_one_line_error(run("train-pattern", "--model", llama_dir, "--haystack", haystack, "--out", out, *SMALL,

@@ -39,7 +39,6 @@ from attnprobe.commands.options import (
 from attnprobe.errors import AttnprobeError
 from attnprobe.threads import apply as apply_threads
 
-CHECKPOINT_FILE = "train_checkpoint.npz"  # not analyze's checkpoint.npz: the two never resume each other
 TRAIN_OUT = DEFAULT_OUT / "train-pattern"
 LOG_EVERY_SECONDS = 10.0  # off a terminal: a progress line at most this often (and the last step's)
 
@@ -86,7 +85,7 @@ def train_pattern(
         int, typer.Option("--checkpoint-every", metavar="N", help="Steps between checkpoints of the training.")
     ] = D.TRAIN_CHECKPOINT_EVERY,
     resume: Annotated[
-        bool, typer.Option("--resume", help=f"Continue the training whose {CHECKPOINT_FILE} is in --out (same "
+        bool, typer.Option("--resume", help="Continue the training whose train_checkpoint.npz is in --out (same "
                            "settings).")
     ] = False,
     block_mib: Annotated[
@@ -111,16 +110,16 @@ def train_pattern(
     settings.check()
     limits.check_whole("--checkpoint-every", checkpoint_every, 1, tp.MAX_STEPS, tp.DEFAULT_CHECKPOINT_EVERY)
     io.check_out_dir(out)
-    check_apart(out, {"--haystack": haystack})
+    io.check_inputs_apart(out, {"--haystack": haystack})
     text, name = keys.read_haystack(haystack)
     hold_out(out, "train-pattern")
-    path = Path(out) / CHECKPOINT_FILE
+    path = Path(out) / io.TRAINED_CHECKPOINT_FILE
     if path.exists() and not path.is_file():
         raise AttnprobeError(f"{path} is not a file: move it away, then run again")
     if path.is_file() and not resume:
         raise AttnprobeError(f"{path} holds a stopped training: add --resume to continue it, or delete it to start "
                              "again")
-    checkpointing = tp.Checkpointing(save=lambda state: io.write_files(out, {CHECKPOINT_FILE: io.npz_writer(
+    checkpointing = tp.Checkpointing(save=lambda state: io.write_files(out, {io.TRAINED_CHECKPOINT_FILE: io.npz_writer(
         **state.to_arrays())}), every=checkpoint_every, resume_from=read_checkpoint(path) if resume else None)
     threads_used = apply_threads(threads)
     loaded = load(model, device.value, dtype.value)
@@ -141,7 +140,7 @@ def train_pattern(
              tp.FIGURE_FILE: io.figure_writer(tp.training_figure(result, title))}
     # train_pattern.json last, with the sha256 of the files beside it (export refuses a gates.csv of another run)
     record = (tp.RUN_FILE, lambda hashes: io.json_writer({**result.run, io.RUN_FILES_KEY: hashes}))
-    written = io.write_files(out, files, remove=[CHECKPOINT_FILE], last=record)
+    written = io.write_files(out, files, remove=[io.TRAINED_CHECKPOINT_FILE], last=record)
     io.remove_stale_temps(out, started, keep=(haystack, model))
     for note in result.run["notes"]:
         err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
@@ -150,21 +149,6 @@ def train_pattern(
                           f"{100 * summary['below_half']:.0f}% below 0.5 (streaming); last distillation loss "
                           f"{summary['distill_loss_last']:.3g}", markup=False, highlight=False)
     out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
-
-
-def check_apart(out: Path, inputs: dict[str, Path | None]) -> None:
-    """Refuse an input that is one of the files this command writes in --out."""
-    from attnprobe import trainpattern as tp
-
-    names = {*tp.TRAIN_FILES, CHECKPOINT_FILE}
-    for option, given in inputs.items():
-        if given is None or not Path(given).exists():
-            continue
-        for where in {Path(out).absolute(), Path(out).resolve()}:
-            for path in {Path(given).absolute(), Path(given).resolve()}:
-                if path.parent == where and path.name in names:
-                    raise AttnprobeError(f"{option} {given} would be overwritten: it is in --out {out} under the name "
-                                         "of a result file; move it, or pass another --out")
 
 
 def read_checkpoint(path: Path):

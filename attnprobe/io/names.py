@@ -46,6 +46,12 @@ RETRIEVAL_RUN_FILE = "retrieval.json"  # retrieval: provenance, settings, every 
 STREAMING_FILE = "streaming.csv"  # ablate --method streaming: the chosen heads and the curve over shares streaming
 STREAMING_RUN_FILE = "streaming.json"  # ablate --method streaming: provenance, settings, the chosen heads' result
 STREAMING_FIGURE = "streaming.png"
+TRAINED_GATES_FILE = "gates.csv"  # train-pattern: layer, kv_head, gate, trained (what `attnprobe export` reads)
+TRAINED_LOG_FILE = "training.csv"  # train-pattern: per step, the loss and the gates
+TRAINED_FIGURE = "training.png"
+TRAINED_RUN_FILE = "train_pattern.json"  # train-pattern: its record (settings, model, versions, the files' sha256)
+TRAINED_CHECKPOINT_FILE = "train_checkpoint.npz"  # train-pattern's (never analyze's checkpoint.npz)
+TRAINED_FILES = (TRAINED_GATES_FILE, TRAINED_LOG_FILE, TRAINED_FIGURE, TRAINED_RUN_FILE, TRAINED_CHECKPOINT_FILE)
 # `plot`'s figures, in any of FIGURE_FORMATS (importance.png is ablate's, drawn from importance.csv alone)
 PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "head_patterns_selected", "position_profile",
                 "importance_vs_type", "head_similarity", "head_map")
@@ -99,7 +105,8 @@ def is_result_name(name: str) -> bool:
              PROBE_FILE, PROBE_RUN_FILE, PROBE_FIGURE, POSITIONS_FILE, SENTENCES_FILE, KV_CACHE_FILE, RESAMPLES_FILE,
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
              IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE, RETRIEVAL_FILE,
-             RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE, STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE}
+             RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE, STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE,
+             *TRAINED_FILES}
     fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,
