@@ -153,21 +153,12 @@ def train_pattern(
 
 def read_checkpoint(path: Path):
     """The stopped training's state in `path`, checked (trainpattern.State.from_arrays)."""
-    import zipfile
-
-    import numpy as np
-
+    from attnprobe import io
     from attnprobe.trainpattern import State
 
     if not path.is_file():
         raise AttnprobeError(f"no {path.name} in {path.parent}: nothing to resume; run without --resume")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return State.from_arrays({key: data[key] for key in data.files}, str(path))
-    except (OSError, EOFError, KeyError, ValueError, RecursionError, AttributeError, zipfile.BadZipFile) as err:
-        reason = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
-        raise AttnprobeError(f"{path} is unreadable or damaged ({reason}): delete it and run without --resume") \
-            from None
+    return io.read_state(path, State.from_arrays)
 
 
 def peak_memory_mib(loaded) -> dict[str, float | None]:

@@ -84,6 +84,7 @@ from attnprobe.io.reading import (
     read_run,
     read_sentences,
     read_similarity,
+    read_state,
     read_table,
 )
 from attnprobe.io.records import (
@@ -221,6 +222,7 @@ __all__ = [
     "read_run",
     "read_sentences",
     "read_similarity",
+    "read_state",
     "read_table",
     "readable_record",
     "recorded_files",

@@ -256,6 +256,12 @@ def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
             raise AttnprobeError(f"no {name} in {out}, but {', '.join(others)}: resume with as many processes as "
                                  "the stopped run (checkpoint.npz: one; checkpoint-rankR-of-N.npz: torchrun N)")
         raise AttnprobeError(f"no {name} in {out}: nothing to resume; run without --resume")
+    return read_state(path, State.from_arrays)
+
+
+def read_state(path: Path, from_arrays: Any) -> Any:
+    """A checkpoint's state from the .npz at `path`, through `from_arrays(arrays, where)` (which checks every
+    field); an unreadable or damaged file is one line (analyze's checkpoint and train-pattern's)."""
     import zipfile
 
     try:
@@ -263,8 +269,8 @@ def read_checkpoint(out: str | Path, name: str = CHECKPOINT_FILE) -> Any:
         if not isinstance(data, np.lib.npyio.NpzFile):
             raise ValueError("not an .npz archive")
         with data:
-            return State.from_arrays({key: data[key] for key in data.files}, str(path))
-    except (OSError, EOFError, KeyError, ValueError, RecursionError, zipfile.BadZipFile) as err:
+            return from_arrays({key: data[key] for key in data.files}, str(path))
+    except (OSError, EOFError, KeyError, ValueError, RecursionError, AttributeError, zipfile.BadZipFile) as err:
         reason = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
         raise AttnprobeError(f"{path} is unreadable or damaged ({reason}): delete it and run without --resume") \
             from err
