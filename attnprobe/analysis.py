@@ -280,7 +280,8 @@ def measure(
 
     def save(done: int) -> None:
         maps = example_maps.cpu().numpy()
-        checkpointing.save(State(fingerprint or {}, done, totals.state(), None if np.isnan(maps).all() else maps))
+        checkpointing.save(State(fingerprint or {}, done, totals.state(), None if np.isnan(maps).all() else maps,
+                                 threads=torch.get_num_threads()))
         checkpointing.last_saved = time.monotonic()
 
     def run(batch: list[int], sentences: list[Sentence], tokens: Tokens) -> None:

@@ -61,6 +61,7 @@ class State:
     # the token ids whose rows the TOKEN_SUMS sums hold ([met], increasing); None: those sums are whole [vocab, ...]
     # (the live accumulator's, or an older checkpoint that saved them whole)
     token_rows: np.ndarray | None = None
+    threads: int = 0  # the torch threads the run used (threads.resumed_threads); 0: not recorded (an older one)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The arrays of checkpoint.npz: every sum, the TOKEN_SUMS ones as the rows of the token ids met."""
@@ -71,7 +72,8 @@ class State:
                 rows = met_ids(self.sums)  # [met]
                 arrays.update({f"sum:{key}": value for key, value in met_rows(self.sums, rows).items()})
             arrays[TOKEN_ROWS] = rows.astype(np.int64)
-        arrays["meta"] = np.array(json.dumps({"fingerprint": self.fingerprint, "batches_done": self.batches_done}))
+        arrays["meta"] = np.array(json.dumps({"fingerprint": self.fingerprint, "batches_done": self.batches_done,
+                                              "threads": self.threads}))
         if self.example_maps is not None:
             arrays["example_maps"] = self.example_maps
         return arrays
@@ -92,6 +94,9 @@ class State:
         done = meta.get("batches_done")
         if not isinstance(done, int) or isinstance(done, bool) or done < 1:
             raise ValueError(f"batches_done = {plain(done)} is not a whole number of at least 1")
+        threads = meta.get("threads", 0)
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+            raise ValueError(f"threads = {plain(threads)} is not a whole number of threads")
         sums = {key[4:]: value for key, value in arrays.items() if key.startswith("sum:")}
         if not sums:
             raise ValueError("it holds no sums")
@@ -107,7 +112,8 @@ class State:
         unknown = sorted(set(arrays) - {"meta", "example_maps", TOKEN_ROWS} - {f"sum:{key}" for key in sums})
         if unknown:
             raise ValueError(f"it holds an unknown array {unknown[0]}")
-        return cls(meta["fingerprint"], done, sums, maps, path, None if rows is None else rows.astype(np.int64))
+        return cls(meta["fingerprint"], done, sums, maps, path, None if rows is None else rows.astype(np.int64),
+                   threads)
 
     @property
     def where(self) -> str:

@@ -137,28 +137,61 @@ def limit_numpy_threads() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-def apply(requested: int | str = AUTO) -> dict[str, Any]:
-    """Set torch's intra-op (and, where still possible, inter-op) threads; what was chosen, for run.json."""
+def apply(requested: int | str = AUTO, resumed: int = 0) -> dict[str, Any]:
+    """Set torch's intra-op (and, where still possible, inter-op) threads; what was chosen, for run.json.
+    `resumed`: the threads of the stopped run a checkpoint continues (0: none), which `auto` keeps
+    (`resumed_threads`; the record then says `resumed`)."""
     import torch
 
     requested = parse(requested)
+    chosen = resumed_threads(requested, resumed)
     if not _cores:
         _cores.append(torch.get_num_threads())
     busy, source = (None, None)
-    if requested == AUTO:
+    if chosen == AUTO:
         busy, source = busy_now(), f"{PROC_STAT} over {SAMPLE_SECONDS} s"
         if busy is None:
             busy, source = load(), "load average"
-    threads = auto(_cores[0], cpus(), busy) if requested == AUTO else requested
+    threads = auto(_cores[0], cpus(), busy) if chosen == AUTO else chosen
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(threads)  # allowed once, before any inter-op work
     except RuntimeError:
         pass
-    return {"requested": requested, "threads": torch.get_num_threads(),
-            "interop_threads": torch.get_num_interop_threads(), "cpus": cpus(),
-            "busy_cpus": _rounded(busy),
-            "busy_from": source if busy is not None else None, "load_average": _rounded(load())}
+    record = {"requested": requested, "threads": torch.get_num_threads(),
+              "interop_threads": torch.get_num_interop_threads(), "cpus": cpus(),
+              "busy_cpus": _rounded(busy),
+              "busy_from": source if busy is not None else None, "load_average": _rounded(load())}
+    if chosen != requested:
+        record["resumed"] = chosen  # auto kept the stopped run's threads
+    return record
+
+
+def resumed_threads(requested: int | str, recorded: int) -> int | str:
+    """The threads a resumed run uses: under `auto`, the `recorded` threads of the run it continues (when this
+    machine allows that many), since float32 sums round with the thread count and only the same count resumes to an
+    uninterrupted run's results byte for byte; else `requested`. `recorded` 0: not known (an older checkpoint)."""
+    requested = parse(requested)
+    if requested != AUTO or recorded < 1:
+        return requested
+    try:
+        return parse(recorded)
+    except AttnprobeError:  # more than this machine takes: auto as for a new run
+        return AUTO
+
+
+def resume_note(requested: int | str, recorded: int) -> str | None:
+    """What a resumed run says when it will not run at the stopped run's `recorded` threads; None where it will."""
+    chosen = resumed_threads(requested, recorded)
+    if recorded < 1 or chosen == recorded:
+        return None
+    rounding = ("float32 sums round with the thread count, so the results equal an uninterrupted run's only to "
+                "rounding, not byte for byte")
+    if chosen == AUTO:
+        return (f"the stopped run used {recorded} threads, more than this machine takes "
+                f"({4 * (os.cpu_count() or 1)} at most), and this one --threads auto: {rounding}")
+    return (f"the stopped run used {recorded} thread{'s' if recorded != 1 else ''} and this one --threads {chosen}: "
+            f"{rounding} (resume with --threads {recorded} or auto for that)")
 
 
 def _rounded(value: float | None) -> float | None:

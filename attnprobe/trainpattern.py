@@ -331,9 +331,11 @@ class State:
     exp_avg_sq: np.ndarray  # and its second
     rows: np.ndarray  # [done, LOG_COLUMNS] float64: training.csv's rows so far
     path: str | None = None
+    threads: int = 0  # the torch threads the run used (threads.resumed_threads); 0: not recorded
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        meta = json.dumps({"fingerprint": self.fingerprint, "done": self.done, "command": COMMAND})
+        meta = json.dumps({"fingerprint": self.fingerprint, "done": self.done, "command": COMMAND,
+                           "threads": self.threads})
         return {"meta": np.array(meta), "gates": self.gates, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
                 "rows": self.rows}
 
@@ -357,6 +359,9 @@ class State:
         done = meta.get("done")
         if not isinstance(done, int) or isinstance(done, bool) or done < 1:
             raise ValueError(f"done = {plain(done)} is not a whole number of steps of at least 1")
+        threads = meta.get("threads", 0)
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+            raise ValueError(f"threads = {plain(threads)} is not a whole number of threads")
         gates = arrays["gates"]
         for name in ("gates", "exp_avg", "exp_avg_sq"):
             value = arrays[name]
@@ -368,7 +373,7 @@ class State:
         rows = arrays["rows"]
         if rows.dtype != np.float64 or rows.shape != (done, len(LOG_COLUMNS)) or not np.isfinite(rows).all():
             raise ValueError(f"its training rows are not {done} rows of {len(LOG_COLUMNS)} finite numbers")
-        return cls(meta["fingerprint"], done, gates, arrays["exp_avg"], arrays["exp_avg_sq"], rows, path)
+        return cls(meta["fingerprint"], done, gates, arrays["exp_avg"], arrays["exp_avg_sq"], rows, path, threads)
 
 
 LOG_COLUMNS = ("step", "length", "distill_loss", "penalty", "loss", "mean_gate", "below_half", "lr")
@@ -564,7 +569,8 @@ def snapshot(finger: dict[str, Any], done: int, gates: nn.Parameter, optimizer: 
         return state[name].detach().cpu().numpy().astype(np.float32) if name in state else zeros
 
     return State(finger, done, gates.detach().cpu().numpy().astype(np.float32), moment("exp_avg"),
-                 moment("exp_avg_sq"), np.asarray(log, dtype=np.float64).reshape(done, len(LOG_COLUMNS)))
+                 moment("exp_avg_sq"), np.asarray(log, dtype=np.float64).reshape(done, len(LOG_COLUMNS)),
+                 threads=torch.get_num_threads())
 
 
 def restore(state: State, gates: nn.Parameter, optimizer: torch.optim.Optimizer, steps: int) -> int:

@@ -359,3 +359,44 @@ def test_checkpoints_of_other_batchings_resume_to_the_uninterrupted_results(gpt2
         assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     if sentences < 5:
         assert json.loads((out / "run.json").read_text(encoding="utf-8"))["bootstrap"]["method"] == "block"
+
+
+# ---- the threads the stopped run used ------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_records_its_threads_and_auto_resumes_at_them(gpt2_dir, corpus, stopped, tmp_path):
+    assert meta(arrays(stopped["late"]))["threads"] >= 1  # torch's threads while it ran
+    out = tampered(stopped, tmp_path, lambda f: set_meta(f, threads=1))
+    result = analyze(gpt2_dir, corpus, out, "--resume", "--threads", "auto")
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "run.json").read_text())["threads"]
+    assert record["requested"] == "auto" and record["resumed"] == 1 and record["threads"] == 1
+    assert "Note:" not in result.stderr
+
+
+def test_resuming_at_other_threads_runs_and_says_what_it_costs(gpt2_dir, corpus, stopped, tmp_path):
+    out = tampered(stopped, tmp_path, lambda f: set_meta(f, threads=2))
+    result = analyze(gpt2_dir, corpus, out, "--resume", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    assert "the stopped run used 2 threads and this one --threads 1" in result.stderr
+    assert "not byte for byte" in result.stderr and "resume with --threads 2 or auto" in result.stderr
+    record = json.loads((out / "run.json").read_text())["threads"]
+    assert record["threads"] == 1 and "resumed" not in record
+
+
+def test_a_checkpoint_without_threads_resumes_as_a_new_run_chooses(gpt2_dir, corpus, stopped, whole, tmp_path):
+    def older(fields):  # an attnprobe before the field: no threads in meta
+        record = meta(fields)
+        del record["threads"]
+        fields["meta"] = np.array(json.dumps(record))
+
+    out = tampered(stopped, tmp_path, older)
+    result = analyze(gpt2_dir, corpus, out, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "resumed" not in json.loads((out / "run.json").read_text())["threads"]
+
+
+@pytest.mark.parametrize(("value", "shown"), [(-1, "-1"), ("two", "two"), (True, "True"), (1.5, "1.5")])
+def test_a_threads_record_that_is_not_a_count_is_refused(gpt2_dir, corpus, stopped, tmp_path, value, shown):
+    out = tampered(stopped, tmp_path, lambda f: set_meta(f, threads=value))
+    assert_refused(gpt2_dir, corpus, out, f"threads = {shown} is not a whole number of threads", "damaged")

@@ -56,6 +56,28 @@ def test_apply_sets_torch_and_reports_it():
     assert auto["requested"] == "auto" and 1 <= auto["threads"] == torch.get_num_threads()
 
 
+@pytest.mark.parametrize(("requested", "recorded", "chosen"), [
+    ("auto", 1, 1),  # auto keeps the stopped run's threads
+    ("auto", 0, "auto"),  # not recorded (an older checkpoint): auto as for a new run
+    (2, 1, 2),  # a count asked for is a count used
+    (1, 1, 1),
+    ("auto", 10_000, "auto"),  # more than this machine takes: auto
+])
+def test_a_resumed_run_keeps_the_stopped_runs_threads_under_auto(requested, recorded, chosen):
+    assert threads.resumed_threads(requested, recorded) == chosen
+    note = threads.resume_note(requested, recorded)
+    assert (note is None) == (recorded == 0 or chosen == recorded)
+    if note:
+        assert f"the stopped run used {recorded} thread" in note and "not byte for byte" in note
+
+
+def test_apply_under_auto_with_a_resumed_count_uses_it_and_says_so():
+    used = threads.apply("auto", resumed=1)
+    assert torch.get_num_threads() == 1
+    assert used["requested"] == "auto" and used["threads"] == 1 and used["resumed"] == 1
+    assert "resumed" not in threads.apply(1, resumed=2)  # a count asked for wins; the command says what it costs
+
+
 @pytest.mark.parametrize("command", sorted(MODEL_COMMANDS))
 @pytest.mark.parametrize(("value", "words"), [("0", "below 1"), ("-1", "below 1"), ("many", "not a whole number")])
 def test_a_bad_thread_count_is_one_usage_line(capsys, monkeypatch, tmp_path, command, value, words):

@@ -307,7 +307,9 @@ def test_a_stopped_run_resumes_to_identical_results(models):
     with pytest.raises(tp.Stopped, match="stopped after 3 of 6 steps"):
         tp.train_pattern_loaded(loaded, HAYSTACK, settings, checkpointing=stopping)
     assert [s.done for s in saved] == [2, 3]
+    assert saved[-1].threads == torch.get_num_threads()  # the threads it ran with, for a resume under auto
     state = tp.State.from_arrays(saved[-1].to_arrays())  # through the file's arrays
+    assert state.threads == saved[-1].threads
     resumed = tp.train_pattern_loaded(loaded, HAYSTACK, settings,
                                       checkpointing=tp.Checkpointing(save=saved.append, resume_from=state))
     pd.testing.assert_frame_equal(resumed.gates, whole.gates, check_exact=True)
@@ -318,10 +320,11 @@ def test_a_stopped_run_resumes_to_identical_results(models):
                                                                                          resume_from=state))
 
 
-def start(model, haystack, out, *extra):
+def start(model, haystack, out, *extra, threads="1"):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    small = [*SMALL[:-1], threads]  # SMALL ends with --threads 1
     return subprocess.Popen([sys.executable, "-m", "attnprobe", "train-pattern", "--model", str(model), "--haystack",
-                             str(haystack), "--out", str(out), *SMALL, *extra],
+                             str(haystack), "--out", str(out), *small, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -339,12 +342,15 @@ def test_a_killed_process_resumes_to_identical_files(llama_dir, haystack, tmp_pa
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert not (out / tp.GATES_FILE).exists() and (out / io.TRAINED_CHECKPOINT_FILE).exists()
-    resumed = start(llama_dir, haystack, out, *steps, "--checkpoint-every", "1", "--resume")
+    # resumed under --threads auto, which keeps the stopped run's 1 thread whatever the machine's load says now
+    resumed = start(llama_dir, haystack, out, *steps, "--checkpoint-every", "1", "--resume", threads="auto")
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
     assert not (out / io.TRAINED_CHECKPOINT_FILE).exists()  # the run is complete
     for name in (tp.GATES_FILE, tp.LOG_FILE):
         assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
-    assert json.loads((out / tp.RUN_FILE).read_text())["resumed_at_step"] >= 1
+    record = json.loads((out / tp.RUN_FILE).read_text())
+    assert record["resumed_at_step"] >= 1
+    assert record["threads"]["requested"] == "auto" and record["threads"]["resumed"] == 1
 
 
 @pytest.fixture(scope="module")
@@ -537,6 +543,25 @@ def test_a_checkpoint_with_a_row_that_is_not_a_number_is_refused():
         state = tp.State({"model": "m"}, 2, gates, np.zeros_like(gates), np.zeros_like(gates), damaged)
         with pytest.raises(ValueError, match="training rows"):
             tp.State.from_arrays(state.to_arrays())
+
+
+@pytest.mark.parametrize(("value", "fine"), [(3, True), (None, True), (-1, False), (True, False), ("2", False)])
+def test_a_checkpoint_threads_record_is_a_count_or_absent(value, fine):
+    """threads: what torch ran with (0 or absent: not recorded); anything else is a damaged checkpoint."""
+    gates = np.full((2, 2), 0.5, dtype=np.float32)
+    rows = np.array([[1, 80, 0.0, 0.05, 0.05, 0.99, 0.0, 0.004]])
+    arrays = tp.State({"model": "m"}, 1, gates, np.zeros_like(gates), np.zeros_like(gates), rows).to_arrays()
+    record = json.loads(str(arrays["meta"]))
+    if value is None:
+        del record["threads"]
+    else:
+        record["threads"] = value
+    arrays["meta"] = np.array(json.dumps(record))
+    if fine:
+        assert tp.State.from_arrays(arrays).threads == (value or 0)
+    else:
+        with pytest.raises(ValueError, match="is not a whole number of threads"):
+            tp.State.from_arrays(arrays)
 
 
 def test_export_refuses_gates_whose_record_lost_its_hashes(trained_dir, tmp_path):

@@ -23,6 +23,7 @@ from attnprobe.commands.common import (
     loading,
     out_console,
     release_offload,
+    resume_threads,
     set_bos,
     stop_requests,
 )
@@ -47,7 +48,6 @@ from attnprobe.commands.options import (
 from attnprobe.errors import AttnprobeError
 from attnprobe.help_panels import in_panel, panel_command
 from attnprobe.naming import counted, sequence_noun, visible
-from attnprobe.threads import apply as apply_threads
 
 
 class AttentionChoice(str, Enum):
@@ -196,7 +196,7 @@ def analyze(
         save=lambda state: io.write_files(out, {saved: io.npz_writer(**state.to_arrays())}),
         resume_from=io.read_checkpoint(out, saved) if resume else None, every_seconds=checkpoint_every,
     )
-    threads_used = apply_threads(threads)
+    threads_used = resume_threads(threads, checkpointing.resume_from, say=world.is_main)
     with loading(model, world.is_main) as on_status:
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
                             device_map=device_map, max_memory=parse_max_memory(max_memory), on_status=on_status)

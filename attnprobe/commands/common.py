@@ -177,6 +177,19 @@ def hold_out(out: Path, command: str = "analyze") -> None:
     AT_END.append(lock.take(out, command).release)
 
 
+def resume_threads(threads: str, state, say: bool = True) -> dict:
+    """Apply --threads for a run that continues checkpoint `state` (None: a new run): under `auto` the stopped run's
+    own threads, so that it resumes byte for byte; another count runs as asked, with a note that says what it
+    costs. The threads record for run.json."""
+    from attnprobe import threads as torch_threads
+
+    recorded = state.threads if state is not None else 0
+    note = torch_threads.resume_note(threads, recorded)
+    if note and say:
+        err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
+    return torch_threads.apply(threads, recorded)
+
+
 @contextmanager
 def stop_requests():
     """Ctrl-C or SIGTERM asks the run to stop after its current batch (and save a checkpoint); a second

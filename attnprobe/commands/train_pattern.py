@@ -21,6 +21,7 @@ from attnprobe.commands.common import (
     load,
     number_list,
     out_console,
+    resume_threads,
     set_bos,
     stop_requests,
 )
@@ -37,7 +38,6 @@ from attnprobe.commands.options import (
     folder,
 )
 from attnprobe.errors import AttnprobeError
-from attnprobe.threads import apply as apply_threads
 
 TRAIN_OUT = DEFAULT_OUT / "train-pattern"
 LOG_EVERY_SECONDS = 10.0  # off a terminal: a progress line at most this often (and the last step's)
@@ -121,7 +121,7 @@ def train_pattern(
                              "again")
     checkpointing = tp.Checkpointing(save=lambda state: io.write_files(out, {io.TRAINED_CHECKPOINT_FILE: io.npz_writer(
         **state.to_arrays())}), every=checkpoint_every, resume_from=read_checkpoint(path) if resume else None)
-    threads_used = apply_threads(threads)
+    threads_used = resume_threads(threads, checkpointing.resume_from)
     loaded = load(model, device.value, dtype.value)
     set_bos(loaded, bos.value)
     try:
