@@ -34,7 +34,16 @@ from attnprobe.metrics import (
 from attnprobe.model import LoadedModel, as_loaded, stream_attention
 from attnprobe.planning import Options, Plan, check_options
 from attnprobe.records import bootstrap_record, model_weights, run_fingerprint, run_info
-from attnprobe.resume import Checkpointing, Expected, State, Stopped, check_example_maps, check_fingerprint
+from attnprobe.resume import (
+    Checkpointing,
+    Expected,
+    State,
+    Stopped,
+    check_example_maps,
+    check_fingerprint,
+    check_other_maps,
+    check_others_done,
+)
 from attnprobe.scores import OUTPUT_NORM
 from attnprobe.tables import add_intervals, few_sentences_note, summarize_layers, tidy
 from attnprobe.tokens import token_labels
@@ -271,17 +280,22 @@ def measure(
         totals.restore(state.sums, state.token_rows)  # the top-token rows met only: they stay sparse
         if state.example_maps is not None and state.example_maps.shape == tuple(example_maps.shape):
             example_maps = torch.from_numpy(state.example_maps).to(loaded.device)
+        check_resumed_others(loaded, state, scanned, shape, others)
+        other_maps = {index: torch.from_numpy(maps).to(loaded.device) for index, maps in state.other_maps.items()}
     example_done = False  # whether the example's batch is among those the checkpoint holds
+    others_done: set[int] = set()  # the other examples whose batches the checkpoint holds
 
     def reached_start() -> None:
         """At the last batch the checkpoint holds: its example maps must be there exactly when that batch was."""
         if state is not None and number == start:
             check_resumed_example(loaded, state, example_done, scanned, tuple(example_maps.shape))
+            check_others_done(state, others_done)
 
     def save(done: int) -> None:
         maps = example_maps.cpu().numpy()
         checkpointing.save(State(fingerprint or {}, done, totals.state(), None if np.isnan(maps).all() else maps,
-                                 threads=torch.get_num_threads()))
+                                 threads=torch.get_num_threads(),
+                                 other_maps={index: m.cpu().numpy() for index, m in other_maps.items()}))
         checkpointing.last_saved = time.monotonic()
 
     def run(batch: list[int], sentences: list[Sentence], tokens: Tokens) -> None:
@@ -332,6 +346,8 @@ def measure(
                 number += count
                 example_done |= first <= scanned.example_index < first + len(window) \
                     and scanned.example_index % world.size == world.rank
+                others_done.update(index for index in others if first <= index < first + len(window)
+                                   and index % world.size == world.rank)
                 reached_start()
                 if progress:
                     progress(len(mine) * world.size)
@@ -349,6 +365,7 @@ def measure(
                     run(batch, [window[mine[k]] for k in local], tokens.take(local))
                 else:  # done before the checkpoint
                     example_done |= scanned.example_index in batch
+                    others_done.update(index for index in batch if index in others)
                     reached_start()
                     if progress:
                         progress(len(local) * world.size)
@@ -588,6 +605,18 @@ def resume_expected(state: State, scanned: Scan, batch_size: int, world: distrib
     sizes, reached = batching.batch_sizes(scanned.sentences, batch_size, world, state.batches_done)
     return Expected(batches=total, sentences=sum(sizes), pending=pending_after(sizes, shape.method),
                     corpus=scanned.sentences, reached=reached, rank=world.rank, size=world.size)
+
+
+def check_resumed_others(loaded: LoadedModel, state: State, scanned: Scan, shape: Shape,
+                         others: dict[int, int]) -> None:
+    """The checkpoint's maps of the other examples (`others`: corpus index -> tokens kept, rank 0's): the shape this
+    run gives each, and attention maps (as check_resumed_example's)."""
+    dtype = getattr(torch, str(loaded.dtype), torch.float32)
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    sinks = any(f.sinks for f in kernel.discover(loaded).features)
+    lengths = {index: len(ids) for index, _, ids in scanned.others}
+    check_other_maps(state, {index: (shape.layers, shape.heads, m, m) for index, m in others.items()}, eps,
+                     {index: (loaded.causal or lengths[index] <= m) and not sinks for index, m in others.items()})
 
 
 def check_resumed_example(loaded: LoadedModel, state: State, done: bool, scanned: Scan, shape: tuple[int, ...]) -> None:

@@ -1,6 +1,7 @@
 """Checkpoints of a long `analyze` run, and resuming from one (pure: attnprobe.io writes and reads the file).
 
-A checkpoint holds the accumulator's sums, how many batches were done, the example maps, and a
+A checkpoint holds the accumulator's sums, how many batches were done, the example maps (the plot's example
+and the other examples captured from their batches), the torch threads it ran with, and a
 fingerprint of everything that decides the results (model, tokenizer, corpus hash, batch size, resamples,
 seed, attention options, dtype). Batches run in a fixed order and the sums are added in that order,
 so a resumed run gives results identical to an uninterrupted one. A checkpoint whose fingerprint
@@ -39,6 +40,10 @@ SCALARS = (str, int, float, bool, type(None))  # what a fingerprint's values are
 # ids the run has met (those tokcount counts, met_ids), with their ids in TOKEN_ROWS, so it grows with the corpus's
 # vocabulary, not the model's
 TOKEN_ROWS = "tokrows"
+# the other example sentences' maps captured from their batches (analysis.more_examples), one array per sentence:
+# "example_maps:<corpus index>"; without them a resumed run would measure those sentences alone, which rounds
+# differently from their batch (examples.npz would differ from an uninterrupted run's in the last bits)
+OTHER_MAPS = "example_maps:"
 
 
 def met_ids(sums: dict[str, np.ndarray]) -> np.ndarray:
@@ -62,6 +67,7 @@ class State:
     # (the live accumulator's, or an older checkpoint that saved them whole)
     token_rows: np.ndarray | None = None
     threads: int = 0  # the torch threads the run used (threads.resumed_threads); 0: not recorded (an older one)
+    other_maps: dict[int, np.ndarray] = field(default_factory=dict)  # corpus index -> [layer, head, query, key]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The arrays of checkpoint.npz: every sum, the TOKEN_SUMS ones as the rows of the token ids met."""
@@ -76,6 +82,7 @@ class State:
                                               "threads": self.threads}))
         if self.example_maps is not None:
             arrays["example_maps"] = self.example_maps
+        arrays.update({f"{OTHER_MAPS}{index}": maps for index, maps in sorted(self.other_maps.items())})
         return arrays
 
     @classmethod
@@ -109,11 +116,17 @@ class State:
         rows = arrays.get(TOKEN_ROWS)
         if rows is not None and (rows.dtype.kind not in "iu" or rows.ndim != 1):
             raise ValueError(f"{TOKEN_ROWS} is not a list of token ids")
-        unknown = sorted(set(arrays) - {"meta", "example_maps", TOKEN_ROWS} - {f"sum:{key}" for key in sums})
+        others = {int(key[len(OTHER_MAPS):]): value for key, value in arrays.items()
+                  if key.startswith(OTHER_MAPS) and key[len(OTHER_MAPS):].isdigit() and key[len(OTHER_MAPS):].isascii()}
+        for index, value in others.items():
+            if value.dtype.kind != "f" or value.ndim != 4:
+                raise ValueError(f"{OTHER_MAPS}{index} is not a [layer, head, query, key] array of numbers")
+        unknown = sorted(set(arrays) - {"meta", "example_maps", TOKEN_ROWS} - {f"sum:{key}" for key in sums}
+                         - {f"{OTHER_MAPS}{index}" for index in others})
         if unknown:
             raise ValueError(f"it holds an unknown array {unknown[0]}")
         return cls(meta["fingerprint"], done, sums, maps, path, None if rows is None else rows.astype(np.int64),
-                   threads)
+                   threads, others)
 
     @property
     def where(self) -> str:
@@ -321,6 +334,33 @@ def check_example_maps(state: State, done: bool, shape: tuple[int, ...], eps: fl
     if fault is not None:
         raise state.refuse(f"a row of example_maps sums to {_first(fault.bad, fault.values)}, not to 1 (within "
                            f"{tolerance:.1g})")
+
+
+def check_other_maps(state: State, shapes: dict[int, tuple[int, ...]], eps: float, whole_rows: dict[int, bool]) -> None:
+    """The other example sentences' maps: each of a sentence the run keeps maps of (`shapes`: corpus index -> the
+    [layer, head, query, key] shape of its maps), of that shape, and attention maps (check_example_maps' rules)."""
+    for index, maps in sorted(state.other_maps.items()):
+        name = f"{OTHER_MAPS}{index}"
+        if index not in shapes:
+            raise state.refuse(f"it holds {name}, but corpus sentence {index} is not one of the examples this "
+                               "process keeps")
+        if maps.shape != shapes[index]:
+            raise state.refuse(f"{name} has shape {plain(maps.shape)}, this run {plain(shapes[index])}")
+        tolerance = row_tolerance(eps, maps.shape[-1])
+        fault = map_fault(maps.astype(np.float64), 0.0, tolerance, whole_rows[index])  # rows summed in float64
+        if fault is not None and not fault.in_rows:
+            raise state.refuse(f"{name} holds {_first(fault.bad, maps)}, not a probability in [0, 1]")
+        if fault is not None:
+            raise state.refuse(f"a row of {name} sums to {_first(fault.bad, fault.values)}, not to 1 (within "
+                               f"{tolerance:.1g})")
+
+
+def check_others_done(state: State, done: set[int]) -> None:
+    """The other examples' maps are of sentences whose batches are among those done (`done`: their corpus indices)."""
+    early = sorted(set(state.other_maps) - done)
+    if early:
+        raise state.refuse(f"it holds {OTHER_MAPS}{early[0]}, but batches_done = {state.batches_done} does not reach "
+                           f"corpus sentence {early[0]}'s batch")
 
 
 @dataclass

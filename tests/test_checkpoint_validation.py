@@ -15,6 +15,7 @@ from test_cli import assert_one_line_error, run
 from attnprobe import io
 from attnprobe.commands import analyze as analyze_command
 from attnprobe.errors import AttnprobeError
+from attnprobe.resume import OTHER_MAPS
 
 BATCHES = 12  # 24 sentences in batches of 2
 
@@ -400,3 +401,78 @@ def test_a_checkpoint_without_threads_resumes_as_a_new_run_chooses(gpt2_dir, cor
 def test_a_threads_record_that_is_not_a_count_is_refused(gpt2_dir, corpus, stopped, tmp_path, value, shown):
     out = tampered(stopped, tmp_path, lambda f: set_meta(f, threads=value))
     assert_refused(gpt2_dir, corpus, out, f"threads = {shown} is not a whole number of threads", "damaged")
+
+
+# ---- the other example sentences' maps ---------------------------------------------------------------------------
+
+
+def other_maps(fields):
+    return {key: value for key, value in fields.items() if key.startswith(OTHER_MAPS)}
+
+
+def test_the_other_examples_maps_resume_from_the_checkpoint(gpt2_dir, corpus, stopped, whole, tmp_path):
+    """The maps of the examples captured before the stop come back from the checkpoint (measured alone instead, they
+    round differently from their batch): a checkpoint's maps, changed to other valid maps, are what examples.npz
+    then holds; untouched, examples.npz is the uninterrupted run's byte for byte."""
+    saved = other_maps(arrays(stopped["late"]))
+    assert set(other_maps(arrays(stopped["early"]))) < set(saved)  # the late stop ran more of their batches
+    key = sorted(saved)[0]
+    index = int(key[len(OTHER_MAPS):])
+
+    def uniform(fields):  # causal rows spread evenly: attention maps still, but not the model's
+        maps = fields[key]
+        rows = np.tril(np.ones(maps.shape[-2:], dtype=maps.dtype))
+        fields[key] = np.broadcast_to(rows / rows.sum(-1, keepdims=True), maps.shape).copy()
+
+    out = tampered(stopped, tmp_path, uniform)
+    result = analyze(gpt2_dir, corpus, out, "--resume")
+    assert result.exit_code == 0, result.output
+    with np.load(out / "examples.npz") as data:
+        which = [i for i in range(int(data["count"])) if int(data[f"index_{i}"]) == index]
+        assert which, "the example is written"
+        maps = data[f"maps_{which[0]}"]
+        assert np.array_equal(maps, np.broadcast_to(maps[0, 0], maps.shape))  # the checkpoint's, not measured again
+    copy = tmp_path / "untouched"
+    shutil.copytree(stopped["late"], copy)
+    assert analyze(gpt2_dir, corpus, copy, "--resume").exit_code == 0
+    assert (copy / "examples.npz").read_bytes() == (whole / "examples.npz").read_bytes()
+
+
+def test_other_example_maps_the_run_does_not_keep_are_refused(gpt2_dir, corpus, stopped, tmp_path):
+    def stranger(fields):
+        key = sorted(other_maps(fields))[0]
+        fields[f"{OTHER_MAPS}9999"] = fields.pop(key)
+
+    out = tampered(stopped, tmp_path, stranger)
+    assert_refused(gpt2_dir, corpus, out, f"{OTHER_MAPS}9999", "not one of the examples")
+
+
+def test_other_example_maps_of_another_shape_are_refused(gpt2_dir, corpus, stopped, tmp_path):
+    def cut(fields):
+        key = sorted(other_maps(fields))[0]
+        fields[key] = fields[key][:, :, :-1, :-1].copy()
+
+    out = tampered(stopped, tmp_path, cut)
+    assert_refused(gpt2_dir, corpus, out, "has shape", "this run")
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda maps: maps.__setitem__((0, 0, 1, 0), np.nan), "not a probability"),
+    (lambda maps: maps.__imul__(np.float32(0.5)), "sums to 0.5"),
+])
+def test_other_example_maps_that_are_not_attention_are_refused(gpt2_dir, corpus, stopped, tmp_path, change, words):
+    out = tampered(stopped, tmp_path, lambda fields: change(fields[sorted(other_maps(fields))[0]]))
+    assert_refused(gpt2_dir, corpus, out, OTHER_MAPS, words)
+
+
+def test_other_example_maps_before_their_batch_ran_are_refused(gpt2_dir, corpus, stopped, tmp_path):
+    early, late = other_maps(arrays(stopped["early"])), other_maps(arrays(stopped["late"]))
+    later = {key: value for key, value in late.items() if key not in early}  # of batches the early stop had not run
+    assert later
+    out = tampered(stopped, tmp_path, lambda fields: fields.update(later), which="early")
+    assert_refused(gpt2_dir, corpus, out, "does not reach corpus sentence")
+
+
+def test_a_misnamed_other_example_array_is_refused(gpt2_dir, corpus, stopped, tmp_path):
+    out = tampered(stopped, tmp_path, lambda fields: fields.update({f"{OTHER_MAPS}x": np.zeros((1, 1, 1, 1))}))
+    assert_refused(gpt2_dir, corpus, out, f"unknown array {OTHER_MAPS}x")

@@ -114,7 +114,7 @@ def test_a_killed_torchrun_run_resumes_to_identical_results(gpt2_dir, tmp_path):
     resumed = start(out, "--resume")
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     assert not list(out.glob("checkpoint*.npz"))  # the run is complete
-    for name in ("heads.csv", "layers.csv", "positions.csv"):
+    for name in ("heads.csv", "layers.csv", "positions.csv", "examples.npz"):
         assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     one = subprocess.run([sys.executable, "-m", "attnprobe", "analyze", "--model", str(gpt2_dir), "--corpus",
                           str(corpus), "--out", str(out), "--resume"], env=env, capture_output=True, text=True)

@@ -100,7 +100,7 @@ def test_a_killed_or_interrupted_process_resumes_to_identical_results(gpt2_dir, 
     resumed = start(gpt2_dir, corpus, out, "--resume")
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     assert not (out / "checkpoint.npz").exists()  # the run is complete
-    for name in ("heads.csv", "layers.csv", "positions.csv", "top_tokens.csv"):
+    for name in ("heads.csv", "layers.csv", "positions.csv", "top_tokens.csv", "examples.npz"):
         assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
 
 
