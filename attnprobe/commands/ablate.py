@@ -18,6 +18,7 @@ from attnprobe.commands.common import (
     load,
     out_console,
     release_offload,
+    say_written,
     set_bos,
     stage_progress,
 )
@@ -198,7 +199,7 @@ def ablate(
     for note in result.run.get("notes", []):
         err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(importance_table(result.heads, result.run))
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)
 
 
 def importance_table(frame, run: dict) -> Table:

@@ -24,6 +24,7 @@ from attnprobe.commands.common import (
     out_console,
     release_offload,
     resume_threads,
+    say_written,
     set_bos,
     stop_requests,
 )
@@ -290,7 +291,7 @@ def analyze(
             "see `attnprobe analyze --help` for --attention.", markup=False, soft_wrap=True,
         )
     out_console.print(summary_table(run))
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)
 
 
 def truncation_message(run: dict) -> str:

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from attnprobe import defaults
-from attnprobe.commands.common import err_console, friendly_errors, out_console
+from attnprobe.commands.common import err_console, friendly_errors, out_console, say_written
 from attnprobe.commands.options import DEFAULT_OUT, ResultsOption
 from attnprobe.errors import AttnprobeError
 
@@ -83,7 +83,7 @@ def classify(
     out_console.print(table)
     if scheme is SchemeChoice.kv:
         out_console.print(kv_table(estimate))
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)
     if scheme is SchemeChoice.extended and not has_output_norm(heads):
         err_console.print(f"Note: {io.HEADS_FILE} has no output_norm, so no sink is told apart as dormant: run "
                           "`attnprobe analyze` again (its value-weighted scores need the model's output projection; "

@@ -177,6 +177,12 @@ def hold_out(out: Path, command: str = "analyze") -> None:
     AT_END.append(lock.take(out, command).release)
 
 
+def say_written(paths) -> None:
+    """The files a command wrote, in one line on stdout (never folded: a path split over two lines of a log cannot be
+    copied)."""
+    out_console.print(f"Wrote {', '.join(str(p) for p in paths)}", markup=False, highlight=False, soft_wrap=True)
+
+
 def resume_threads(threads: str, state, say: bool = True) -> dict:
     """Apply --threads for a run that continues checkpoint `state` (None: a new run): under `auto` the stopped run's
     own threads, so that it resumes byte for byte; another count runs as asked, with a note that says what it

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from attnprobe.commands.common import decimal, err_console, friendly_errors, interval, out_console
+from attnprobe.commands.common import decimal, err_console, friendly_errors, interval, out_console, say_written
 from attnprobe.commands.options import folder
 from attnprobe.errors import AttnprobeError
 from attnprobe.naming import visible
@@ -63,7 +63,7 @@ def compare(
         err_console.print(f"Note: {note}", markup=False, soft_wrap=True)
     print_comparison(result.info, result.types)
     written += refresh_reports(target)
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)
 
 
 def refresh_reports(target: Path) -> list[Path]:

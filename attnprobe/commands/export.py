@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from attnprobe.commands.common import friendly_errors, out_console
+from attnprobe.commands.common import friendly_errors, out_console, say_written
 from attnprobe.commands.options import DEFAULT_OUT, folder
 
 
@@ -65,5 +65,6 @@ def export(
     sizes = f"; sink {head_scores.sink}, recent {head_scores.recent} (from {head_scores.sizes_from})" \
         if format is ExportFormat.duo_attention else ""
     out_console.print(f"{model['spec']}: {model['layers']} layers x {model['kv_heads']} KV heads "
-                      f"({model['heads']} query heads) from {what}{sizes}", markup=False, highlight=False)
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+                      f"({model['heads']} query heads) from {what}{sizes}", markup=False, highlight=False,
+                      soft_wrap=True)
+    say_written(written)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from attnprobe.commands.common import err_console, friendly_errors, out_console
+from attnprobe.commands.common import err_console, friendly_errors, out_console, say_written
 from attnprobe.commands.options import DEFAULT_OUT, ResultsOption
 from attnprobe.errors import AttnprobeError
 
@@ -109,7 +109,7 @@ def plot(
     stale += [name for name in (f"{stem}.{suffix}" for stem in SIMILARITY_FIGURES) if name not in files]
     stale += [f"{stem}.{suffix}" for stem in skipped]  # an earlier run's figure would pass for this one's
     written = io.write_files(out, files, remove=stale)
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)
     if chosen is not None:
         out_console.print(f"The heads chosen with --heads are in {SELECTED_PATTERNS}.{suffix}; head_patterns.{suffix} "
                           "shows one head of each type.", markup=False, highlight=False)

@@ -15,6 +15,7 @@ from attnprobe.commands.common import (
     load,
     out_console,
     release_offload,
+    say_written,
     set_bos,
 )
 from attnprobe.commands.options import (
@@ -118,4 +119,4 @@ def probe(
             out_console.print(f"No head scores above chance on {k}: every head's 95% interval reaches down to "
                               f"{chance:.3f} or below, so these top heads are no {k} heads.", markup=False,
                               highlight=False, soft_wrap=True)
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)

@@ -17,6 +17,7 @@ from attnprobe.commands.common import (
     number_list,
     out_console,
     release_offload,
+    say_written,
     set_bos,
     stage_progress,
 )
@@ -124,4 +125,4 @@ def retrieval(
         out_console.print(table)
     for note in info["notes"]:
         err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)

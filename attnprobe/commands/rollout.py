@@ -9,7 +9,15 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from attnprobe.commands.common import check_placement, friendly_errors, load, out_console, release_offload, set_bos
+from attnprobe.commands.common import (
+    check_placement,
+    friendly_errors,
+    load,
+    out_console,
+    release_offload,
+    say_written,
+    set_bos,
+)
 from attnprobe.commands.options import (
     DEFAULT_OUT,
     BosChoice,
@@ -98,4 +106,4 @@ def rollout(
         table.add_row(Text(visible(text if len(text) <= 50 else text[:47] + "...")), str(len(result.tokens[s])),
                       f"{first_token_share(result.rollout[s][-1]):.3f}", f"{first_token_share(result.raw[s]):.3f}")
     out_console.print(table)
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)

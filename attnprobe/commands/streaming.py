@@ -16,6 +16,7 @@ from attnprobe.commands.common import (
     number_list,
     out_console,
     release_offload,
+    say_written,
     set_bos,
     stage_progress,
 )
@@ -129,7 +130,7 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
         err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     for name in run["tasks"]:
         out_console.print(streaming_table(result.curve, run, name))
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)
 
 
 def streaming_table(curve, run: dict, task: str) -> Table:

@@ -22,6 +22,7 @@ from attnprobe.commands.common import (
     number_list,
     out_console,
     resume_threads,
+    say_written,
     set_bos,
     stop_requests,
 )
@@ -148,7 +149,7 @@ def train_pattern(
     out_console.print(f"{model}: {result.run['kv_heads']} KV heads gated; mean gate {summary['mean_gate']:.3f}, "
                           f"{100 * summary['below_half']:.0f}% below 0.5 (streaming); last distillation loss "
                           f"{summary['distill_loss_last']:.3g}", markup=False, highlight=False)
-    out_console.print(f"Wrote {', '.join(str(p) for p in written)}", markup=False, highlight=False)
+    say_written(written)
 
 
 def read_checkpoint(path: Path):
