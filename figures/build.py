@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -34,10 +35,26 @@ def load_measured(path: Path = MEASURED) -> dict:
 
 def save_measured(measured: dict, path: Path = MEASURED) -> None:
     # One line per figure, by name (inside a figure, the order collect gave): a diff shows which figures changed,
-    # and figures added on two branches merge line by line.
+    # and figures added on two branches merge line by line. Written to a temporary name and renamed: a reader (or a
+    # kill) never sees half a file.
     lines = [f"{json.dumps(name)}: {json.dumps(entry, separators=(',', ':'))}"
              for name, entry in sorted(measured.items())]
-    path.write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def merge_measured(refreshed: dict, path: Path = MEASURED) -> dict:
+    """Put the figures this process collected (`refreshed`) into measured.json as it is now, under a lock: another
+    `python -m figures` that ran beside this one and saved first keeps its figures (each reads the file at its
+    start and would otherwise write back what it read there). Returns the file's figures."""
+    import fcntl
+
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        measured = {**load_measured(path), **refreshed}
+        save_measured(measured, path)
+    return measured
 
 
 def render(name: str, data: dict) -> str:
@@ -155,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 execute(RUNS[name], args.work, log=lambda m: print(m, flush=True))
                 print(f"  {name}: {time.perf_counter() - started:.0f} s", flush=True)
         failed: list[str] = []
+        refreshed: dict = {}
         for name in figures:
             missing = [r for r in FIGURES[name].runs if record(args.work, r) is None]
             if missing:
@@ -162,14 +180,15 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 continue
             try:
-                measured[name] = collect(FIGURES[name], args.work)
-                render(name, measured[name]["data"])
+                collected = collect(FIGURES[name], args.work)
+                render(name, collected["data"])
+                refreshed[name] = collected
             except Exception:  # one broken figure must not keep the others from being refreshed
                 failed.append(name)
                 print(f"figure {name} FAILED:\n{traceback.format_exc()}", flush=True)
                 continue
             print(f"figure {name}: collected", flush=True)
-        save_measured(measured)
+        measured = merge_measured(refreshed)
     changed = rewrite_pages(measured)
     for page in changed:
         print(f"rewrote {page.relative_to(ROOT)}")

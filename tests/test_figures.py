@@ -407,3 +407,14 @@ def test_every_figure_reads_known_runs_and_every_run_has_a_part():
         assert figure.runs and set(figure.runs) <= set(RUNS) and figure.render is not None, figure.name
     assert all(need in RUNS and list(RUNS).index(need) < list(RUNS).index(r.name)
                for r in RUNS.values() for need in r.needs)
+
+
+def test_a_refresh_keeps_the_figures_another_run_saved_meanwhile(tmp_path):
+    """Two `python -m figures` side by side each read measured.json at their start: the one that saves last must not
+    write back the other's figures as they were before it."""
+    path = tmp_path / "measured.json"
+    build.save_measured({"a": {"data": 1}, "b": {"data": 1}}, path)
+    build.save_measured({**build.load_measured(path), "a": {"data": 2}}, path)  # the other run, saved first
+    merged = build.merge_measured({"b": {"data": 3}}, path)  # this run refreshed b only
+    assert merged == build.load_measured(path) == {"a": {"data": 2}, "b": {"data": 3}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".measured.json.lock", "measured.json"]  # no temp left
