@@ -28,6 +28,7 @@ in the order a pattern ranks them (lowest score first, as kvpress takes them) an
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -149,11 +150,26 @@ def tiled(context: Tensor, rows: int) -> Tensor:
     return context.repeat(rows // context.shape[0])  # [rows]
 
 
-def block_rows(batch: int, heads: int, keys: int, budget_bytes: int, span: int | None) -> int:
-    """Query rows per block: `kernel.block_size`'s rule (a windowed layer's block sees its rows + span - 1 keys)."""
+def blocks(batch: int, heads: int, n: int, budget_bytes: int, span: int | None) -> list[tuple[int, int]]:
+    """The blocks of query rows [q0, q1) of a causal layer of n rows, each within the budget (`kernel.block_size`'s
+    bytes per row and key). A block of rows [q0, q1) sees keys [0, q1), so later blocks take fewer rows and every
+    block is about the same size (a windowed layer's blocks, which see their rows + span - 1 keys, are alike already).
+    Blocks of one size matter to train-pattern on the CPU: with rows fixed for the last block, the blocks grew from
+    one to the next, and under the backward pass glibc's heap fragmented around them (peak memory grew with n^2)."""
     from attnprobe import kernel
 
-    return kernel.block_size(batch, heads, keys, budget_bytes, None if span is None else span - 1)
+    if span is not None:
+        rows = kernel.block_size(batch, heads, n, budget_bytes, span - 1)
+        return [(q0, min(n, q0 + rows)) for q0 in range(0, n, rows)]
+    cells = budget_bytes // (batch * heads * 4 * kernel.blocked.TEMPORARIES)  # rows x keys a block may hold
+    found, q0 = [], 0
+    while q0 < n:
+        rows = max(1, int((math.sqrt(q0 * q0 + 4 * cells) - q0) / 2))  # the most r with r (q0 + r) <= cells
+        while rows > 1 and rows * (q0 + rows) > cells:  # the square root's rounding
+            rows -= 1
+        found.append((q0, min(n, q0 + rows)))
+        q0 += rows
+    return found
 
 
 def attend(
@@ -176,12 +192,10 @@ def attend(
     batch, heads, n, dim = query.shape
     keys_t = key.transpose(-1, -2)  # [batch, kv head, dim, key]: a view
     output = query.new_empty(batch, n, heads, dim)  # [batch, query, head, dim]
-    rows = block_rows(batch, heads, n, budget_bytes, span)
     padded = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
     runs = streaming_runs(streaming)
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
-    for q0 in range(0, n, rows):
-        q1 = min(n, q0 + rows)
+    for q0, q1 in blocks(batch, heads, n, budget_bytes, span):
         k0, k1 = kernel.block_keys(q0, q1, n, True, span)
         scores = block_scores(query, keys_t, q0, q1, k0, k1, scale, softcap)  # [batch, head, r, keys]
         hide(scores, q0, k0, span, padded, runs, sink, recent, context)

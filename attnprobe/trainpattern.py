@@ -185,14 +185,12 @@ def gated_attend(query: Tensor, key: Tensor, value: Tensor, real: Tensor, scale:
 
     batch, heads, n, dim = query.shape
     keys_t = key.transpose(-1, -2)  # [batch, kv head, dim, key]: a view
-    rows = streamheads.block_rows(batch, heads, n, budget_bytes, None)
     sink_logits = None if sinks is None else sinks.float().view(1, heads, 1, 1)  # [1, head, 1, 1]
     a = alpha.view(1, heads, 1, 1)  # [1, head, 1, 1]
     padded = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, alpha))
     blocks = []
-    for q0 in range(0, n, rows):
-        q1 = min(n, q0 + rows)
+    for q0, q1 in streamheads.blocks(batch, heads, n, budget_bytes, None):  # the blocks streamheads.attend runs
         k0, k1 = kernel.block_keys(q0, q1, n, True, None)
         args = (query, keys_t, value, padded, a, sink_logits, q0, q1, k0, k1, scale, softcap, sink, recent)
         out = checkpoint(gated_block, *args, use_reentrant=False, preserve_rng_state=False) if recording \

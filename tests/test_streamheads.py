@@ -22,6 +22,7 @@ from test_cli import assert_one_line_error, run
 from zoo import make
 
 from attnprobe import ablate as ab
+from attnprobe import kernel
 from attnprobe import streamheads as sh
 from attnprobe.corpus import read_corpus
 from attnprobe.errors import AttnprobeError
@@ -126,10 +127,15 @@ def some_heads(loaded, seed=0) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "mistral-window"])
-@pytest.mark.parametrize("budget", [sh.defaults.BLOCK_MIB, 0])  # 0: blocks of one query row
+@pytest.mark.parametrize("budget", [sh.defaults.BLOCK_MIB, 0, None])  # 0: blocks of one query row; None: of a few
 def test_streaming_attention_equals_a_float64_eager_oracle(models, corpus, name, budget):
     loaded = models[name]
     batch = padded_batch(loaded, corpus)
+    if budget is None:  # blocks of about 30 rows x keys: several rows each, fewer as the keys grow
+        rows, heads = batch.input_ids.shape[0], loaded.num_heads
+        budget = rows * heads * 4 * kernel.blocked.TEMPORARIES * 30 / 2**20
+        assert len({q1 - q0 for q0, q1 in sh.blocks(rows, heads, batch.input_ids.shape[1], int(budget * 2**20),
+                                                      None)}) > 2
     kv_mask = some_heads(loaded)
     sink, recent = 2, 3
     with torch.inference_mode(), sh.streaming(loaded, kv_mask, sink, recent, budget_mib=budget):
@@ -447,3 +453,19 @@ def test_ten_sequences_or_more_resample_sequences(models, tmp_path):
     row = result.curve.iloc[0]
     np.testing.assert_allclose([row[name] for name in sh.MEASURES], pooled, rtol=1e-12, atol=1e-15)
     assert counts == {i: v.shape[-1] for i, v in every.items()}
+
+
+@pytest.mark.parametrize("n", [1, 7, 100, 1000])
+@pytest.mark.parametrize("cells", [1, 30, 5000, 10**7])
+def test_blocks_cover_the_rows_each_within_the_budget(n, cells):
+    """streamheads.blocks: consecutive blocks from row 0 to n; a causal block of rows [q0, q1) sees q1 keys, and holds
+    at most `cells` rows x keys unless it is one row; each takes as many rows as fit (the next row would not)."""
+    unit = 2 * 3 * 4 * kernel.blocked.TEMPORARIES  # batch 2, 3 heads
+    found = sh.blocks(2, 3, n, cells * unit, None)
+    assert found[0][0] == 0 and found[-1][1] == n and all(a[1] == b[0] for a, b in zip(found, found[1:]))
+    for q0, q1 in found:
+        rows = q1 - q0
+        assert rows == 1 or rows * q1 <= cells
+        assert q1 == n or (rows + 1) * (q1 + 1) > cells  # no room for one more row
+    windowed = sh.blocks(2, 3, n, cells * unit, 4)  # a window of 4: kernel.block_size's rows, all alike
+    assert len({q1 - q0 for q0, q1 in windowed[:-1]}) <= 1 and windowed[-1][1] == n
