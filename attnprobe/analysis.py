@@ -607,23 +607,29 @@ def resume_expected(state: State, scanned: Scan, batch_size: int, world: distrib
                     corpus=scanned.sentences, reached=reached, rank=world.rank, size=world.size)
 
 
+def map_eps(loaded: LoadedModel) -> float:
+    """The rounding a checkpoint's maps are checked within (resume.check_maps): the model dtype's epsilon."""
+    dtype = getattr(torch, str(loaded.dtype), torch.float32)
+    return torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+
+
+def whole_rows(loaded: LoadedModel, kept: int, tokens: int) -> bool:
+    """Whether every row of the maps of a sentence of `tokens` tokens, `kept` of them, sums to 1: not where an
+    encoder's later keys were cut, nor where the model has sink logits."""
+    sinks = any(f.sinks for f in kernel.discover(loaded).features)
+    return (loaded.causal or tokens <= kept) and not sinks
+
+
 def check_resumed_others(loaded: LoadedModel, state: State, scanned: Scan, shape: Shape,
                          others: dict[int, int]) -> None:
     """The checkpoint's maps of the other examples (`others`: corpus index -> tokens kept, rank 0's): the shape this
     run gives each, and attention maps (as check_resumed_example's)."""
-    dtype = getattr(torch, str(loaded.dtype), torch.float32)
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    sinks = any(f.sinks for f in kernel.discover(loaded).features)
-    lengths = {index: len(ids) for index, _, ids in scanned.others}
-    check_other_maps(state, {index: (shape.layers, shape.heads, m, m) for index, m in others.items()}, eps,
-                     {index: (loaded.causal or lengths[index] <= m) and not sinks for index, m in others.items()})
+    whole = {index: whole_rows(loaded, others[index], len(ids)) for index, _, ids in scanned.others if index in others}
+    check_other_maps(state, {index: (shape.layers, shape.heads, m, m) for index, m in others.items()}, map_eps(loaded),
+                     whole)
 
 
 def check_resumed_example(loaded: LoadedModel, state: State, done: bool, scanned: Scan, shape: tuple[int, ...]) -> None:
     """The checkpoint's example maps, once the run knows whether the example's batch was among those done: every
     row sums to 1 unless the sentence's later keys were cut (an encoder) or the model has sink logits."""
-    dtype = getattr(torch, str(loaded.dtype), torch.float32)
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    sinks = any(f.sinks for f in kernel.discover(loaded).features)
-    whole = (loaded.causal or len(scanned.example_ids) <= shape[-1]) and not sinks
-    check_example_maps(state, done, shape, eps, whole)
+    check_example_maps(state, done, shape, map_eps(loaded), whole_rows(loaded, shape[-1], len(scanned.example_ids)))

@@ -25,6 +25,7 @@ import numpy as np
 from attnprobe.accumulate import TOKEN_SUMS
 from attnprobe.errors import AttnprobeError, plain
 from attnprobe.maps import map_fault
+from attnprobe.threads import recorded_threads
 
 DEFAULT_EVERY_SECONDS = 300.0  # a checkpoint every five minutes
 FIX = "delete it and run without --resume"  # what to do with a checkpoint that cannot be resumed
@@ -101,9 +102,7 @@ class State:
         done = meta.get("batches_done")
         if not isinstance(done, int) or isinstance(done, bool) or done < 1:
             raise ValueError(f"batches_done = {plain(done)} is not a whole number of at least 1")
-        threads = meta.get("threads", 0)
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-            raise ValueError(f"threads = {plain(threads)} is not a whole number of threads")
+        threads = recorded_threads(meta)
         sums = {key[4:]: value for key, value in arrays.items() if key.startswith("sum:")}
         if not sums:
             raise ValueError("it holds no sums")
@@ -116,8 +115,8 @@ class State:
         rows = arrays.get(TOKEN_ROWS)
         if rows is not None and (rows.dtype.kind not in "iu" or rows.ndim != 1):
             raise ValueError(f"{TOKEN_ROWS} is not a list of token ids")
-        others = {int(key[len(OTHER_MAPS):]): value for key, value in arrays.items()
-                  if key.startswith(OTHER_MAPS) and key[len(OTHER_MAPS):].isdigit() and key[len(OTHER_MAPS):].isascii()}
+        others = {int(index): value for key, value in arrays.items() if key.startswith(OTHER_MAPS)
+                  and (index := key.removeprefix(OTHER_MAPS)).isdigit() and index.isascii()}
         for index, value in others.items():
             if value.dtype.kind != "f" or value.ndim != 4:
                 raise ValueError(f"{OTHER_MAPS}{index} is not a [layer, head, query, key] array of numbers")
@@ -325,34 +324,33 @@ def check_example_maps(state: State, done: bool, shape: tuple[int, ...], eps: fl
     if maps is None:
         raise state.refuse(f"batches_done = {state.batches_done} covers the example sentence's batch, but it holds "
                            "no example_maps")
-    if maps.shape != tuple(shape):
-        raise state.refuse(f"example_maps has shape {plain(maps.shape)}, this run {plain(tuple(shape))}")
+    check_maps(state, "example_maps", maps, tuple(shape), eps, whole_rows)
+
+
+def check_maps(state: State, name: str, maps: np.ndarray, shape: tuple[int, ...], eps: float,
+               whole_rows: bool) -> None:
+    """One array of example maps in a checkpoint (`name`): this run's `shape`, and attention maps: probabilities
+    whose rows sum to 1 within the rounding of the model's dtype (`eps`), or to at most 1 without `whole_rows`."""
+    if maps.shape != shape:
+        raise state.refuse(f"{name} has shape {plain(maps.shape)}, this run {plain(shape)}")
     tolerance = row_tolerance(eps, maps.shape[-1])
     fault = map_fault(maps.astype(np.float64), 0.0, tolerance, whole_rows)  # rows summed in float64
     if fault is not None and not fault.in_rows:
-        raise state.refuse(f"example_maps holds {_first(fault.bad, maps)}, not a probability in [0, 1]")
+        raise state.refuse(f"{name} holds {_first(fault.bad, maps)}, not a probability in [0, 1]")
     if fault is not None:
-        raise state.refuse(f"a row of example_maps sums to {_first(fault.bad, fault.values)}, not to 1 (within "
+        raise state.refuse(f"a row of {name} sums to {_first(fault.bad, fault.values)}, not to 1 (within "
                            f"{tolerance:.1g})")
 
 
 def check_other_maps(state: State, shapes: dict[int, tuple[int, ...]], eps: float, whole_rows: dict[int, bool]) -> None:
     """The other example sentences' maps: each of a sentence the run keeps maps of (`shapes`: corpus index -> the
-    [layer, head, query, key] shape of its maps), of that shape, and attention maps (check_example_maps' rules)."""
+    [layer, head, query, key] shape of its maps), of that shape, and attention maps (check_maps)."""
     for index, maps in sorted(state.other_maps.items()):
         name = f"{OTHER_MAPS}{index}"
         if index not in shapes:
             raise state.refuse(f"it holds {name}, but corpus sentence {index} is not one of the examples this "
                                "process keeps")
-        if maps.shape != shapes[index]:
-            raise state.refuse(f"{name} has shape {plain(maps.shape)}, this run {plain(shapes[index])}")
-        tolerance = row_tolerance(eps, maps.shape[-1])
-        fault = map_fault(maps.astype(np.float64), 0.0, tolerance, whole_rows[index])  # rows summed in float64
-        if fault is not None and not fault.in_rows:
-            raise state.refuse(f"{name} holds {_first(fault.bad, maps)}, not a probability in [0, 1]")
-        if fault is not None:
-            raise state.refuse(f"a row of {name} sums to {_first(fault.bad, fault.values)}, not to 1 (within "
-                               f"{tolerance:.1g})")
+        check_maps(state, name, maps, shapes[index], eps, whole_rows[index])
 
 
 def check_others_done(state: State, done: set[int]) -> None:

@@ -20,7 +20,7 @@ import os
 import time
 from typing import Any
 
-from attnprobe.errors import AttnprobeError
+from attnprobe.errors import AttnprobeError, plain
 
 AUTO = "auto"
 _cores: list[int] = []  # torch's own thread count, read before the first `apply` changes it
@@ -37,10 +37,24 @@ def parse(value: Any) -> int | str:
         raise AttnprobeError(f"--threads {value!r} is not a whole number: use auto or 1 or more") from None
     if threads < 1:
         raise AttnprobeError(f"--threads {threads} is below 1: use auto or 1 or more")
-    most = 4 * (os.cpu_count() or 1)  # more threads than that only wait on each other (and torch overflows)
+    most = most_threads()
     if threads > most:
         raise AttnprobeError(f"--threads {threads} is above {most} (4 x this machine's {os.cpu_count() or 1} CPUs): "
                              f"use auto or 1 to {most}")
+    return threads
+
+
+def most_threads() -> int:
+    """The most threads --threads takes: 4 x the machine's CPUs (more only wait on each other, and torch overflows)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def recorded_threads(meta: dict[str, Any]) -> int:
+    """The threads a checkpoint's meta record says its run used (0: not recorded, an older checkpoint); ValueError
+    for anything but a whole number of 0 or more."""
+    threads = meta.get("threads", 0)
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+        raise ValueError(f"threads = {plain(threads)} is not a whole number of threads")
     return threads
 
 
@@ -189,7 +203,7 @@ def resume_note(requested: int | str, recorded: int) -> str | None:
                 "rounding, not byte for byte")
     if chosen == AUTO:
         return (f"the stopped run used {recorded} threads, more than this machine takes "
-                f"({4 * (os.cpu_count() or 1)} at most), and this one --threads auto: {rounding}")
+                f"({most_threads()} at most), and this one --threads auto: {rounding}")
     return (f"the stopped run used {recorded} thread{'s' if recorded != 1 else ''} and this one --threads {chosen}: "
             f"{rounding} (resume with --threads {recorded} or auto for that)")
 

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from attnprobe import defaults, io, passkeys
 from attnprobe.errors import AttnprobeError, plain
 from attnprobe.model import LoadedModel, attention_modules, forward_kwargs, using_attention
+from attnprobe.threads import recorded_threads
 
 NAME = "attnprobe_gated"
 DUO_LR, DUO_REG_WEIGHT, DUO_STEPS = defaults.DUO_LR, defaults.DUO_REG_WEIGHT, defaults.DUO_STEPS
@@ -357,9 +358,7 @@ class State:
         done = meta.get("done")
         if not isinstance(done, int) or isinstance(done, bool) or done < 1:
             raise ValueError(f"done = {plain(done)} is not a whole number of steps of at least 1")
-        threads = meta.get("threads", 0)
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-            raise ValueError(f"threads = {plain(threads)} is not a whole number of threads")
+        threads = recorded_threads(meta)
         gates = arrays["gates"]
         for name in ("gates", "exp_avg", "exp_avg_sq"):
             value = arrays[name]
