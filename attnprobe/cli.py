@@ -135,8 +135,21 @@ def freeze_at_exit() -> None:
     runs; only reference cycles left at exit are not collected."""
     import atexit
 
-    atexit.unregister(gc.freeze)  # once, however often main() runs in one process
-    atexit.register(gc.freeze)
+    atexit.unregister(freeze)  # once, however often main() runs in one process
+    atexit.register(freeze)
+
+
+# Extension modules built with nanobind print a page of "leaked instance" warnings at shutdown for each of their
+# objects still alive then; triton's (which torch imports with torch._dynamo where triton is installed, as in every
+# CUDA build of torch) has objects that only the shutdown's own collections release, and a freeze keeps them alive.
+NANOBIND_MODULES = ("triton._C.libtriton",)
+
+
+def freeze() -> None:
+    """gc.freeze at exit (freeze_at_exit), except where a nanobind module is loaded: there the shutdown keeps its
+    collections (most of a second) rather than end the command with a page of leak warnings."""
+    if not any(name in sys.modules for name in NANOBIND_MODULES):
+        gc.freeze()
 
 
 if __name__ == "__main__":
