@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from test_adversary_27 import one_error_line
 from test_adversary_33_34 import write_retrieval
 from typer.testing import CliRunner
 
@@ -79,3 +80,69 @@ def test_the_record_drops_an_earlier_export_whose_file_this_one_replaces(tmp_pat
                             "recent": 8, "sizes_from": "x"})()
     record = provenance(earlier, scores, "duo-attention", {"X.json": "new digest"}, to)
     assert set(record["exports"]) == {"duo-attention"}
+
+
+# ---- item 2: a full disk under the results-folder lock, a haystack whose read fails --------------------------------
+
+
+def test_a_full_disk_under_the_lock_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch, gpt2_dir):
+    import errno
+    import os
+
+    from attnprobe import lock
+
+    real_write = os.write
+
+    def full_disk(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(lock.LOCK_FILE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    out = tmp_path / "out"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The cat sat on the mat.\n", encoding="utf-8")
+    line = one_error_line(invoke("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", out))
+    assert "lock file" in line and "No space left on device" in line and "--out" in line
+    assert not out.exists()  # the folder the lock made goes with its empty lock file
+    out.mkdir()
+    one_error_line(invoke("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", out))
+    assert list(out.iterdir()) == []
+
+
+def unreadable(monkeypatch, path):
+    """`path` opens but cannot be read, as a file on a failing disk or one this user may not read."""
+    import pathlib
+
+    real_open = pathlib.Path.open
+
+    def refuse(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", refuse)
+
+
+@pytest.mark.parametrize("command", [["retrieval"], ["train-pattern"]])
+def test_a_haystack_whose_read_fails_is_one_line(tmp_path, monkeypatch, command):
+    line = one_error_line(invoke(*command, "--model", tmp_path / "m", "--haystack", "/proc/self/mem", "--out",
+                                 tmp_path / "o"))
+    assert line.startswith("Error: cannot read --haystack /proc/self/mem: ") and "Input/output error" in line
+    text = tmp_path / "h.txt"
+    text.write_text("A long text.\n", encoding="utf-8")
+    unreadable(monkeypatch, text)
+    line = one_error_line(invoke(*command, "--model", tmp_path / "m", "--haystack", text, "--out", tmp_path / "o"))
+    assert f"cannot read --haystack {text}: Permission denied" in line
+
+
+def test_a_haystack_reads_as_before(tmp_path):
+    from attnprobe.retrieval import read_haystack
+
+    path = tmp_path / "h.txt"
+    for data in (b"\xef\xbb\xbfOne\r\ntwo\rthree\n\nfour", b"  x  ", b"caf\xc3\xa9\n" * 40_000):
+        path.write_bytes(data)
+        assert read_haystack(path) == path.read_text(encoding="utf-8")
+    path.write_bytes(b"ok \xff")
+    with pytest.raises(Exception, match="is not UTF-8 text \\(byte 3\\)"):
+        read_haystack(path)
