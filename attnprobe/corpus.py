@@ -289,18 +289,38 @@ def corpus_from_texts(texts: list[str] | tuple[str, ...]) -> Corpus:
     return Corpus(IN_MEMORY, digest, [Sentence(text=text, line=k + 1, category=None) for k, text in enumerate(texts)])
 
 
-def _check_file(path: Path, unit: str) -> None:
+def read_text_file(path: str | Path, option: str) -> str:
+    """A whole UTF-8 text file that is not a corpus (retrieval's and train-pattern's --haystack), read and checked as
+    a corpus is (`_check_file`, `_raw_lines`): a directory, a missing file, a device or a read that fails (EIO,
+    permission) is one line naming `option`. Newlines are read as Python's text mode reads them (\r\n and \r as
+    \n)."""
+    path = Path(path)
+    unit = "a long UTF-8 text file"
+    _check_file(path, unit, option)
+    data = b"\n".join(raw for _, raw in _raw_lines(path, hashlib.sha256(), option))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise AttnprobeError(f"{option} {path} is not UTF-8 text (byte {err.start}): convert it to UTF-8") from None
+    if not text.strip():
+        raise AttnprobeError(f"{option} {path} is empty: pass {unit}")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _check_file(path: Path, unit: str, option: str = "--corpus") -> None:
+    what = "corpus" if option == "--corpus" else option
     if path.is_dir():
-        raise AttnprobeError(f"corpus {path} is a directory: pass {unit}")
+        raise AttnprobeError(f"{what} {path} is a directory: pass {unit}")
     if not path.exists():
-        raise AttnprobeError(f"corpus file not found: {path}: check the path to --corpus")
+        raise AttnprobeError(f"{what} file not found: {path}: check the path to {option}")
     if not path.is_file():  # a device (/dev/zero never ends), a FIFO (waits for a writer) or a socket
-        raise AttnprobeError(f"corpus {path} is not a regular file (a device, pipe or socket): save the text to a "
+        raise AttnprobeError(f"{what} {path} is not a regular file (a device, pipe or socket): save the text to a "
                              f"file and pass {unit}")
 
 
-def _raw_lines(path: Path, digest) -> Iterator[tuple[int, bytes]]:
-    """(1-based number, bytes) of each line split at b"\\n" (the last one may be b""), hashing every chunk read."""
+def _raw_lines(path: Path, digest, option: str = "--corpus") -> Iterator[tuple[int, bytes]]:
+    """(1-based number, bytes) of each line split at b"\\n" (the last one may be b""), hashing every chunk read; a
+    read that fails (EIO, permission) is one line naming the file as `option`'s."""
     number, pending = 1, []
     try:
         with path.open("rb") as stream:
@@ -316,7 +336,8 @@ def _raw_lines(path: Path, digest) -> Iterator[tuple[int, bytes]]:
                     yield number, piece
                     number += 1
     except OSError as err:
-        raise AttnprobeError(f"cannot read corpus {path}: {err.strerror}") from err
+        what = "corpus" if option == "--corpus" else option
+        raise AttnprobeError(f"cannot read {what} {path}: {err.strerror}") from err
     yield number, b"".join(pending)
 
 

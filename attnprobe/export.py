@@ -9,7 +9,9 @@ Two formats:
   `np.loadtxt(path, dtype=float, delimiter="\\t")` and clip it to [0, 1]; kvpress makes the lowest-scoring
   `round(size x head_compression_ratio)` KV heads streaming, so only the order of the scores matters to it.
 - `retrieval-head`: Wu et al. 2024's `head_score/<model>.json` (which HeadKV reads too): one object
-  `{"L-H": [score per trial]}`, keyed per **query head**.
+  `{"L-H": [score per trial]}`, keyed per **query head**. It is named `<model>.json` unless that is the name of
+  duo-attention's files or of export's record (a model folder named `config` or `attnprobe`): then
+  `<model>.retrieval-head.json` (`retrieval_head_name`), so that no format's file replaces another's.
 
 The per-query-head score, in [0, 1], comes from `attnprobe train-pattern` where it ran into the folder (each query
 head gets its KV head's trained gate, `load_trained`: DuoAttention's gates are per KV head), else from `attnprobe
@@ -393,13 +395,28 @@ def file_stem(spec: str) -> str:
     return stem.removesuffix(".gguf") or "model"
 
 
+# Names no format's file may take but its own: export's record and duo-attention's two files. A retrieval-head JSON
+# is named after the model, so a model folder named `attnprobe` or `config` would otherwise write over one of them
+FIXED_NAMES = (PROVENANCE_FILE, DUO_SCORES_FILE, DUO_CONFIG_FILE)
+RETRIEVAL_HEAD_SUFFIX = ".retrieval-head.json"  # where <model>.json would take a fixed name
+
+
+def retrieval_head_name(spec: str) -> str:
+    """The retrieval-head JSON's name: `<model>.json` (Retrieval_Head's `head_score/<model>.json`), or
+    `<model>.retrieval-head.json` where that is one of FIXED_NAMES (compared case-blind, as macOS and Windows folders
+    compare names), so that every format's files stay apart from the others' and from the record."""
+    name = f"{file_stem(spec)}.json"
+    taken = {fixed.casefold() for fixed in FIXED_NAMES}
+    return f"{file_stem(spec)}{RETRIEVAL_HEAD_SUFFIX}" if name.casefold() in taken else name
+
+
 def export_files(scores: HeadScores, fmt: str) -> dict[str, io.Writer]:
     """The files of format `fmt`, by name inside --to, ready for io.write_files."""
     if fmt == "duo-attention":
         table, config = duo_attention(scores)
         return {DUO_SCORES_FILE: io.tsv_writer(table), DUO_CONFIG_FILE: io.json_writer(config)}
     if fmt == "retrieval-head":
-        return {f"{file_stem(scores.model['spec'])}.json": io.compact_json_writer(retrieval_head_json(scores))}
+        return {retrieval_head_name(scores.model["spec"]): io.compact_json_writer(retrieval_head_json(scores))}
     raise AttnprobeError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
 
 
@@ -418,10 +435,13 @@ def write_export(to: str | Path, scores: HeadScores, fmt: str) -> list[Path]:
 
 def provenance(earlier: dict[str, Any], scores: HeadScores, fmt: str, hashes: dict[str, str],
                to: Path) -> dict[str, Any]:
-    """attnprobe.json: the earlier record's other formats whose files are still there, and this export's."""
+    """attnprobe.json: the earlier record's other formats whose files are still there, unchanged, and which this
+    export does not replace (it is written before this export's files are renamed into place), and this export's."""
     from attnprobe import __version__
 
+    replaced = {name.casefold() for name in hashes}
     exports = {name: entry for name, entry in earlier.get("exports", {}).items() if name != fmt
+               and not replaced & {f.casefold() for f in entry.get("files", {})}
                and all(_sha256(to / f) == sha for f, sha in entry.get("files", {}).items())}
     entry: dict[str, Any] = {
         "attnprobe_version": __version__,

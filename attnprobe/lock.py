@@ -71,9 +71,15 @@ def take(out: str | Path, command: str = "analyze") -> OutLock:
         if _same_file(fd, path):
             break
         os.close(fd)  # the holder removed this file as we waited on it: lock the path's new one
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {command}\n".encode())
-    return OutLock(folder, fd, made_folder)
+    held = OutLock(folder, fd, made_folder)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {command}\n".encode())
+    except OSError as err:  # a full disk (ENOSPC), a quota: no lock file, empty or not, stays behind
+        held.release()
+        raise AttnprobeError(f"cannot write the lock file {path} ({err.strerror}): free some space on that disk, "
+                             "or pass another --out") from err
+    return held
 
 
 def _owner(fd: int) -> int | None:

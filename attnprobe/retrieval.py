@@ -34,6 +34,7 @@ from torch import Tensor
 
 from attnprobe import __version__
 from attnprobe.bootstrap import DEFAULT_RESAMPLES, interval, poisson_weights, resampled_means
+from attnprobe.corpus import read_text_file
 from attnprobe.errors import AttnprobeError
 from attnprobe.layer_progress import OnLayer, reporter, watching
 from attnprobe.model import LoadedModel, quiet_transformers
@@ -268,17 +269,8 @@ def check_settings(lengths: list[int], depths: list[float], decode: str, resampl
 
 
 def read_haystack(path: str | Path) -> str:
-    """The haystack file's text (UTF-8, not empty)."""
-    path = Path(path)
-    if not path.is_file():
-        raise AttnprobeError(f"--haystack {path} is not a file: pass a long UTF-8 text file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise AttnprobeError(f"--haystack {path} is not UTF-8 text (byte {err.start}): convert it to UTF-8") from None
-    if not text.strip():
-        raise AttnprobeError(f"--haystack {path} is empty: pass a long text")
-    return text
+    """The haystack file's text (UTF-8, not empty), read as analyze reads a corpus (one line where it cannot be)."""
+    return read_text_file(path, "--haystack")
 
 
 def fitting_lengths(loaded: LoadedModel, lengths: list[int] | None, steps: int,

@@ -201,7 +201,7 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path):
         assert result.exit_code == 1 and message in result.output, result.output
     result = invoke("retrieval", "--model", models["gpt2"], "--haystack", tmp_path / "none.txt", "--out",
                     tmp_path / "o")
-    assert result.exit_code == 1 and "is not a file" in result.output
+    assert result.exit_code == 1 and "--haystack file not found" in result.output
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n", encoding="utf-8")
     result = invoke("retrieval", "--model", models["gpt2"], "--haystack", empty, "--out", tmp_path / "o")
