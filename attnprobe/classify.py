@@ -1,4 +1,4 @@
-"""Sort heads into local / copy / broad / mixed, or streaming / retrieval, from their statistics (pure pandas)."""
+"""Sort heads into local / copy / broad / mixed, or streaming / full-cache, from their statistics (pure pandas)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ class HeadType(str, Enum):
     BROAD = "broad"
     MIXED = "mixed"
     STREAMING = "streaming"  # kv scheme: nearly all mass on the sinks plus the recent window
-    RETRIEVAL = "retrieval"  # kv scheme: needs keys outside the sinks and the window
+    FULL_CACHE = "full-cache"  # kv scheme: needs keys outside the sinks and the window (the whole cache)
 
 
 class Scheme(str, Enum):
     DEFAULT = "default"  # local / copy / broad / mixed
     EXTENDED = "extended"  # adds previous (within local), sink (within copy) and dormant (within sink)
-    KV = "kv"  # streaming / retrieval, from sink_window
+    KV = "kv"  # streaming / full-cache, from sink_window
 
 
 ALL_TYPES = tuple(t.value for t in HeadType)  # display order
@@ -42,7 +42,7 @@ RULE_COLUMNS = ("diagonal_unforced", "entropy_unforced", "entropy_norm")
 EXTENDED_COLUMNS = ("first_token_unforced", "previous_token")
 OUTPUT_COLUMN = OUTPUT_NORM  # the extended scheme's dormant rule, where analyze measured it
 OUTPUT_RATIO = "output_norm_ratio"  # a head's output_norm over its layer's median (head_types.csv)
-KV_TYPES = ("streaming", "retrieval")  # the kv scheme
+KV_TYPES = ("streaming", "full-cache")  # the kv scheme
 KV_COLUMNS = ("sink_window",)
 _TOLERANCE = 1e-6  # a value equal to a threshold up to float32 rounding (1e-7 relative) counts as reaching it
 
@@ -129,14 +129,14 @@ def required_columns(scheme: Scheme | str = Scheme.DEFAULT) -> list[str]:
 
 
 def kv_head_types(heads: pd.DataFrame, thresholds: Thresholds | None = None) -> pd.Series:
-    """`streaming` if sink_window reaches the threshold, else `retrieval` (a missing value included)."""
+    """`streaming` if sink_window reaches the threshold, else `full-cache` (a missing value included)."""
     if heads["sink_window"].isna().all():
         raise AttnprobeError(
             "sink_window is empty: no sequence was longer than the sink + window tokens (or the model is an "
             "encoder); analyze longer documents (e.g. --split paragraphs or --split file) or lower --window"
         )
     streaming = is_streaming(heads["sink_window"], thresholds or Thresholds()).fillna(False).astype(bool)
-    types = pd.Series(HeadType.RETRIEVAL.value, index=heads.index, name="head_type")
+    types = pd.Series(HeadType.FULL_CACHE.value, index=heads.index, name="head_type")
     types[streaming] = HeadType.STREAMING.value
     return types
 
@@ -149,7 +149,7 @@ def head_types(
     The extended scheme then splits local heads dominated by the previous token off as
     `previous`, copy heads whose mass sits mostly on the first token off as `sink`, and, where heads.csv has
     output_norm, sinks that write little (output_ratio below the threshold) off as `dormant`.
-    The kv scheme is separate: `streaming` or `retrieval` from sink_window alone.
+    The kv scheme is separate: `streaming` or `full-cache` from sink_window alone.
     """
     if Scheme(scheme) is Scheme.KV:
         return kv_head_types(heads, thresholds)
@@ -266,7 +266,7 @@ def kv_cache_estimate(
         "assumptions": {"layers": int(layers), "kv_heads": int(kv_heads), "head_dim": int(head_dim),
                         "dtype_bytes": int(dtype_bytes), "sink": int(sink), "window": int(window)},
         "bytes_per_token_full": int(layers * kv_heads * bytes_per_head_token),
-        "counts": {"query_heads_streaming": streaming_query, "query_heads_retrieval": len(types) - streaming_query,
+        "counts": {"query_heads_streaming": streaming_query, "query_heads_full_cache": len(types) - streaming_query,
                    "kv_heads_streaming": streaming_kv, "kv_heads_total": len(groups)},
         "lengths": {name: _length_estimate(name, tokens, len(groups), streaming_kv, bytes_per_head_token, sink + window)
                     for name, tokens in lengths.items()},

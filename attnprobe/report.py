@@ -64,15 +64,19 @@ PROBE_SCORES: dict[str, tuple[str, str]] = {
     "duplicate": ("probe: duplicate", "probe: attention to the earlier copy of the token"),
     "previous": ("probe: previous", "probe: attention to the previous token on random sequences"),
 }
+RETRIEVAL_SCORES: dict[str, tuple[str, str]] = {  # retrieval_heads.csv's mean, under a name of its own
+    "retrieval_score": ("retrieval: needle copying", "attnprobe retrieval: share of the needle's tokens the head "
+                        "copied with its top-1 key (Wu et al. 2024), mean over trials"),
+}
 POSITION_SCORES = (*POSITION_METRICS, *VW_POSITION_METRICS)
 TYPE_LETTERS = {"local": "L", "copy": "C", "broad": "B", "mixed": "M", "previous": "P", "sink": "S", "dormant": "D",
-                "streaming": "S", "retrieval": "R"}
+                "streaming": "S", "full-cache": "F"}
 TYPE_MEANING = {
     "local": "most attention within ±2 tokens", "copy": "locks onto one or two tokens",
     "broad": "spreads widely", "mixed": "none of the above", "previous": "a local head on token i-1",
     "sink": "a copy head on the first token", "dormant": "a sink that writes little (small output_norm)",
     "streaming": "fits a sink + recent-window KV cache",
-    "retrieval": "needs keys outside the sinks and the window",
+    "full-cache": "needs keys outside the sinks and the window (the whole KV cache)",
 }
 _PLACEHOLDER = re.compile(r"/\*@(TITLE|CSS|JS|DATA|HEADER|SECTIONS|PROVENANCE)@\*/")
 
@@ -106,8 +110,8 @@ class Report:
 def build_report(out: str | Path, sections: list[Section] | tuple[Section, ...] = ()) -> Report:
     """The page for the results folder `out`: heads.csv, layers.csv and run.json are needed, the rest is used
     when present (head_types.csv, categories.csv, positions.csv, examples.npz or example_attention.npz,
-    importance.csv, probe.csv, head_similarity.npz, and a comparison `attnprobe compare` wrote into `out` or
-    `out/compare`)."""
+    importance.csv, probe.csv, retrieval_heads.csv, head_similarity.npz, and a comparison `attnprobe compare` wrote
+    into `out` or `out/compare`)."""
     data, notes = report_data(out)
     sections = [*sections, *compare_sections(Path(out))]
     return Report(render(data, sections), notes, len(data["examples"]))
@@ -195,6 +199,9 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
         extra = _optional_grid(folder, name, catalogue, heads, run, made, notes)
         if extra is not None:
             add(extra, catalogue, name)
+    retrieval = _retrieval_grid(out, heads, run, notes)
+    if retrieval is not None:
+        add(retrieval, RETRIEVAL_SCORES, io.RETRIEVAL_FILE)
     types, scheme = _types(out, heads, notes)
     examples, stored = [], 0
     found = io.read_examples(out)[:io.MAX_EXAMPLES]
@@ -440,6 +447,28 @@ def _optional_grid(out: Path, name: str, catalogue: dict[str, tuple[str, str]], 
         notes.append(f"{name} does not fit this model's heads: not shown")
         return None
     return heads[["layer", "head"]].merge(frame, on=["layer", "head"], how="left")
+
+
+def _retrieval_grid(out: Path, heads: pd.DataFrame, run: dict[str, Any], notes: list[str]) -> pd.DataFrame | None:
+    """retrieval_heads.csv's mean and interval as retrieval_score (and _ci_low, _ci_high), aligned to heads.csv's
+    rows, or None (absent, or from another model or shape: noted)."""
+    if not (out / io.RETRIEVAL_FILE).is_file():
+        return None
+    frame = io.read_table(out, io.RETRIEVAL_FILE, ["layer", "head", "mean", "ci_low", "ci_high"], "attnprobe retrieval")
+    try:
+        spec = json.loads((out / io.RETRIEVAL_RUN_FILE).read_text(encoding="utf-8"))["model"]["spec"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        spec = None
+    if spec is not None and spec != run["model"]["spec"]:
+        notes.append(f"{io.RETRIEVAL_FILE} is from another model ({spec}, not {run['model']['spec']}): not shown")
+        return None
+    if not set(zip(frame["layer"], frame["head"])) <= set(zip(heads["layer"], heads["head"])):
+        notes.append(f"{io.RETRIEVAL_FILE} does not fit this model's heads: not shown")
+        return None
+    key = next(iter(RETRIEVAL_SCORES))
+    frame = frame.rename(columns={"mean": key, "ci_low": f"{key}_ci_low", "ci_high": f"{key}_ci_high"})
+    return heads[["layer", "head"]].merge(frame[["layer", "head", key, f"{key}_ci_low", f"{key}_ci_high"]],
+                                          on=["layer", "head"], how="left")
 
 
 def _types(out: Path, heads: pd.DataFrame, notes: list[str]) -> tuple[list[str | None], str]:

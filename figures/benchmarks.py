@@ -70,7 +70,7 @@ def gpl3(out: Outputs) -> dict:
         "streaming_layers": [int(streaming["layer"].min()), int(streaming["layer"].max())] if len(streaming) else None,
         "sink_window_layers": [float(x) for x in layers["sink_window"]],
         "sharpest": [[fmt.head(r.layer, r.head), float(r.sink_window)] for r in ranked.head(3).itertuples()],
-        "retrieval": [[fmt.head(r.layer, r.head), float(r.sink_window)]
+        "retrieval": [[fmt.head(r.layer, r.head), float(r.sink_window)]  # the lowest: the clearest full-cache heads
                       for r in ranked.tail(2).iloc[::-1].itertuples()],
         "kv": kv, "kv_streaming_layers": sorted({int(x) for x in kv_streaming["layer"]}),
     }
@@ -120,9 +120,9 @@ def _(d: dict) -> str:
         + (f", all in layers {d['streaming_layers'][0]}-{d['streaming_layers'][1]}" if d["streaming_layers"] else "")
         + f"; the layer means of `sink_window` run from {fmt.num(sink_window[lowest], 2)} (layer {lowest}) to "
         f"{fmt.num(sink_window[highest], 2)} (layer {highest}). The sharpest streaming heads are "
-        f"{fmt.listing([h for h, _ in d['sharpest']])} ({fmt.span([v for _, v in d['sharpest']], 3)}); the most "
-        f"retrieval-like are {d['retrieval'][0][0]} ({fmt.num(d['retrieval'][0][1], 2)}) and {d['retrieval'][1][0]} "
-        f"({fmt.num(d['retrieval'][1][1], 2)}).",
+        f"{fmt.listing([h for h, _ in d['sharpest']])} ({fmt.span([v for _, v in d['sharpest']], 3)}); the "
+        f"clearest `full-cache` heads are {d['retrieval'][0][0]} ({fmt.num(d['retrieval'][0][1], 2)}) and "
+        f"{d['retrieval'][1][0]} ({fmt.num(d['retrieval'][1][1], 2)}).",
         "- Grouped-query attention takes most of that away: "
         f"{d['heads'] // counts['kv_heads_total']} query heads share each KV head, and only "
         f"{counts['kv_heads_streaming']} of the {counts['kv_heads_total']} KV heads"

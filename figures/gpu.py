@@ -180,7 +180,8 @@ def _(d: dict) -> str:
     counts = d["tests"]["counts"]
     parts += [
         "",
-        f"Targets (issue 29): fused statistics within {t['time_target']}x of the SDPA forward's time at "
+        f"Targets (benchmarks/gpu_check.py's): fused statistics within {t['time_target']}x of the SDPA forward's "
+        "time at "
         f"{fmt.whole(t['tokens'] or 0)} tokens: {fmt.ratio(t['fused_time_ratio']) if t['fused_time_ratio'] else '-'}"
         f" ({_verdict(t['time_met'])}); peak memory within {t['memory_target']}x: "
         f"{fmt.ratio(t['fused_memory_ratio']) if t['fused_memory_ratio'] else '-'} ({_verdict(t['memory_met'])}); "
@@ -208,3 +209,24 @@ def _(d: dict) -> str:
         fmt.source(f"`make gpu-check` (benchmarks/gpu_check.py) on a lent {d['gpu']}, {d['date']}"),
     ]
     return "\n".join(parts)
+
+
+@figure("readme-gpu", runs=("gpu-check",))
+def readme_gpu(out: Outputs) -> dict:
+    return gpu_check.collect(out)
+
+
+@readme_gpu.renderer
+def _(d: dict) -> str:
+    if not d.get("measured"):
+        return ("No GPU has been lent to this project's sessions so far: the CUDA, GPU bfloat16 and NCCL paths are "
+                "written and tested on CPU stand-ins (bfloat16 on CPU, gloo for two processes), but have no measured "
+                "GPU figure yet ([Performance](docs/performance.md)).")
+    v, counts = d["versions"], d["tests"]["counts"]
+    return (f"The GPU paths were measured on one lent {d['gpu']} on {d['date']} (torch {v['torch']}, CUDA "
+            f"{v['cuda']}, transformers {v['transformers']}): the CUDA tests ({counts.get('passed', 0)} passed, "
+            f"{counts.get('failed', 0)} failed), NCCL under `torchrun`, and the long-sequence and train-pattern "
+            "figures of a random model of Llama-3.2-1B's shape in bfloat16, by `make gpu-check` "
+            "([Performance](docs/performance.md#on-a-gpu)). Every other figure is from the CPU machine its line "
+            "names; between GPU loans, CI proves the CUDA, GPU bfloat16 and NCCL code on CPU stand-ins (bfloat16 "
+            "on CPU, gloo for two processes).")

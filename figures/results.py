@@ -781,7 +781,7 @@ def kvpress_verdict(d: dict) -> str:
 
 
 def kvpress_trained(d: dict) -> str:
-    """Issue 35's targets for the trained pattern: its needle NLL within 0.1 nats of the full cache at ratio 0.5, and
+    """The trained pattern's target: its needle NLL within 0.1 nats of the full cache at ratio 0.5, and
     where it stands against the retrieval export, task by task."""
     def at(task: str, method: str, q: float) -> float | None:
         found = [r["nll"] for r in d["summary"] if r["task"] == task and r["method"] == method

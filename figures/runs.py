@@ -220,8 +220,8 @@ RUNS: dict[str, Run] = {run.name: run for run in (
     Run("train-smollm2", "slow", (
         ap("train-pattern", "--model", "smollm2-135m", "--threads", "2", "--out", "{out}", key="train"),
         ap("export", "--out", "{out}", "--format", "duo-attention", "--to", "{out}/duo")),
-        about="`attnprobe train-pattern --model smollm2-135m` at its defaults on two threads (issue 35's target: 20 "
-        "minutes, 4 GiB), and its DuoAttention export", minutes=20),
+        about="`attnprobe train-pattern --model smollm2-135m` at its defaults on two threads (sized for 20 minutes "
+        "and 4 GiB), and its DuoAttention export", minutes=20),
     Run("sink-groups", "slow", (helper("sink-groups", "{work}/demo-extended", "{out}/sink-groups.json"),),
         needs=("demo-extended",), about="all of SmolLM2's sink heads ablated at once, zero and mean", minutes=4),
     Run("dormant-sinks", "slow", (

@@ -1,12 +1,12 @@
 """The trained pattern's figure of docs/kv-cache.md ("Train a pattern"): `attnprobe train-pattern` at its defaults on
-SmolLM2-135M, its time and peak memory against issue 35's targets, and its gates."""
+SmolLM2-135M, its time and peak memory against the targets its defaults were sized for, and its gates."""
 
 from __future__ import annotations
 
 from figures import fmt
 from figures.registry import Outputs, figure
 
-TARGET_MINUTES = 20.0  # issue 35: the default run on SmolLM2-135M, two CPU cores
+TARGET_MINUTES = 20.0  # what the defaults were sized for: the default run on SmolLM2-135M, two CPU cores
 TARGET_GIB = 4.0
 
 

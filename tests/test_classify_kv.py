@@ -1,4 +1,4 @@
-"""The kv scheme (streaming / retrieval from sink_window) and the KV-cache estimate, on hand-built tables."""
+"""The kv scheme (streaming / full-cache from sink_window) and the KV-cache estimate, on hand-built tables."""
 
 import json
 import math
@@ -27,19 +27,20 @@ def kv_heads_table(values, heads_per_layer=None):
                          "sink_window": values})
 
 
-# Layer 0: heads 0, 1, 2 streaming, 3 retrieval; layer 1: head 0 retrieval, 1, 2, 3 streaming.
+# Layer 0: heads 0, 1, 2 streaming, 3 full-cache; layer 1: head 0 full-cache, 1, 2, 3 streaming.
 # With 2 KV heads per layer, KV head 0 of layer 0 and KV head 1 of layer 1 are streaming.
 GQA_VALUES = [0.99, 0.97, 0.96, 0.50, 0.20, 0.99, 0.98, 0.97]
 
 
 def test_threshold_boundary_and_option():
     table = kv_heads_table([0.95, 0.9499, 1.0, 0.0, NAN])
-    assert head_types(table, scheme="kv").tolist() == ["streaming", "retrieval", "streaming", "retrieval", "retrieval"]
+    assert head_types(table, scheme="kv").tolist() == ["streaming", "full-cache", "streaming", "full-cache",
+                                                       "full-cache"]
     moved = Thresholds(streaming_min_sink_window=0.9)
     assert head_types(table, moved, scheme="kv").tolist() == [
-        "streaming", "streaming", "streaming", "retrieval", "retrieval"]
+        "streaming", "streaming", "streaming", "full-cache", "full-cache"]
     assert head_types(table, Thresholds(streaming_min_sink_window=0.99), scheme="kv").tolist()[:2] == [
-        "retrieval", "retrieval"]
+        "full-cache", "full-cache"]
 
 
 @pytest.mark.parametrize("value", [-0.01, 1.5])
@@ -60,7 +61,7 @@ def test_all_missing_sink_window_names_the_fix():
 def test_classify_kv_columns_without_kv_heads():
     result = classify(kv_heads_table([0.96, 0.3]), scheme="kv")
     assert list(result.columns) == ["layer", "head", "head_type", "sink_window"]
-    assert result["head_type"].tolist() == ["streaming", "retrieval"]
+    assert result["head_type"].tolist() == ["streaming", "full-cache"]
     assert required_columns("kv") == ["layer", "head", "sink_window"]
 
 
@@ -93,10 +94,10 @@ def test_kv_heads_is_refused_outside_the_kv_scheme():
 
 def test_counts_per_layer_for_kv_keeps_zero_columns():
     counts = counts_per_layer(classify(kv_heads_table(GQA_VALUES, 4), scheme="kv"))
-    assert list(counts.columns) == ["streaming", "retrieval"]
+    assert list(counts.columns) == ["streaming", "full-cache"]
     assert counts.loc[0].tolist() == [3, 1] and counts.loc[1].tolist() == [3, 1]
     only_streaming = counts_per_layer(classify(kv_heads_table([0.99, 0.98]), scheme="kv"))
-    assert list(only_streaming.columns) == ["streaming", "retrieval"]
+    assert list(only_streaming.columns) == ["streaming", "full-cache"]
     assert only_streaming.loc[0].tolist() == [2, 0]
 
 
@@ -114,7 +115,7 @@ def test_cache_estimate_in_closed_form():
     assert result["assumptions"] == {"layers": 2, "kv_heads": 2, "head_dim": 8, "dtype_bytes": 2, "sink": 4,
                                      "window": 12}
     assert result["bytes_per_token_full"] == 128
-    assert result["counts"] == {"query_heads_streaming": 6, "query_heads_retrieval": 2, "kv_heads_streaming": 2,
+    assert result["counts"] == {"query_heads_streaming": 6, "query_heads_full_cache": 2, "kv_heads_streaming": 2,
                                 "kv_heads_total": 4}
     long = result["lengths"]["long"]
     assert (long["tokens"], long["full_bytes"], long["streaming_bytes"]) == (100, 12800, (2 * 16 + 2 * 100) * 32)
@@ -154,7 +155,7 @@ def test_default_and_extended_schemes_are_unchanged():
                  "previous_token", "sink_window"],
     )
     assert ALL_TYPES[:7] == ("previous", "local", "sink", "dormant", "copy", "broad", "mixed")
-    assert ALL_TYPES[7:] == ("streaming", "retrieval")
+    assert ALL_TYPES[7:] == ("streaming", "full-cache")
     assert required_columns() == ["layer", "head", "diagonal_unforced", "entropy_unforced", "entropy_norm"]
     assert required_columns("extended") == [*required_columns(), "first_token_unforced", "previous_token"]
     default = classify(table)
@@ -165,4 +166,21 @@ def test_default_and_extended_schemes_are_unchanged():
     extended = classify(table, scheme="extended")
     assert extended["head_type"].tolist() == ["previous", "copy", "broad", "mixed"]
     assert list(counts_per_layer(extended).columns) == ["previous", "local", "sink", "copy", "broad", "mixed"]
-    assert classify(table, scheme="kv")["head_type"].tolist() == ["streaming", "retrieval", "retrieval", "streaming"]
+    assert classify(table, scheme="kv")["head_type"].tolist() == ["streaming", "full-cache", "full-cache", "streaming"]
+
+
+def test_an_older_folders_retrieval_label_is_read_as_full_cache(tmp_path):
+    """head_types.csv (and compare_types.csv) written before the rename say `retrieval` for the kv scheme's
+    non-streaming heads: every reader (report, compare, plot) gets `full-cache`, and no label is called retrieval."""
+    from attnprobe import io
+    from attnprobe.classify import KV_TYPES
+    from attnprobe.compare import scheme_of
+
+    old = kv_heads_table([0.99, 0.20, 0.97, 0.10], heads_per_layer=2).assign(
+        head_type=["streaming", "retrieval", "streaming", "retrieval"], kv_head=0, kv_head_streaming=False)
+    old.to_csv(tmp_path / io.TYPES_FILE, index=False)
+    read = io.read_table(tmp_path, io.TYPES_FILE, ["layer", "head", "head_type"], "attnprobe classify")
+    assert read["head_type"].tolist() == ["streaming", "full-cache", "streaming", "full-cache"]
+    assert "retrieval" not in ALL_TYPES
+    assert scheme_of(read) == "kv"
+    assert read["head_type"].value_counts().reindex(KV_TYPES).tolist() == [2, 2]  # compare's counts

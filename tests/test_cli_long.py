@@ -51,7 +51,7 @@ def test_kv_scheme_writes_the_cache_estimate(long_results):
     assert classified.exit_code == 0, classified.output
     types = pd.read_csv(out / "head_types.csv")
     assert list(types.columns) == ["layer", "head", "head_type", "sink_window", "kv_head", "kv_head_streaming"]
-    assert set(types["head_type"]) <= {"streaming", "retrieval"}
+    assert set(types["head_type"]) <= {"streaming", "full-cache"}
     estimate = json.loads((out / "kv_cache.json").read_text())
     assert estimate["bytes_per_token_full"] == 2 * 2 * 8 * 2 * 4  # layers x kv heads x head_dim x (K, V) x float32
     assert estimate["assumptions"]["sink"] == 1 and estimate["assumptions"]["window"] == 8

@@ -250,6 +250,32 @@ def test_importance_and_probe_scores_join_the_grid(copy_of):
     assert "induction" in [s["key"] for s in page_data(build_report(copy_of).html)["scores"]]
 
 
+def test_retrieval_scores_join_the_grid_apart_from_the_full_cache_label(copy_of):
+    """retrieval_heads.csv's mean is a Colour by entry of its own (retrieval_score, with its interval), never the kv
+    scheme's label; an older kv head_types.csv's `retrieval` label is read as today's `full-cache`."""
+    heads = pd.read_csv(copy_of / io.HEADS_FILE)[["layer", "head"]]
+    scores = np.linspace(0.0, 1.0, len(heads))
+    table = heads.assign(kv_head=heads["head"], mean=scores, ci_low=scores / 2, ci_high=(1 + scores) / 2,
+                         trials=10, needle_mass=0.1)
+    table.to_csv(copy_of / io.RETRIEVAL_FILE, index=False)
+    spec = json.loads((copy_of / io.RUN_FILE).read_text())["model"]["spec"]
+    (copy_of / io.RETRIEVAL_RUN_FILE).write_text(json.dumps({"model": {"spec": spec}}))
+    measured = pd.read_csv(copy_of / io.HEADS_FILE)[["layer", "head", "sink_window"]]
+    old = measured.assign(head_type=np.where(heads["head"] % 2 == 0, "streaming", "retrieval"),
+                          kv_head=heads["head"], kv_head_streaming=False)
+    old.to_csv(copy_of / io.TYPES_FILE, index=False)
+    data = page_data(build_report(copy_of).html)
+    entry = next(s for s in data["scores"] if s["key"] == "retrieval_score")
+    assert entry["source"] == io.RETRIEVAL_FILE and "needle" in entry["label"]
+    assert data["values"]["retrieval_score"] == pytest.approx(scores.tolist(), abs=1e-4)
+    assert data["scheme"] == "kv"
+    assert data["types"] == ["streaming" if h % 2 == 0 else "full-cache" for h in heads["head"]]
+    (copy_of / io.RETRIEVAL_RUN_FILE).write_text(json.dumps({"model": {"spec": "another-model"}}))
+    page = build_report(copy_of)
+    assert "retrieval_score" not in [s["key"] for s in page_data(page.html)["scores"]]
+    assert any("retrieval_heads.csv is from another model" in note for note in page.notes)
+
+
 def test_without_head_types_the_default_rule_applies(copy_of):
     (copy_of / io.TYPES_FILE).unlink()
     page = build_report(copy_of)

@@ -130,6 +130,35 @@ def test_a_bfloat16_model_keeps_its_gates_and_loss_in_float32(tmp_path, models):
     assert torch.equal(hidden(loaded, ids, ones, rows), streamed(loaded, ids, np.zeros((2, 2), dtype=bool)))
 
 
+def test_a_bfloat16_models_loss_is_the_float32_models_within_its_hidden_states_rounding(models):
+    """The distillation loss of a bfloat16 model is the float32 mean of its own hidden states' squared difference
+    (the loss adds no rounding of its own), and its root differs from the float32 model's by no more than the two
+    hidden states' bfloat16 rounding: |sqrt(L16) - sqrt(L32)| <= rms(full16 - full32) + rms(gated16 - gated32) (the
+    triangle inequality of the root mean square), so a larger bfloat16 loss than float32's at the same gates is the
+    model's rounding, which float32 gates and loss cannot remove."""
+    model32 = models["llama-gqa"]
+    model16 = load_model(model32.source, "cpu", "bfloat16")
+    ids, span = ids_of(40, seed=2), torch.arange(40) >= 24
+    settings = tp.Settings(lengths=(40,), sink=SINK, recent=RECENT)
+    rows = gated_rows(model32)
+    gates = torch.tensor([[0.5, 0.75]] * len(rows))  # exact in bfloat16 too: no gate is rounded on either side
+    found = {}
+    for name, loaded in (("32", model32), ("16", model16)):
+        full = tp.full_hidden(loaded, ids, span, settings)  # [span, hidden] float32
+        with torch.no_grad(), tp.gating(loaded, gates, rows, SINK, RECENT):
+            gated = tp.last_hidden(loaded, ids)[0, span].float()  # [span, hidden]
+            distill, _ = tp.loss_terms(loaded, gates, ids, span, full, 0.05)
+        found[name] = (full.double(), gated.double(), float(distill))
+    (full32, gated32, loss32), (full16, gated16, loss16) = found["32"], found["16"]
+    terms = int(span.sum()) * full16.shape[-1]
+    own = float((full16 - gated16).square().mean())
+    assert loss16 == pytest.approx(own, rel=terms * 2.0**-24)  # float32 sums of `terms` squares: n u at most
+    assert loss16 > 0 and loss32 > 0
+    bound = float((full16 - full32).square().mean().sqrt() + (gated16 - gated32).square().mean().sqrt())
+    gap = abs(loss16**0.5 - loss32**0.5)
+    assert gap <= bound * (1 + 1e-6) + terms * 2.0**-24 * loss32**0.5, (gap, bound)
+
+
 @pytest.mark.parametrize("name, eps, rel", [
     ("gpt2", 1e-6, 1e-6),
     ("llama-gqa", 1e-3, 1e-3),  # Llama's RMSNorm and rotary embedding compute in float32 even in a float64 model

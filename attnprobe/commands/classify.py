@@ -26,7 +26,7 @@ def classify(
     out: ResultsOption = DEFAULT_OUT,
     scheme: Annotated[
         SchemeChoice, typer.Option(help="default: local/copy/broad/mixed; extended adds previous, sink and dormant; "
-                                   "kv: streaming/retrieval from sink_window, with a KV-cache estimate.")
+                                   "kv: streaming/full-cache from sink_window, with a KV-cache estimate.")
     ] = SchemeChoice.default,
     local_min_diagonal: Annotated[
         float, typer.Option(help="Local if at least this share of attention is within +-2 tokens "
@@ -116,7 +116,7 @@ def classify_kv(out: Path, heads, thresholds) -> tuple:
 
 def kv_table(estimate: dict) -> Table:
     counts, a = estimate["counts"], estimate["assumptions"]
-    query_heads = counts["query_heads_streaming"] + counts["query_heads_retrieval"]
+    query_heads = counts["query_heads_streaming"] + counts["query_heads_full_cache"]
     table = Table(
         title=f"KV cache if streaming KV heads keep only {a['sink']} sink + {a['window']} recent tokens",
         caption=f"{counts['query_heads_streaming']} of {query_heads} query heads streaming; "

@@ -12,6 +12,9 @@ EXAMPLES_FILE = "examples.npz"  # up to MAX_EXAMPLES example sentences' maps, fo
 MAX_EXAMPLES = 8
 REPORT_FILE = "report.html"  # report: the run as one self-contained page
 TYPES_FILE = "head_types.csv"
+# Head types renamed after results folders were written with them: old label -> today's. Until 2026-11-29 classify
+# --scheme kv called its non-streaming heads `retrieval`; the word now names only `attnprobe retrieval`'s score.
+RENAMED_TYPES = {"retrieval": "full-cache"}
 CATEGORIES_FILE = "categories.csv"
 PROBE_FILE = "probe.csv"
 PROBE_RUN_FILE = "probe.json"

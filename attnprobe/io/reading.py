@@ -20,6 +20,7 @@ from attnprobe.io.names import (
     COMPARE_TYPES_FILE,
     EXAMPLE_FILE,
     EXAMPLES_FILE,
+    RENAMED_TYPES,
     RESAMPLES_FILE,
     RUN_FILE,
     SENTENCES_FILE,
@@ -87,6 +88,8 @@ def read_table(out: str | Path, name: str, columns: Iterable[str], made_by: str)
         )
     if frame.empty:
         raise AttnprobeError(f"{path} has no rows: run `{made_by}` again")
+    if "head_type" in frame.columns:  # an older folder's labels under today's names
+        frame["head_type"] = frame["head_type"].replace(RENAMED_TYPES)
     not_numbers = [c for c in columns if c not in TEXT_COLUMNS and not pd.api.types.is_numeric_dtype(frame[c])]
     if not_numbers:
         raise AttnprobeError(

@@ -30,7 +30,7 @@ from attnprobe.plotting.style import (
 PICK_BY = {  # the clearest head of each type: (column, largest?)
     "previous": ("previous_token", True), "local": ("diagonal_unforced", True), "sink": ("first_token_unforced", True),
     "dormant": ("output_norm_ratio", False), "copy": ("entropy_unforced", False), "broad": ("entropy_norm", True),
-    "streaming": ("sink_window", True), "retrieval": ("sink_window", False),
+    "streaming": ("sink_window", True), "full-cache": ("sink_window", False),
 }
 
 

@@ -20,7 +20,7 @@ from attnprobe.naming import visible
 
 TYPE_COLORS = {  # previous sits inside local and sink inside copy: each pair told apart by hue, not shade
     "previous": "#e6ab02", "local": "#1b9e77", "sink": "#e7298a", "dormant": "#8e0152", "copy": "#d95f02",
-    "broad": "#7570b3", "mixed": "#a6a6a6", "streaming": "#4575b4", "retrieval": "#d73027",
+    "broad": "#7570b3", "mixed": "#a6a6a6", "streaming": "#4575b4", "full-cache": "#d73027",
 }
 
 

@@ -213,7 +213,7 @@
   }
   function typeOrder() {
     const orders = { default: ["local", "copy", "broad", "mixed"], extended: ["previous", "local", "sink", "dormant",
-      "copy", "broad", "mixed"], kv: ["streaming", "retrieval"] };
+      "copy", "broad", "mixed"], kv: ["streaming", "full-cache"] };
     const order = (orders[D.scheme] || []).slice();
     D.types.forEach((t) => { if (t && !order.includes(t)) order.push(t); });
     return order;
