@@ -549,7 +549,7 @@ def _positions(out: Path, heads: pd.DataFrame, n_layers: int, n_heads: int) -> d
 def _related(out: Path, run: dict[str, Any], n_layers: int, n_heads: int, notes: list[str]) -> dict[str, Any] | None:
     """Per head (layer * heads + head), its NEAREST heads by JS divergence and the divergences, from
     head_similarity.npz when `attnprobe related` wrote one for this model (else None, with a note)."""
-    from attnprobe.similarity import NEAREST, nearest_heads
+    from attnprobe.headspace import NEAREST, nearest_heads
 
     similarity = io.read_similarity(out)
     if similarity is None:

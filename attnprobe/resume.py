@@ -24,7 +24,7 @@ import numpy as np
 
 from attnprobe.accumulate import TOKEN_SUMS
 from attnprobe.errors import AttnprobeError, plain
-from attnprobe.maps import map_fault
+from attnprobe.mapcheck import map_fault
 from attnprobe.threads import recorded_threads
 
 DEFAULT_EVERY_SECONDS = 300.0  # a checkpoint every five minutes

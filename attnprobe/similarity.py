@@ -3,13 +3,12 @@
 For two heads a and b and one query row, P and Q are the two heads' attention over the row's keys and
 M = (P + Q) / 2. JS(P, Q) = H(M) - (H(P) + H(Q)) / 2 in nats: 0 for identical rows, ln 2 for rows on
 disjoint keys, symmetric. `head_similarity` averages it over every unforced query row (a row with 2 or
-more keys) of a sample of sentences, for all pairs of heads at once. Pure torch below `head_similarity`;
-`classical_mds` turns the matrix into 2-D coordinates for a picture.
+more keys) of a sample of sentences, for all pairs of heads at once. Pure torch below `head_similarity`, which
+runs the model; what the matrix says about the heads (nearest heads, clusters, 2-D coordinates) is headspace.py's.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,15 @@ import torch
 from torch import Tensor
 
 from attnprobe import limits
+from attnprobe.batching import clipped, length_batches, pad_batch, tokenize_sentences
+from attnprobe.corpus import IN_MEMORY, as_corpus, read_corpus
 from attnprobe.errors import AttnprobeError
+from attnprobe.headspace import LN2, NEAREST, classical_mds, cluster, nearest_heads  # noqa: F401 (API: as before)
+from attnprobe.model import as_loaded, stream_attention
+from attnprobe.records import model_weights
 
 SENTENCES = 200  # default sample: at most this many sentences, spread evenly over the corpus
 MAX_TOKENS = 64  # default: each sentence cut to its first 64 tokens
-NEAREST = 5  # the report lists this many nearest heads of the selected one
 # default budget in head-pair rows (pairs of heads x query rows): the pairwise JS costs one log per pair and entry,
 # so a 32 x 32 model (523,776 pairs) would take ~20 min on 200 sentences of 64 tokens on 2 CPU cores; within the
 # budget it samples 30 (minutes), while up to 12 x 12 heads (and 30 x 9) the default 200 sentences fit in it whole
@@ -31,7 +34,6 @@ PAIR_ROWS = 10**9
 BUDGET = 1 << 16  # elements (float32) of `pairwise_js_sums`' temporary per CPU thread: 256 KiB, in its cache
 GPU_BUDGET = 1 << 26  # on an accelerator: 256 MiB, so that few kernels are launched
 FLUSH = 1 << 22  # weights buffered (heads x entries) before `PairwiseJS` folds them into the sums: 16 MiB
-LN2 = math.log(2.0)  # the largest JS divergence of two distributions, in nats
 TINY = torch.finfo(torch.float32).tiny  # float32's smallest normal number, 1.2e-38
 
 
@@ -188,23 +190,9 @@ class HeadSimilarity:
         return nearest_heads(self.js, self.layer, self.head, layer, head, count)
 
 
-def nearest_heads(js: np.ndarray, layers: np.ndarray, heads: np.ndarray, layer: int, head: int,
-                  count: int = NEAREST) -> list[tuple[int, int, float]]:
-    """(layer, head, JS) of the `count` heads of smallest JS to (layer, head), itself left out; ties by index."""
-    match = np.flatnonzero((layers == layer) & (heads == head))
-    if not len(match):
-        raise AttnprobeError(f"no head L{layer}H{head} in this similarity matrix")
-    i = int(match[0])
-    order = [j for j in np.argsort(js[i], kind="stable") if j != i][:count]
-    return [(int(layers[j]), int(heads[j]), float(js[i, j])) for j in order]
-
-
 def batch_rows(loaded: Any, batch: list[list[int]]) -> list[tuple[Tensor, int]]:
     """Run one batch of token ids (a model.LoadedModel); per sentence, the weights of its unforced rows for
     every layer and head, [layer * head, entry] (layer-major), and how many rows they are (`row_entries`)."""
-    from attnprobe.batching import pad_batch
-    from attnprobe.model import stream_attention
-
     lengths = [len(ids) for ids in batch]
     input_ids, mask = pad_batch(batch, loaded.device)  # [batch, seq] each
     found: list[list[Tensor]] = [[] for _ in batch]  # per sentence, per layer [head, entry]
@@ -232,10 +220,6 @@ def head_similarity(
     tokenizer) pair; `corpus`: a file, a Corpus or a list of sentences. A decoder's maps of a prefix equal its
     full maps cropped; an encoder sees only the tokens kept.
     """
-    from attnprobe.batching import clipped, length_batches, tokenize_sentences
-    from attnprobe.corpus import as_corpus
-    from attnprobe.model import as_loaded
-
     check_settings(sentences, max_tokens, batch_size, pair_rows)
     corpus = as_corpus(corpus)
     loaded = as_loaded(model, device, dtype)
@@ -279,8 +263,6 @@ def check_same_weights(run: dict[str, Any], loaded: Any, out: str | Path) -> Non
     """Refuse to measure a model whose weights are not those the run in `out` measured (re-saved, or another
     folder of the same name from here): run.json's `model.weights` fingerprint (records.model_weights) must be
     the loaded model's. A run.json without one (older, or a model the caller loaded) is not checked."""
-    from attnprobe.records import model_weights
-
     recorded = run["model"].get("weights")
     if not recorded:
         return
@@ -295,8 +277,6 @@ def check_same_weights(run: dict[str, Any], loaded: Any, out: str | Path) -> Non
 
 def run_corpus(run: dict[str, Any], out: str | Path) -> Any:
     """The corpus `analyze` measured (run.json's path, split and --limit), refused when it changed since."""
-    from attnprobe.corpus import IN_MEMORY, read_corpus
-
     corpus = run.get("corpus") or {}
     path = corpus.get("path")
     if path == IN_MEMORY:
@@ -310,37 +290,3 @@ def run_corpus(run: dict[str, Any], out: str | Path) -> Any:
         raise AttnprobeError(f"corpus {path} changed since `attnprobe analyze` measured it (its sha256 differs from "
                              f"run.json's): run `attnprobe analyze --out {out}` again")
     return sentences
-
-
-def cluster(js: np.ndarray) -> np.ndarray:
-    """Average-linkage hierarchical clustering of the heads on the JS distance sqrt(JS), leaves in optimal order
-    (neighbours in the order are as alike as the tree allows): a scipy linkage matrix [head - 1, 4]."""
-    from scipy.cluster.hierarchy import linkage, optimal_leaf_ordering
-    from scipy.spatial.distance import squareform
-
-    distances = squareform(np.sqrt(np.clip(np.asarray(js, dtype=np.float64), 0.0, None)), checks=False)
-    return optimal_leaf_ordering(linkage(distances, method="average"), distances)
-
-
-def classical_mds(js: np.ndarray, dims: int = 2) -> tuple[np.ndarray, np.ndarray]:
-    """Classical (Torgerson) multidimensional scaling of the JS distance sqrt(JS), a metric: [head, head] ->
-    (coordinates [head, dims], share of the variance each axis shows [dims]).
-
-    B = -1/2 C JS C with C the centring matrix (JS is the squared distance); the coordinates are B's top
-    eigenvectors scaled by the square roots of their eigenvalues. Distances in the plane approximate
-    sqrt(JS); the shares say how much of the spread they keep (the rest lies in other directions).
-    """
-    js = np.asarray(js, dtype=np.float64)
-    n = js.shape[0]
-    centring = np.eye(n) - np.full((n, n), 1.0 / n)  # [head, head]
-    inner = -0.5 * centring @ js @ centring  # [head, head]
-    values, vectors = np.linalg.eigh((inner + inner.T) / 2)  # ascending
-    order = np.argsort(values)[::-1][:dims]
-    kept = np.clip(values[order], 0.0, None)  # [dims]
-    coords = vectors[:, order] * np.sqrt(kept)  # [head, dims]
-    positive = values[values > 0].sum()
-    shares = kept / positive if positive > 0 else np.zeros_like(kept)
-    if coords.shape[1] < dims:  # fewer heads than axes
-        coords = np.pad(coords, ((0, 0), (0, dims - coords.shape[1])))
-        shares = np.pad(shares, (0, dims - len(shares)))
-    return coords, shares

@@ -3,7 +3,6 @@ example maps; a checkpoint while it runs)."""
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -19,7 +18,6 @@ from attnprobe.commands.common import (
     err_console,
     freeze_imports,
     friendly_errors,
-    hold_out,
     loading,
     out_console,
     release_offload,
@@ -159,40 +157,27 @@ def analyze(
 
     from attnprobe import distributed, io, layer_progress
     from attnprobe.analysis import analyze_loaded
+    from attnprobe.commands.folder import ResultsFolder
     from attnprobe.corpus import read_corpus
     from attnprobe.model import load_model, parse_max_memory
     from attnprobe.planning import Options, check_options
     from attnprobe.resume import Checkpointing, Stopped
 
     freeze_imports()
-    started = time.time()
+    folder = ResultsFolder(out, "analyze", {"--corpus": corpus, "--model": model})
     options = Options(attention=attention.value, sink=sink_tokens, window=window, budget_mib=block_mib,
                       value_weighted=value_weighted, top_tokens=top_tokens, top_tokens_min=top_tokens_min)
     check_options(batch_size, resamples, seed, options)
     world = distributed.current()  # under torchrun: this process's rank; rank 0 alone writes and prints
-    io.check_out_dir(out)
+    folder.check()
     sentences = read_corpus(corpus, split=split.value).head(limit)
     if checkpoint_every < 0:
         raise AttnprobeError(f"--checkpoint-every {checkpoint_every} is negative: use 0 or more seconds")
     limits.check_real("--checkpoint-every", checkpoint_every, 0.0, limits.MAX_CHECKPOINT_SECONDS, 300)
     check_placement(device_map, max_memory)
-    io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
-    if world.size == 1:  # under torchrun another rank may be writing already: rank 0 cleans at the end
-        hold_out(out)  # a second run into this folder is refused
-        # what a killed run left (a half-written checkpoint, rows), never the run's inputs
-        io.remove_stale_temps(out, started, keep=(corpus, model))
-    io.check_checkpoint_slots(out)  # a folder named checkpoint.npz: refused now, not at the first save
-    # under torchrun every rank saves its own; under --overwrite under another name, so that the stopped run's
-    # checkpoint stays until this run completes (and --resume continues the replacing run where it left one)
-    saved = io.resumed_name(out, world.rank, world.size) if resume else \
-        io.checkpoint_name(world.rank, world.size, replacing=overwrite)
-    waiting = io.checkpoint_files(out)  # of this process count or any other
-    if waiting and not resume and not overwrite:
-        raise AttnprobeError(f"{Path(out) / waiting[0]} holds a stopped run: add --resume to continue it (with as "
-                             "many processes as it had), or --overwrite to discard it and start again")
-    if resume and overwrite:
-        raise AttnprobeError("--resume and --overwrite contradict each other: --resume continues the stopped run, "
-                             "--overwrite discards it; pass one")
+    # under torchrun another rank may be writing already: rank 0 cleans at the end
+    folder.take(hold=world.size == 1)
+    saved = folder.checkpoint(resume, overwrite, world.rank, world.size)
     checkpointing = Checkpointing(
         save=lambda state: io.write_files(out, {saved: io.npz_writer(**state.to_arrays())}),
         resume_from=io.read_checkpoint(out, saved) if resume else None, every_seconds=checkpoint_every,
@@ -227,11 +212,7 @@ def analyze(
                 parquet = [io.join_sentence_parts(out, world.size)] if world.is_main else []
     except Stopped as err:
         if world.is_main:
-            how = "the same command with --resume in place of --overwrite (the stopped run it replaces is kept " \
-                "until this one completes)" if overwrite else "the same command and --resume"
-            again = f"Continue with {how}" if io.checkpoint_files(out) else \
-                "Nothing was measured: run the same command again"  # stopped before the first checkpoint
-            err_console.print(f"Interrupted: {err}. {again}.", markup=False, soft_wrap=True)
+            folder.stopped(err, overwrite)
         raise typer.Exit(130) from None
     finally:
         distributed.leave(world)
@@ -257,28 +238,11 @@ def analyze(
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
     if result.top_tokens is not None:
         files[io.TOP_TOKENS_FILE] = io.csv_writer(result.top_tokens)
-    # from an earlier run that wrote what this one did not (a tagged corpus' categories.csv, --top-tokens, resamples,
-    # --per-sentence's sentences.parquet): run.json's record of this run's files would refuse them anyway
-    stale = [name for name in io.RUN_FILES if name not in files and not (per_sentence and name == io.SENTENCES_FILE)]
-    # and what classify, plot, report and compare made from the earlier run: only in a folder that held one
-    earlier = (Path(out) / io.RUN_FILE).is_file()
-    stale = [name for name in stale if (Path(out) / name).is_file()] + io.derived_files(out) if earlier else []
-    before = io.readable_record(out) if earlier else None
-    # run.json last, with the sha256 of every other file (plot, report, ... refuse one from another run)
-    written = [*io.write_run(out, files, result.run, remove=io.checkpoint_files(out), written=parquet), *parquet]
-    if before is not None and before == io.readable_record(out):
-        stale = []  # the same results, file for file (a rerun): what classify, plot, ... made from them still match
-    io.remove_files(out, stale)
-    io.remove_stale_temps(out, started, keep=(corpus, model))
+    # run.json last, with the sha256 of every other file (plot, report, ... refuse one from another run); the earlier
+    # run's files that no longer match go
+    written, stale = folder.finish(files, result.run, parquet, kept=(io.SENTENCES_FILE,) if per_sentence else ())
     run = result.run
-    if stale:
-        err_console.print(f"Note: removed {len(stale)} file(s) made from the earlier run in {out}, which no longer "
-                          f"match its results: {', '.join(stale)}; run classify, plot or report again to remake them",
-                          markup=False, highlight=False, soft_wrap=True)
-    for command, names, theirs in io.other_model_files(out, run["model"]):
-        err_console.print(f"Note: kept {', '.join(names)} in {out}: `attnprobe {command}` results for {theirs}, not "
-                          f"{run['model']['spec']}; move them, or run `attnprobe {command}` again",
-                          markup=False, highlight=False, soft_wrap=True)
+    folder.say_left(stale, run["model"])
     if run["truncated_sentences"]:
         err_console.print(f"Warning: {truncation_message(run)}", markup=False, soft_wrap=True)
     for note in run.get("notes", []):

@@ -27,6 +27,7 @@ from attnprobe.io.names import (
     SIMILARITY_FILE,
 )
 from attnprobe.io.records import check_checkpoint_slots, check_written_by_run, checkpoint_files
+from attnprobe.mapcheck import map_problem
 
 TEXT_COLUMNS = ("head_type", "category")  # every other column a reader asks for must hold numbers
 
@@ -147,9 +148,7 @@ def read_example(out: str | Path) -> dict[str, Any] | None:
 
 
 def _check_maps(maps: np.ndarray, name: str) -> None:
-    """ValueError when the stored `maps` are not attention maps (maps.map_problem): never drawn as if they were."""
-    from attnprobe.maps import map_problem
-
+    """ValueError when the stored `maps` are not attention maps (mapcheck.map_problem): never drawn as if they were."""
     problem = map_problem(maps)
     if problem is not None:
         raise ValueError(f"{name}: {problem}")

@@ -118,7 +118,7 @@ def head_similarity_figure(
     (layer, head)s first, then each cluster's centre), spaced so that no two names overlap."""
     from scipy.cluster.hierarchy import dendrogram, fcluster, leaves_list
 
-    from attnprobe.similarity import LN2, cluster
+    from attnprobe.headspace import LN2, cluster
 
     n = len(layers)
     tree = cluster(js) if n >= 2 else None
@@ -245,7 +245,7 @@ def head_map_figure(
 ) -> Figure:
     """Every head as a dot placed by classical multidimensional scaling of sqrt(JS): heads that attend alike lie
     close together. Coloured by head type; the `labelled` (layer, head)s are named."""
-    from attnprobe.similarity import classical_mds
+    from attnprobe.headspace import classical_mds
 
     coords, shares = classical_mds(js)
     kinds = head_kinds(layers, heads, types)
