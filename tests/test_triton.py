@@ -172,6 +172,7 @@ def test_bfloat16_inputs_give_float32_statistics_within_bfloat16s_rounding():
     assert float((output.double() - reference)[real].abs().max()) < 4 * 2**-8 * scale
 
 
+@needs_triton
 def test_triton_is_refused_on_a_cpu_without_the_interpreter(monkeypatch, llama_dir):
     monkeypatch.delenv(triton_path.INTERPRET, raising=False)
     loaded = load_model(str(llama_dir), "cpu")
