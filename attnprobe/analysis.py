@@ -178,7 +178,8 @@ def analyze_loaded(
     run["distributed"] = {"world_size": world.size, "sentences_per_rank": world.counts(scanned.sentences)}
     # what identifies the weights measured: `related` loads the model again and must find these weights
     run["model"]["weights"] = fingerprint["model_sha256"] if checkpointing is not None else model_weights(loaded)
-    run["attention"] = plan.record(loaded.device, measured.sequences, scanned.sentences)
+    run["attention"] = plan.record(loaded.device, measured.sequences, scanned.sentences,
+                                   getattr(torch, loaded.dtype, torch.float32))
     run["value_weighted"] = plan.weighted
     run["summary"] = summary
     run["bootstrap"] = bootstrap_record(shape, scanned.lengths, resamples)
@@ -494,7 +495,7 @@ def measure_batch(
         ran = kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
                          budget_mib=options.budget_mib, block_rows=options.block_rows,
                          example=examples[0][:2] if examples else None, fused=plan.fused,
-                         projections=projections, keep_rows=bool(resamplers), tokens=tokens)
+                         projections=projections, keep_rows=bool(resamplers), tokens=tokens, triton=plan.triton)
     else:
         modules = plan.modules
 

@@ -14,7 +14,7 @@ from attnprobe import kernel, limits, values
 from attnprobe import tokens as token_classes
 from attnprobe.bootstrap import DEFAULT_RESAMPLES
 from attnprobe.errors import AttnprobeError
-from attnprobe.kernel import DEFAULT_BUDGET_MIB
+from attnprobe.kernel import DEFAULT_BUDGET_MIB, triton_path
 from attnprobe.metrics import METRICS, POSITION_METRICS, RECENT_WINDOW, SINK_TOKENS, SPECIAL, TOKEN_METRICS
 from attnprobe.model import LoadedModel, attention_modules
 from attnprobe.scores import VW_METRICS, VW_POSITION_METRICS
@@ -24,7 +24,7 @@ from attnprobe.scores import VW_METRICS, VW_POSITION_METRICS
 class Options:
     """How the statistics are computed; none of these changes a value beyond float rounding."""
 
-    attention: str = "auto"  # auto | blocked | eager
+    attention: str = "auto"  # auto | triton | fused | blocked | eager
     sink: int = SINK_TOKENS  # sink_window: the first S keys
     window: int = RECENT_WINDOW  # ... and the W most recent
     budget_mib: float = DEFAULT_BUDGET_MIB  # memory for one block of attention rows
@@ -34,7 +34,7 @@ class Options:
     top_tokens_min: int = token_classes.MIN_OCCURRENCES  # top_tokens.csv: tokens occurring at least this often
 
 
-ATTENTION_CHOICES = ("auto", "fused", "blocked", "eager")
+ATTENTION_CHOICES = ("auto", "triton", "fused", "blocked", "eager")
 
 
 def check_options(
@@ -53,7 +53,7 @@ def check_options(
     if options is None:
         return
     if options.attention not in ATTENTION_CHOICES:
-        raise AttnprobeError(f"unknown --attention {options.attention!r}: use auto, fused, blocked or eager")
+        raise AttnprobeError(f"unknown --attention {options.attention!r}: use auto, triton, fused, blocked or eager")
     if options.sink < 0:
         raise AttnprobeError(f"--sink-tokens {options.sink} is negative: use 0 or more (default {SINK_TOKENS})")
     if options.window < 1:
@@ -72,13 +72,13 @@ def check_options(
 def fused_from(path: str, attention: str) -> int | None:
     """The shortest batch the fused kernel runs: always under --attention fused; under auto from
     kernel.FUSED_MIN_TOKENS on (shorter batches run blocked, where the fused kernel's extra calls cost more
-    than they save); never otherwise."""
-    if path != "fused":
+    than they save), and likewise for the layers the Triton path leaves to the others; never otherwise."""
+    if path not in ("fused", "triton"):
         return None
     return 0 if attention == "fused" else kernel.FUSED_MIN_TOKENS
 
 
-PATHS = ("fused", "blocked", "eager")
+PATHS = ("triton", "fused", "blocked", "eager")
 
 
 def sequence_paths(counted: dict[str, int], sentences: int) -> dict[str, int]:
@@ -92,16 +92,24 @@ def sequence_paths(counted: dict[str, int], sentences: int) -> dict[str, int]:
 
 
 def attention_path(loaded: LoadedModel, attention: str) -> str:
-    """`fused` (the fused kernel's logsumexp), `blocked` (attnprobe's statistics attention, O(n) memory) or
-    `eager` (hooks on eager maps).
+    """`triton` (the statistics inside a Triton attention kernel), `fused` (the fused kernel's logsumexp), `blocked`
+    (attnprobe's statistics attention, O(n) memory) or `eager` (hooks on eager maps). auto takes triton on a CUDA
+    device where triton imports, else fused; --attention triton elsewhere is refused (triton_path.unavailable).
 
     `attention` is one of ATTENTION_CHOICES (check_options has checked it).
     """
     if attention == "eager":
         return "eager"
+    if attention == "triton":
+        why_not = triton_path.unavailable(loaded.device)
+        if why_not is not None:
+            raise AttnprobeError(why_not)
     reason = kernel.unsupported(loaded)
     if reason is None:
-        return "fused" if attention == "auto" else attention
+        if attention == "auto":
+            on_gpu = loaded.device.type == "cuda" and triton_path.unavailable(loaded.device) is None
+            return "triton" if on_gpu else "fused"
+        return attention
     if attention != "auto":
         raise AttnprobeError(f"--attention {attention} does not implement {reason}: use --attention eager or auto")
     return "eager"
@@ -149,7 +157,7 @@ class Plan:
     """
 
     options: Options
-    path: str  # fused | blocked | eager (attention_path)
+    path: str  # triton | fused | blocked | eager (attention_path)
     projections: list[Any] | None  # each layer's output projection when the value-weighted scores are measured
     weighted: dict[str, Any]  # run.json's `value_weighted`: measured, or why not (value_weighted_plan)
     discovery: kernel.Discovery  # what the statistics attention learnt of each layer (kernel.discover)
@@ -166,6 +174,11 @@ class Plan:
         """The shortest batch the fused kernel runs (fused_from)."""
         return fused_from(self.path, self.options.attention)
 
+    @property
+    def triton(self) -> bool:
+        """Whether the layers the Triton kernel covers run through it."""
+        return self.path == "triton"
+
     def names(self, special: bool) -> tuple[str, ...]:
         """The per-head scores (score_names); `special`: the tokenizer adds special tokens."""
         return score_names(special, self.measures_values)
@@ -179,7 +192,8 @@ class Plan:
         """This plan without the value-weighted scores: for a pass that keeps only attention maps."""
         return replace(self, projections=None)
 
-    def record(self, device: torch.device, sequences: dict[str, int], sentences: int) -> dict[str, Any]:
+    def record(self, device: torch.device, sequences: dict[str, int], sentences: int,
+               dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """run.json's `attention`: what was asked, the path that ran and the features it saw, and how many of the
         run's `sentences` sequences each path measured (`sequences`, path -> count, see sequence_paths)."""
         options = self.options
@@ -189,6 +203,10 @@ class Plan:
         }
         if self.path == "eager" and options.attention == "auto":
             record["why_eager"] = self.discovery.reason
+        if self.path == "triton":  # the layers it leaves (not_triton) run fused from fused_min_tokens, or blocked
+            record.update(triton_path.record(self.discovery.features, dtype))
+            if record["not_triton"]:
+                record["fused_min_tokens"] = self.fused
         if self.path == "fused":  # the others (windows, soft-capping, sinks) ran blocked
             record["fused_layers"] = self.discovery.fused_layers(device)
             record["fused_min_tokens"] = self.fused

@@ -12,19 +12,25 @@ it measured), with every step's output in FOLDER/gpu-check.log:
                 `pip install --no-deps --no-build-isolation --no-index -e .` (the machine has no internet; the dry
                 run adds --dry-run), then a check that every module the steps import is there: a missing one stops
                 the run with one line naming the wheel to carry and the `pip download` line that fetches it;
-  tests       - `pytest -m cuda tests/test_gpu.py tests/test_train_pattern.py`: the real CUDA kernel against the
-                stand-in and a float64 softmax, fused = blocked = eager on the zoo's gpt2, llama, qwen2, mistral and
-                bert in float32 and bfloat16, no [n, n] map, train-pattern on the GPU in bfloat16 (all skipped on
-                CPU);
+  tests       - `pytest -m "cuda or triton" tests/test_gpu.py tests/test_train_pattern.py tests/test_triton.py`:
+                the real CUDA kernel against the stand-in and a float64 softmax, fused = blocked = eager on the zoo's
+                gpt2, llama, qwen2, mistral and bert in float32 and bfloat16, the compiled Triton kernel against a
+                float64 map and triton = blocked on the same families and gemma2, no [n, n] map, train-pattern on
+                the GPU in bfloat16 (all skipped on CPU; the dry run runs `-m cuda` only, the Triton tests run
+                under the interpreter in the ordinary suite);
   bench       - a random model of Llama-3.2-1B's published shape (hidden 2048, 16 layers, 32 heads, 8 KV heads,
                 intermediate 8192, vocabulary 128256, RoPE theta 500000 with llama3 scaling) in bfloat16, base model
                 (no LM head): the short benchmark (64 sentences of 8-40 tokens in right-padded batches of 8) and the
                 long one (one sequence of 4k, 16k and 32k tokens), each way after a warm-up: `sdpa` (the model's SDPA
                 forward, the floor, restricted to the flash/efficient/cuDNN kernels so that a fallback to the math
                 kernel fails instead of timing it; `flash_attention_2` too where the flash_attn package is
-                installed), `fused` (kernel.run_batch on the fused path), `fused+vw` (with the value-weighted
-                scores, analyze's default) and `blocked` (block budget BLOCKED_MIB); time (CUDA-synchronized) and
-                peak GPU memory (torch.cuda.max_memory_allocated, also above the loaded model);
+                installed), `triton` and `triton+vw` (kernel.run_batch on the Triton path, without and with the
+                value-weighted scores; at the first and last length and on the short sentences, where triton runs;
+                the dry run at its first length only, under Triton's interpreter), `fused` (kernel.run_batch on the
+                fused path), `fused+vw` (with the value-weighted scores, analyze's default) and `blocked` (block
+                budget BLOCKED_MIB); every way is
+                warmed up first on one sequence and on a padded batch; time (CUDA-synchronized) and peak GPU memory
+                (torch.cuda.max_memory_allocated, also above the loaded model);
   train       - `attnprobe train-pattern`'s optimization (trainpattern.train_pattern_loaded) on the same model in
                 bfloat16: TRAIN_STEPS steps on samples of TRAIN_LENGTH random tokens whose last TRAIN_TAIL repeat
                 tokens from a quarter of the way in (the loss is taken on them), sink 128 + recent 256, block
@@ -33,7 +39,7 @@ it measured), with every step's output in FOLDER/gpu-check.log:
                 barrier) and of `attnprobe analyze` on a tiny zoo Llama on the GPU.
 The JSON's `targets` says whether issue 29's targets were met: fused bfloat16 statistics within TARGET_TIME x the
 SDPA forward's time at the longest length, peak memory within TARGET_MEMORY x, fused = eager to bfloat16's
-tolerance on every family tested.
+tolerance on every family tested; `targets.triton`, the Triton path's (TRITON_TARGETS).
 
 The dry run (--dry): the same steps on CPU with a tiny model of the same kind (2 layers, 4 heads of 16), lengths
 of 128-512 tokens, 8 short sentences, DRY_TRAIN_LENGTH-token training samples, 16 corpus sentences under torchrun,
@@ -63,7 +69,15 @@ STEP_S = {"install": 60, "tests": 150, "bench": 200, "train": 60, "torchrun": 70
 # remains
 TARGET_TIME = 1.5  # fused bfloat16 statistics / SDPA forward, time at the longest length, at most
 TARGET_MEMORY = 1.1  # the same, peak GPU memory, at most
-LENGTHS = (4096, 16384, 32768)
+LENGTHS = (4096, 16384, 32768)  # the Triton ways run at the first and last only
+# The Triton path's targets: name -> (where: shortest / longest length or short sentences, way, measure, at most)
+TRITON_TARGETS = {
+    "time_longest": ("longest", "triton", "seconds", 1.5),
+    "time_shortest": ("shortest", "triton", "seconds", 1.3),
+    "time_vw_longest": ("longest", "triton+vw", "seconds", 2.0),
+    "memory_longest": ("longest", "triton", "peak_mib", 1.1),
+    "time_short": ("short", "triton", "seconds", 1.3),
+}
 DRY_LENGTHS = (128, 256, 512)
 SHORT = (64, 8, 8, 40)  # sentences, batch size, shortest and longest (tokens)
 DRY_SHORT = (8, 4, 8, 40)
@@ -230,10 +244,30 @@ def targets(report: dict) -> dict:
     bf16 = {t: o for t, o in outcomes.items() if "fused_equals_blocked_equals_eager" in t and "bfloat16" in t}
     found["fused_equals_eager_bfloat16"] = {"tests": len(bf16), "passed": sum(o == "PASSED" for o in bf16.values()),
                                             "met": (all(o == "PASSED" for o in bf16.values()) if bf16 else None)}
+    found["triton"] = triton_targets(report)
     if report.get("dry"):  # a tiny model on CPU says nothing of a GPU: the ratios are kept, nothing is judged
         found.update(time_met=None, memory_met=None, judged=False, note="dry run on CPU: not GPU figures")
+        found["triton"].update({key: None for key in found["triton"] if key.endswith("_met")})
     else:
         found["judged"] = True
+    return found
+
+
+def triton_targets(report: dict) -> dict:
+    """The Triton path's targets (TRITON_TARGETS: way / SDPA forward, time or peak memory, at most): per name its
+    `<name>_ratio`, `<name>_target` and `<name>_met` (None where not measured), at the shortest and longest length
+    and on the short sentences."""
+    bench = report.get("steps", {}).get("bench", {})
+    long_runs, short = bench.get("long", {}), (bench.get("short") or {}).get("runs", {})
+    lengths = sorted(int(n) for n in long_runs)
+    found: dict = {}
+    for key, (where, way, measure, target) in TRITON_TARGETS.items():
+        runs = short if where == "short" else long_runs.get(str(lengths[0 if where == "shortest" else -1]), {}) \
+            if lengths else {}
+        mine, floor = runs.get(way, {}).get(measure), runs.get("sdpa", {}).get(measure)
+        ratio = round(mine / floor, 3) if mine and floor else None
+        found.update({f"{key}_ratio": ratio, f"{key}_target": target,
+                      f"{key}_met": None if ratio is None else ratio <= target})
     return found
 
 
@@ -270,11 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {report.data['environment']}", flush=True)
     extra = install(report, args, left("install"))
     env = child_env(extra)
+    if args.dry:  # the Triton path's ways run in Triton's interpreter on a CPU
+        env["TRITON_INTERPRET"] = "1"
 
     if "tests" in chosen:
         report.data["steps"]["tests"] = tests = run(
-            report, "tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-rA", "-p", "no:cacheprovider",
-                              "tests/test_gpu.py", "tests/test_train_pattern.py"], left("tests"), env)
+            report, "tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda" if args.dry else "cuda or triton",
+                              "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py", "tests/test_train_pattern.py",
+                              "tests/test_triton.py"], left("tests"), env)
         tests.update(pytest_outcomes(tests["tail"] if tests["timed_out"] else _full_log(report, "tests")))
         tests["ok"] = tests["returncode"] == 0
         report.save()
@@ -398,6 +435,7 @@ def bench(dry: bool, into: Path) -> int:
     import torch
 
     from attnprobe import kernel, values
+    from attnprobe.kernel import triton_path
     from attnprobe.metrics import bin_count
     from attnprobe.model import attention_modules
 
@@ -445,21 +483,31 @@ def bench(dry: bool, into: Path) -> int:
                 return
             with kernel.statistics_attention(loaded):
                 kernel.run_batch(loaded, x, mask, lambda *_: None, sink=SINK, window=WINDOW, bins=bin_count(x.shape[1]),
-                                 budget_mib=found["block_mib"], fused=None if name == "blocked" else 0,
-                                 projections=projections if name == "fused+vw" else None)
+                                 budget_mib=found["block_mib"], fused=0 if name.startswith("fused") else None,
+                                 triton=name.startswith("triton"),
+                                 projections=projections if name.endswith("+vw") else None)
 
-    ways = ["sdpa", *(["flash_attention_2"] if cuda and importlib.util.find_spec("flash_attn") else []), "fused",
-            "fused+vw", "blocked"]
+    triton_ways = ["triton", "triton+vw"] if triton_path.unavailable(loaded.device) is None else []
+    if not triton_ways:
+        found["triton"] = triton_path.unavailable(loaded.device)
+    ways = ["sdpa", *(["flash_attention_2"] if cuda and importlib.util.find_spec("flash_attn") else []), *triton_ways,
+            "fused", "fused+vw", "blocked"]
     found["ways"] = ways
+    # the Triton ways: at the shortest and longest length and on the short sentences; in the dry run, where Triton's
+    # interpreter takes seconds for what a GPU does in microseconds, at the shortest length only
+    lengths_triton = {DRY_LENGTHS[0]} if dry else {LENGTHS[0], LENGTHS[-1]}
     device = loaded.device
     generator = torch.Generator().manual_seed(0)
 
     def ids(batch: int, n: int):
         return torch.randint(3, config.vocab_size, (batch, n), generator=generator).to(device)  # [batch, seq]
 
-    for name in ways:  # warm-up: kernels chosen and loaded, memory pools grown
-        x = ids(1, 512)
-        way(name, x, torch.ones_like(x))
+    for name in ways:  # warm-up: kernels chosen, compiled and loaded, memory pools grown; with padding too
+        x = ids(2, 128 if dry else 512)
+        padded = torch.ones_like(x)
+        padded[1, x.shape[1] // 2:] = 0  # right padding, as the short sentences have
+        way(name, x[:1], padded[:1])
+        way(name, x, padded)
     sentences, batch_size, shortest, longest = DRY_SHORT if dry else SHORT
     rng = random.Random(0)
     lengths = sorted(rng.randint(shortest, longest) for _ in range(sentences))  # analyze sorts by length too
@@ -472,6 +520,8 @@ def bench(dry: bool, into: Path) -> int:
         batches.append((x, mask))
     found["short"] = {"sentences": sentences, "batch_size": batch_size, "tokens": sum(lengths), "runs": {}}
     for name in ways:
+        if dry and name in triton_ways:
+            continue
         found["short"]["runs"][name] = measured(lambda name=name: [way(name, x, m) for x, m in batches], cuda)
         save()
     for n in DRY_LENGTHS if dry else LENGTHS:
@@ -479,6 +529,8 @@ def bench(dry: bool, into: Path) -> int:
         mask = torch.ones_like(x)
         found["long"][str(n)] = {}
         for name in ways:
+            if name in triton_ways and n not in lengths_triton:
+                continue
             found["long"][str(n)][name] = measured(lambda name=name, x=x, mask=mask: way(name, x, mask), cuda)
             save()
     found["seconds"] = round(time.perf_counter() - started, 1)

@@ -16,6 +16,7 @@ from figures import fmt
 from figures.registry import Outputs, figure
 
 WAYS = {"sdpa": "SDPA forward (the floor)", "flash_attention_2": "FlashAttention 2 forward",
+        "triton": "attnprobe Triton statistics", "triton+vw": "Triton, with the value-weighted scores",
         "fused": "attnprobe fused statistics", "fused+vw": "fused, with the value-weighted scores",
         "blocked": "attnprobe blocked statistics"}
 
@@ -125,7 +126,7 @@ def read_gpu_check(path: str | Path) -> dict:
             "long": long_found, "short": short_found, "tests": {"counts": counts, "failed": failed[:20]},
             "train": train_found, "reruns": [r.get("steps") for r in raw.get("reruns") or []],
             "torchrun": {"backend": group.get("backend"), "all_reduce_ok": group.get("all_reduce_ok")},
-            "targets": {k: targets.get(k) for k in keep},
+            "targets": {k: targets.get(k) for k in keep}, "triton_targets": targets.get("triton"),
             "eager_bfloat16": targets.get("fused_equals_eager_bfloat16"), "ok": bool(raw.get("ok")),
             "sdpa_fallback": sorted(int(n) for n in (bench.get("sdpa_fallback") or {}) if str(n).isdigit())}
 
@@ -137,6 +138,24 @@ def gpu_check(out: Outputs) -> dict:
 
 def _verdict(met: bool | None) -> str:
     return "not measured" if met is None else "met" if met else "missed"
+
+
+TRITON_LINES = {  # gpu_check.TRITON_TARGETS's names (<name>_ratio, _met, _target in the JSON): what each says
+    "time_longest": "time at the longest length", "time_shortest": "at the shortest",
+    "time_vw_longest": "with the value-weighted scores at the longest", "memory_longest": "peak memory at the longest",
+    "time_short": "short sentences",
+}
+
+
+def _triton_line(found: dict | None, ran: bool) -> str:
+    """The Triton path's targets, or that this run did not measure it (it predates the path, or triton did not run)."""
+    if not found or not ran:
+        return ("The Triton path (`--attention triton`, auto's choice on a GPU) is not in this run: its GPU figures "
+                "are not measured yet. `make gpu-check` times it beside the other ways on the next lent GPU.")
+    said = [f"{what} {fmt.ratio(found[key + '_ratio']) if found.get(key + '_ratio') else '-'} (at most "
+            f"{found.get(key + '_target')}x: {_verdict(found.get(key + '_met'))})"
+            for key, what in TRITON_LINES.items()]
+    return f"Targets of the Triton path, against the SDPA forward: {'; '.join(said)}."
 
 
 @gpu_check.renderer
@@ -187,6 +206,9 @@ def _(d: dict) -> str:
         f"{fmt.ratio(t['fused_memory_ratio']) if t['fused_memory_ratio'] else '-'} ({_verdict(t['memory_met'])}); "
         f"fused = eager to bfloat16's tolerance on the zoo's main families: {eager.get('passed', 0)} of "
         f"{eager.get('tests', 0)} checks passed ({_verdict(eager.get('met'))}).",
+        "",
+        _triton_line(d.get("triton_targets"), any(name.startswith("triton") for ways in d["long"].values()
+                                                  for name in ways)),
         "",
         f"The CUDA tests (`pytest -m cuda`): {counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed"
         + (f" ({fmt.listing(d['tests']['failed'])})" if d["tests"]["failed"] else "")

@@ -334,12 +334,37 @@ def test_cuda_fused_path_never_builds_a_map():
 
 
 @cuda_test
-def test_cuda_auto_runs_the_fused_kernel(families, monkeypatch):
-    """--attention auto on a GPU: the fused kernel from FUSED_MIN_TOKENS on, every layer of a plain model."""
+def test_cuda_auto_runs_the_triton_kernel_and_fused_the_fused_kernel(families, monkeypatch):
+    """--attention auto on a GPU: the Triton kernel, every layer of a plain model; --attention fused: the fused
+    kernel from FUSED_MIN_TOKENS on."""
     monkeypatch.setattr(kernel, "FUSED_MIN_TOKENS", 1)
     loaded = load_model(str(families["llama"]), "cuda")
     result = analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=3, resamples=5)
+    assert result.run["attention"]["path"] == "triton"
+    assert result.run["attention"]["triton_layers"] == list(range(loaded.num_layers))
+    assert set(result.run["attention"]["sequences"]) == {"triton"}
+    result = analyze_loaded(loaded, corpus_of(SENTENCES), batch_size=3, resamples=5, options=Options(attention="fused"))
     assert result.run["attention"]["path"] == "fused"
     assert result.run["attention"]["fused_layers"] == list(range(loaded.num_layers))
     assert set(result.run["attention"]["sequences"]) == {"fused"}
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", (*FAMILIES, "gemma2"))
+def test_cuda_triton_equals_blocked(families, name, dtype, tmp_path_factory):
+    """The compiled Triton kernel (--attention triton) = the blocked path on the GPU, per sentence and by position:
+    to 1e-5 in float32 (both multiply in IEEE float32), to BFLOAT16_TOLERANCE in bfloat16 (the blocked path rounds
+    its scores to bfloat16 as eager does, the kernel keeps them in float32). gemma2: soft-capping, sliding windows,
+    its own scale."""
+    folder = families[name] if name in families else make(name, tmp_path_factory.mktemp(name))
+    loaded = load_model(str(folder), "cuda", dtype)
+    runs = {a: analyzed(loaded, a) for a in ("blocked", "triton")}
+    assert runs["triton"].run["attention"]["triton_layers"] == list(range(loaded.num_layers))
+    tolerance = BFLOAT16_TOLERANCE if dtype == "bfloat16" else FLOAT32_TOLERANCE
+    for column in runs["blocked"].per_sentence.columns:
+        if column != "category":
+            assert_close(runs["triton"].per_sentence[column], runs["blocked"].per_sentence[column], column, tolerance)
+    for column in runs["blocked"].positions.columns:
+        assert_close(runs["triton"].positions[column], runs["blocked"].positions[column], column, tolerance)
 

@@ -42,8 +42,9 @@ def test_the_dry_run_passes_every_step_and_writes_one_json(dry_run):
     assert tests["counts"]["skipped"] > 0 and not tests["outcomes"]  # every cuda test skipped here
     bench = found["steps"]["bench"]
     assert bench["model"]["rope"]["rope_type"] == "llama3" and bench["model"]["rope"]["rope_theta"] == 500000.0
-    assert set(bench["short"]["runs"]) == {"sdpa", "fused", "fused+vw", "blocked"}
+    assert set(bench["short"]["runs"]) == {"sdpa", "fused", "fused+vw", "blocked"}  # the interpreter: too slow here
     assert set(bench["long"]) == {str(n) for n in gpu_check.DRY_LENGTHS}
+    assert {"triton", "triton+vw"} <= set(bench["long"][str(gpu_check.DRY_LENGTHS[0])])  # under the interpreter
     for ways in (bench["short"]["runs"], *bench["long"].values()):
         assert all(r["seconds"] > 0 for r in ways.values()), ways
     train = found["steps"]["train"]
@@ -56,6 +57,8 @@ def test_the_dry_run_passes_every_step_and_writes_one_json(dry_run):
     targets = found["targets"]
     assert targets["judged"] is False and targets["time_met"] is None  # a CPU dry run judges nothing
     assert targets["tokens"] == max(gpu_check.DRY_LENGTHS) and targets["fused_time_ratio"] > 0
+    assert targets["triton"]["time_shortest_ratio"] > 0 and targets["triton"]["time_shortest_met"] is None
+    assert targets["triton"]["time_longest_ratio"] is None  # the dry run's Triton ways: its shortest length only
 
 
 def test_the_model_has_the_published_llama_3_2_1b_shape():

@@ -51,6 +51,7 @@ from attnprobe.naming import counted, sequence_noun, visible
 
 class AttentionChoice(str, Enum):
     auto = "auto"
+    triton = "triton"
     fused = "fused"
     blocked = "blocked"
     eager = "eager"
@@ -93,9 +94,10 @@ def analyze(
     ] = SplitChoice.lines,
     attention: Annotated[
         AttentionChoice,
-        typer.Option("--attention", help="fused: statistics from the fused kernel's logsumexp; blocked: "
-                     "statistics inside attnprobe's attention, O(n) memory; eager: hooks on full maps; auto: fused "
-                     "from 512 tokens and blocked below, where the architecture allows, else eager.",
+        typer.Option("--attention", help="triton: every statistic inside one Triton attention kernel (CUDA); "
+                     "fused: statistics from the fused kernel's logsumexp; blocked: statistics inside attnprobe's "
+                     "attention, O(n) memory; eager: hooks on full maps; auto: triton on a CUDA GPU, else fused from "
+                     "512 tokens and blocked below, where the architecture allows, else eager.",
                      rich_help_panel=RUN),
     ] = AttentionChoice.auto,
     block_mib: Annotated[

@@ -15,12 +15,14 @@ evaluated on probe positions and must be causal, bidirectional, or either within
 refused. Every other argument a model passes is refused by name when it is set, with one line, never
 approximated; `discover` runs a two-token pass to learn each layer's features before a run.
 
-The package, one module per concern: `attention` (the registered function, which sends each layer down the fused
-or the blocked path, `run_batch`, `statistics_attention`, `discover`), `features` (what a layer's call asks for, and
+The package, one module per concern: `attention` (the registered function, which sends each layer down the Triton,
+fused or blocked path, `run_batch`, `statistics_attention`, `discover`), `features` (what a layer's call asks for, and
 what is refused), `masks` (the mask function and the masking of a block's scores), `batch` (what a batch's layers
 share), `blocked` (the blocked path), `fused` (the fused path; `devices`: each device's fused kernel behind `flash`,
-`window`: the recent window's banded sums, `duplicates`: the same-token tiles). The names callers use are here;
-a tuning constant (`duplicates.TILE_ROWS`, ...) and a private helper are read from, and patched in, their module.
+`window`: the recent window's banded sums, `duplicates`: the same-token tiles), `triton_path` (the Triton path:
+every statistic inside one Triton attention kernel, `triton_kernels` holding the kernels). The names callers use
+are here; a tuning constant (`duplicates.TILE_ROWS`, ...) and a private helper are read from, and patched in, their
+module.
 """
 
 from attnprobe.kernel.attention import (

@@ -22,6 +22,8 @@ from attnprobe.kernel.devices import KERNELS
 from attnprobe.kernel.features import LayerFeatures, Unsupported, config_reason, fusable, layer_features
 from attnprobe.kernel.fused import ReceivedOnRead, fused_attend
 from attnprobe.kernel.masks import stats_mask
+from attnprobe.kernel.triton_path import reason as triton_reason
+from attnprobe.kernel.triton_path import triton_attend
 from attnprobe.metrics import RECENT_WINDOW, SINK_TOKENS, SentenceSums, TokenClasses
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs, using_attention
 
@@ -145,7 +147,12 @@ def stats_attention(
     need_output = layer != batch_info.last_layer
     projections = batch_info.projections
     factors = None if projections is None else values.head_factors(projections[layer], query.shape[1])
-    if batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features) \
+    if batch_info.triton and triton_reason(features, query.dtype) is None:
+        sums, example, output = triton_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
+                                              need_output=need_output, span=features.span, softcap=features.softcap,
+                                              sinks=sinks, factors=factors)
+        batch_info.ran.add("triton")
+    elif batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features) \
             and query.device.type in KERNELS:
         sums, example, output = fused_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
                                              need_output=need_output, factors=factors)
@@ -185,13 +192,16 @@ def run_batch(
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
     discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
     projections: list[nn.Module] | None = None, keep_rows: bool = False, tokens: TokenClasses | None = None,
+    triton: bool = False,
 ) -> str:
     """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums. Returns the
-    batch's path: "fused" when any layer ran the fused kernel, else "blocked".
+    batch's path: "triton" when any layer ran the Triton kernel, else "fused" when any ran the fused kernel, else
+    "blocked".
 
     `features`, when given, receives each layer's LayerFeatures; `discovering` collects what is not implemented
     instead of refusing it (discover()). `fused`: run the layers `fusable` accepts through the fused kernel when
-    the batch is at least this many tokens long (0: always; None: never). `projections`: each layer's output
+    the batch is at least this many tokens long (0: always; None: never). `triton`: run the layers the Triton kernel
+    covers (triton_path.reason) through it, before the fused kernel is considered. `projections`: each layer's output
     projection (values.find_projections), to measure the value-weighted scores and output_norm too. `keep_rows`:
     the sums handed to `on_layer` keep every row's values too (`SentenceSums.rows`).
     `tokens`: the batch's token ids and punctuation flags, for `punctuation`, `duplicate` and the mass each key
@@ -202,7 +212,7 @@ def run_batch(
         layers={id(m): layer for layer, (m, _) in enumerate(modules)}, last_layer=len(modules) - 1,
         special=special, sink=sink, window=window, bins=bins, budget_bytes=int(budget_mib * 2**20),
         block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering, fused=fused,
-        projections=projections, keep_rows=keep_rows, tokens=tokens,
+        projections=projections, keep_rows=keep_rows, tokens=tokens, triton=triton,
     )
     if features is not None:
         info.features = features
@@ -224,4 +234,4 @@ def run_batch(
     if missing:
         raise AttnprobeError(f"model {loaded.spec} did not call attnprobe's statistics attention in layer(s) "
                              f"{missing}: use --attention eager")
-    return "fused" if "fused" in info.ran else "blocked"
+    return next(path for path in ("triton", "fused", "blocked") if path in info.ran or path == "blocked")

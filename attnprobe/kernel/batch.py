@@ -34,11 +34,12 @@ class Batch:
     features: dict[int, LayerFeatures] = field(default_factory=dict)  # filled as the layers run
     discovering: list[str] | None = None  # discover(): collect what is not implemented instead of refusing
     fused: int | None = None  # through the fused kernel: layers it computes exactly, in batches this long or longer
+    triton: bool = False  # through the Triton kernel: every layer it covers (triton_path.reason), before fused
     projections: list[nn.Module] | None = None  # per layer, the output projection: also the value-weighted scores
     keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
     tokens: TokenClasses | None = None  # token ids and punctuation: punctuation, duplicate and the mass received
     kept: dict[tuple, Any] = field(default_factory=dict)  # what every layer shares: `padding`, `block`
-    ran: set[str] = field(default_factory=set)  # the kernels the layers ran: "fused", "blocked"
+    ran: set[str] = field(default_factory=set)  # the kernels the layers ran: "triton", "fused", "blocked"
 
     def padding(self, padding: Tensor | None, batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """The checked right-padded mask [batch, key] and the lengths [batch] of a layer's padding mask: checked

@@ -40,6 +40,7 @@ class LayerFeatures:
     groups: int  # query heads per key/value head (1: multi-head; heads: multi-query)
     scale: float  # of the scores: 1/sqrt(head size), or the model's own (`scaling`)
     own_scale: bool = False  # the model's scale is not 1/sqrt(head size) (Gemma's query_pre_attn_scalar, OPT)
+    head_size: int = 0  # channels per head of the queries and keys
 
 
 def config_reason(loaded: LoadedModel) -> str | None:
@@ -93,7 +94,8 @@ def layer_features(
     features = LayerFeatures(causal=causal, span=span, softcap=None if softcap is None else float(softcap),
                              sinks=sinks is not None, groups=query.shape[1] // max(key.shape[1], 1),
                              scale=float(standard if scaling is None else scaling),
-                             own_scale=scaling is not None and not math.isclose(scaling, standard, rel_tol=1e-6))
+                             own_scale=scaling is not None and not math.isclose(scaling, standard, rel_tol=1e-6),
+                             head_size=query.shape[-1])
     return features, sinks
 
 

@@ -1,0 +1,231 @@
+"""The Triton path: the attention output, each row's logsumexp and every row statistic from one Triton kernel
+(kernel/triton_kernels.py) that forms p_ij block by block in its online softmax and sums the statistics beside the
+output, for the map and its value-weighted map: no [n, n] map, no extra attention pass per statistic. The mass each
+key receives is a second, key-parallel kernel from the saved logsumexp, run only when a caller reads it.
+
+It covers every feature the blocked path does (causal and bidirectional, right padding, grouped-query heads read in
+place, sliding windows, soft-capping, learned sinks); `reason` names what it does not (then the layer runs on the
+fused or blocked path). It runs on CUDA, or on a CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests).
+triton_kernels, which imports triton, is imported only when a layer runs here: a run on another path never loads
+triton, and the interpreter's switch is read when it is first imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnprobe import values
+from attnprobe.kernel.batch import Batch
+from attnprobe.kernel.features import LayerFeatures
+from attnprobe.kernel.fused import ReceivedOnRead
+from attnprobe.metrics import RowMasses, SentenceSums, row_stats, value_weighted
+from attnprobe.scores import OUTPUT_NORM
+
+BLOCK_M = 64  # query rows per program (tl.dot needs 16 or more)
+BLOCK_N = 64  # keys per step of the online softmax
+MAX_HEAD_SIZE = 256  # larger heads fall back (a block of rows and keys no longer fits a GPU's registers)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRET = "TRITON_INTERPRET"  # Triton's switch to its interpreter (a CPU runs the kernels through it)
+STATS = ("entropy", "first", "previous", "self", "diagonal", "distance", "sink_window", "special", "punctuation",
+         "duplicate", "has_duplicate", "vw_entropy", "vw_first", "vw_previous", "vw_self", "vw_diagonal",
+         "vw_distance", "vw_sink_window", "vw_total")  # the rows of the kernel's Stats, in its order
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why the Triton path cannot run on `device` (one line naming the fix), or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "--attention triton needs the triton package (CUDA builds of torch bring it): pip install triton"
+    if device.type == "cuda":
+        try:
+            importlib.import_module("triton")
+        except Exception as err:  # a broken install: the other paths still run
+            return f"--attention triton could not import triton ({type(err).__name__}: {err}): reinstall triton"
+        return None
+    if device.type == "cpu" and os.environ.get(INTERPRET) == "1":
+        return None
+    if device.type == "cpu":
+        return (f"--attention triton runs on a CUDA GPU; on a CPU only under Triton's interpreter ({INTERPRET}=1, "
+                "for tests): use --attention auto, fused or blocked, or --device cuda")
+    return f"--attention triton runs on a CUDA GPU, not {device.type}: use --attention auto, fused or blocked"
+
+
+def reason(features: LayerFeatures, dtype: torch.dtype) -> str | None:
+    """What of a layer the Triton kernel does not cover (that layer then runs on the fused or blocked path), or None."""
+    if features.head_size > MAX_HEAD_SIZE:
+        return f"a head size of {features.head_size} (the Triton kernel takes up to {MAX_HEAD_SIZE})"
+    if dtype not in DTYPES:
+        return f"{str(dtype).removeprefix('torch.')} activations (the Triton kernel takes float32, float16, bfloat16)"
+    return None
+
+
+def _kernels() -> ModuleType:
+    """kernel/triton_kernels, imported on first use (it imports triton; see the module's docstring)."""
+    return importlib.import_module("attnprobe.kernel.triton_kernels")
+
+
+def triton_attend(
+    query: Tensor, key: Tensor, value: Tensor, padding: Tensor | None, scaling: float | None, causal: bool,
+    info: Batch, need_output: bool = True, span: int | None = None, softcap: float | None = None,
+    sinks: Tensor | None = None, factors: Tensor | None = None,
+) -> tuple[SentenceSums, Tensor | None, Tensor | None]:
+    """blocked.attend's results from the Triton kernel: the statistics of every row (the value-weighted ones and
+    `output_norm` too when `factors` [head, k, dim] is given), the example maps, and the attention output
+    [batch, query, head, dim] (None when not needed). `query` [batch, head, q, dim]; `key`, `value` [batch, kv head,
+    key, dim]; `span`, `softcap`, `sinks` [head] as attend takes them."""
+    batch, heads, n, dim = query.shape
+    scale = dim**-0.5 if scaling is None else scaling
+    real, lengths = info.padding(padding, batch, n, query.device)  # [batch, key], [batch]
+    norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]: |f_h(x_j)|
+    wanted = need_output or factors is not None
+    lse, stats, out = _forward(query, key, value, lengths, scale, causal, info, span, softcap, sinks, norms, wanted)
+    found = dict(zip(STATS, stats))  # [batch, head, q] each
+    masses = _masses(found, "", causal, info)
+    if info.tokens is not None:
+        masses.punctuation, masses.duplicate = found["punctuation"], found["duplicate"]
+        masses.has_duplicate = found["has_duplicate"][:, :1] > 0  # [batch, 1, q]: the same for every head
+    per_row = row_stats(masses, 0, lengths, causal, span)
+    if norms is not None:
+        per_row.update(value_weighted(row_stats(_masses(found, "vw_", causal, info), 0, lengths, causal, span)))
+        per_row[OUTPUT_NORM] = values.head_norms(out.transpose(1, 2), factors)  # [batch, head, q]
+    keep = {} if info.keep_rows else None
+    sums = SentenceSums(rows=keep) if info.tokens is None else ReceivedOnRead(
+        lambda: received(query, key, lse, lengths, scale, causal, span, softcap), rows=keep)
+    sums.add(per_row, 0, lengths, info.bins)
+    example = _example(info, query, key, lse, real, scale, causal, span, softcap)
+    return sums, example, out if need_output else None
+
+
+def _masses(found: dict[str, Tensor], prefix: str, causal: bool, info: Batch) -> RowMasses:
+    """The RowMasses of the map (prefix "") or of its value-weighted map ("vw_") from the kernel's rows."""
+    sink_window = found[prefix + "sink_window"]  # [batch, head, q]
+    sink_window[..., : info.sink + info.window] = torch.nan  # rows whose sink and window keys are every key
+    if not causal:
+        sink_window.fill_(torch.nan)  # an encoder keeps no KV cache
+    return RowMasses(
+        entropy=found[prefix + "entropy"], diagonal=found[prefix + "diagonal"], first=found[prefix + "first"],
+        previous=found[prefix + "previous"], self=found[prefix + "self"], distance=found[prefix + "distance"],
+        sink_window=sink_window, special=found["special"] if not prefix and info.special is not None else None,
+    )
+
+
+def _block_d(dim: int) -> int:
+    """The kernel's head-size block: a power of two of at least 16 (tl.dot); channels beyond `dim` are masked."""
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+def _interpreted(device: torch.device) -> bool:
+    """Whether the kernels run in Triton's interpreter (a CPU tensor): its tl.dot then gets float32 operands."""
+    return device.type == "cpu"
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: IEEE float32 for float32 inputs (never TF32's 10-bit mantissa)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _forward(
+    query: Tensor, key: Tensor, value: Tensor, lengths: Tensor, scale: float, causal: bool, info: Batch,
+    span: int | None, softcap: float | None, sinks: Tensor | None, norms: Tensor | None, wanted: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Run stats_forward: the logsumexp [batch, head, q], the statistics' rows [STATS, batch, head, q] (float32) and
+    the output [batch, q, head, dim] in the model's dtype (None unless `wanted`)."""
+    kernels = _kernels()
+    batch, heads, n, dim = query.shape
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))  # channels adjacent
+    device = query.device
+    lse = torch.empty(batch, heads, n, device=device)  # [batch, head, q]
+    stats = torch.zeros(kernels.STAT_ROWS, batch, heads, n, device=device)  # [stat, batch, head, q]
+    out = torch.empty(batch, n, heads, dim, dtype=query.dtype, device=device) if wanted else lse  # [b, q, h, dim]
+    flags = _token_inputs(info, batch, n, device)
+    special, punct, ids = flags
+    norm_rows = lse if norms is None else norms.float().contiguous()  # [batch, head, key]
+    sink_logits = lse if sinks is None else sinks.float().contiguous()  # [head]
+    grid = (triton_cdiv(n, BLOCK_M), batch * heads)
+    kernels.stats_forward[grid](
+        query, key, value, out, lse, stats, lengths.to(torch.int32).contiguous(), norm_rows, special, punct, ids,
+        sink_logits, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
+        *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)), n,
+        heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0), int(span or 0),
+        info.sink, info.window,
+        CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        WEIGHTED=norms is not None, HAS_SPECIAL=info.special is not None, HAS_TOKENS=info.tokens is not None,
+        NEED_OUT=wanted, PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_D=_block_d(dim),
+    )
+    return lse, stats, out if wanted else None
+
+
+def _token_inputs(info: Batch, batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-key inputs [batch, n], contiguous: special-token flags and punctuation flags (float32), token ids
+    (int32); a placeholder where the batch has none (the kernel does not read it then)."""
+    empty = torch.zeros(batch, n, device=device)  # [batch, n]
+    special = empty if info.special is None else info.special[:, :n].float().contiguous()
+    if info.tokens is None:
+        return special, empty, empty.to(torch.int32)
+    punct = info.tokens.punctuation[:, :n].float().contiguous()  # [batch, n]
+    ids = info.tokens.ids[:, :n].to(torch.int32).contiguous()  # [batch, n]
+    return special, punct, ids
+
+
+def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: float, causal: bool,
+             span: int | None = None, softcap: float | None = None) -> Tensor:
+    """The mass each key receives, sum_i p_ij over the real rows, from received_pass: [batch, head, key] float32."""
+    kernels = _kernels()
+    batch, heads, n, dim = query.shape
+    query, key = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key))
+    found = torch.zeros(batch, heads, n, device=query.device)  # [batch, head, key]
+    grid = (triton_cdiv(n, BLOCK_N), batch * heads)
+    kernels.received_pass[grid](
+        query, key, lse.contiguous(), found, lengths.to(torch.int32).contiguous(), *query.stride()[:3],
+        *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0), int(span or 0),
+        CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
+        PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=_block_d(dim),
+    )
+    return found
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for a launch grid."""
+    return -(-a // b)
+
+
+def _example(info: Batch, query: Tensor, key: Tensor, lse: Tensor, real: Tensor, scale: float, causal: bool,
+             span: int | None, softcap: float | None) -> Tensor | None:
+    """The example sentence's first tokens' maps, exp(s_ij - lse_i) under the layer's mask: [head, kept, kept]."""
+    if info.example is None:
+        return None
+    row, kept = info.example
+    groups = query.shape[1] // key.shape[1]
+    keys = key[row, :, :kept].float().repeat_interleave(groups, dim=0)  # [head, kept, dim]: a few tokens only
+    logits = scale * (query[row, :, :kept].float() @ keys.transpose(-1, -2))  # [head, kept, kept]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)  # [head, kept, kept]
+    i = torch.arange(kept, device=query.device)  # [kept]
+    offset = i[None, :] - i[:, None]  # [kept, kept]: j - i
+    allowed = real[row, None, :kept].expand(kept, kept)  # [kept, kept]
+    if causal:
+        allowed = allowed & (offset <= 0)
+    if span is not None:
+        allowed = allowed & ((offset > -span) if causal else (offset.abs() <= span))
+    return torch.where(allowed, (logits - lse[row, :, :kept, None]).exp(), 0.0)  # [head, kept, kept]
+
+
+def record(features: tuple[LayerFeatures, ...] | None, dtype: torch.dtype) -> dict[str, Any]:
+    """run.json's account of the Triton path: the layers it runs, and those it leaves to the fused or blocked path
+    with the reason (reason -> layers)."""
+    layers, left = [], {}
+    for k, layer in enumerate(features or ()):
+        why = reason(layer, dtype)
+        if why is None:
+            layers.append(k)
+        else:
+            left.setdefault(why, []).append(k)
+    return {"triton_layers": layers, "not_triton": left or None}

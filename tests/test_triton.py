@@ -1,0 +1,216 @@
+"""The Triton path (kernel/triton_path.py) under Triton's interpreter on a CPU (conftest sets TRITON_INTERPRET=1 where
+no CUDA device is present; on a GPU the same tests compile the kernels): every statistic, the output, the logsumexp
+and the mass each key receives against a float64 map computed here and against the blocked path, for each feature
+the kernel covers; and `--attention triton` end to end against `--attention blocked`."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import FLOAT32_TOLERANCE, SENTENCES
+from test_blocked import assert_close
+from typer.testing import CliRunner
+
+from attnprobe import kernel, values
+from attnprobe.cli import app
+from attnprobe.errors import AttnprobeError
+from attnprobe.kernel import triton_path
+from attnprobe.metrics import VALUE_WEIGHTED, TokenClasses, bin_count, received, sentence_stats
+from attnprobe.model import load_model
+from attnprobe.planning import attention_path
+from attnprobe.scores import OUTPUT_NORM, VW
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+WIDTH = 24  # the output projection's width in the value-weighted cases
+runner = CliRunner()
+needs_triton = pytest.mark.skipif(triton_path.unavailable(torch.device(DEVICE)) is not None,
+                                  reason="no triton, or a CPU without TRITON_INTERPRET=1")
+
+
+def heads_of(n, groups, dim, heads=4, seed=0, dtype=torch.float32):
+    """q [2, heads, n, dim] and k, v [2, heads / groups, n, dim] with logits of a few units, off-centre keys and
+    values of widely spread norms (one of norm 0); the second sequence is padded after two thirds (n > 2)."""
+    torch.manual_seed(seed)
+    q = torch.randn(2, heads, n, dim) * 1.5
+    k = torch.randn(2, heads // groups, n, dim) + 0.3
+    v = torch.randn(2, heads // groups, n, dim) * torch.randn(2, heads // groups, n, 1).exp()
+    v[:, 0, min(3, n - 1)] = 0.0
+    real = torch.ones(2, n, dtype=torch.bool)
+    real[1, max(1, n - n // 3):] = False
+    return (*(x.to(DEVICE, dtype) for x in (q, k, v)), real.to(DEVICE))
+
+
+def oracle_map(q, k, real, causal, span, softcap, sinks):
+    """The float64 attention map [batch, head, query, key] of the layer's scores, mask, soft-cap and sinks."""
+    groups = q.shape[1] // k.shape[1]
+    n = q.shape[2]
+    scores = (q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    offset = torch.arange(n, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None]  # j - i
+    allowed = real[:, None, None, :].expand(-1, 1, n, n)
+    if causal:
+        allowed = allowed & (offset <= 0)
+    if span is not None:
+        allowed = allowed & ((offset > -span) if causal else (offset.abs() <= span))
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    column = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # [batch, head, query, 1]
+    return torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]  # the sink's share dropped
+
+
+def batch_info(n, special=None, tokens=None, example=None):
+    return kernel.Batch(layers={}, last_layer=0, special=special, sink=2, window=5, bins=bin_count(n),
+                        budget_bytes=2**20, block_rows=None, example=example, on_layer=lambda *_: None, tokens=tokens)
+
+
+def token_classes(n, seed=0):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 6, (2, n))  # few ids: many duplicates
+    return TokenClasses(ids.to(DEVICE), (torch.rand(2, n) < 0.2).to(DEVICE))
+
+
+CASES = {  # name -> (n, causal, query heads per KV head, head size, window span, soft-cap, sinks, query heads)
+    "one token": (1, True, 1, 64, None, None, False, 2),
+    "decoder, odd length, GQA 2, head 80, sinks": (37, True, 2, 80, None, None, True, 4),
+    "encoder, GQA 4, head 96, window": (45, False, 4, 96, 6, None, False, 4),
+    "decoder, GQA 8, head 128, window, soft-cap": (50, True, 8, 128, 9, 5.0, False, 8),
+    "encoder, soft-cap and sinks, head 64": (33, False, 1, 64, None, 4.0, True, 2),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_statistics_equal_a_float64_map_and_the_blocked_path(case, monkeypatch):
+    """Every statistic (the map's and the value-weighted map's, special, punctuation, duplicate), output_norm, the
+    output, the example maps and the mass each key receives: to float32's bound against a float64 map, and against
+    the blocked path. Blocks of 32 rows and 16 keys make several blocks of the short sequences, none a multiple."""
+    monkeypatch.setattr(triton_path, "BLOCK_M", 32)
+    monkeypatch.setattr(triton_path, "BLOCK_N", 16)
+    n, causal, groups, dim, span, softcap, has_sinks, heads = CASES[case]
+    q, k, v, real = heads_of(n, groups, dim, heads)
+    sinks = torch.linspace(-1.0, 2.0, heads, device=DEVICE) if has_sinks else None
+    special = torch.zeros(2, n, dtype=torch.bool, device=DEVICE)
+    special[:, 0] = special[:, min(5, n - 1)] = True
+    tokens = token_classes(n)
+    projection = torch.nn.Linear(heads * dim, WIDTH).to(DEVICE)
+    factors = values.head_factors(projection, heads)  # [head, k, dim]
+    kept = min(n, 12)
+    args = (q, k, v, real, None, causal)
+    options = {"span": span, "softcap": softcap, "sinks": sinks, "factors": factors}
+    got, example, output = triton_path.triton_attend(*args, batch_info(n, special, tokens, (1, kept)), **options)
+    blocked, _, blocked_output = kernel.attend(*args, batch_info(n, special, tokens, (1, kept)), **options)
+
+    p = oracle_map(q, k, real, causal, span, softcap, sinks).nan_to_num(0.0)  # [batch, head, q, key] float64: a
+    # padded row beyond a window sees no key
+    expected = sentence_stats(p, real.long(), causal, special, sink=2, window=5, span=span, tokens=tokens)
+    groups_v = v.double().repeat_interleave(groups, 1)  # [batch, head, key, dim]
+    slices = projection.weight.detach().double().view(WIDTH, heads, dim).transpose(0, 1)  # [head, width, dim]
+    norms = torch.einsum("hwd,bhkd->bhkw", slices, groups_v).norm(dim=-1)  # [batch, head, key]
+    weighted = p * norms[:, :, None, :]
+    weighted = weighted / weighted.sum(dim=-1, keepdim=True)
+    by_weight = sentence_stats(weighted, real.long(), causal, None, sink=2, window=5, span=span)
+    expected.update({name + VW: by_weight[name] for name in VALUE_WEIGHTED})
+    out = p @ groups_v  # [batch, head, q, dim]
+    row_norms = torch.einsum("hwd,bhqd->bhqw", slices, out).norm(dim=-1)  # [batch, head, q]
+    lengths = real.sum(dim=-1)
+    expected[OUTPUT_NORM] = torch.stack([row_norms[b, :, : lengths[b]].mean(dim=-1) for b in range(2)])
+
+    means, blocked_means = got.means(), blocked.means()
+    assert set(means) == set(expected) == set(blocked_means)
+    for name, value in means.items():
+        assert_close(value.cpu().double(), expected[name].cpu(), name)
+        assert_close(value.cpu(), blocked_means[name].cpu(), name + " (blocked)")
+    assert_close(got.received.cpu().double(), received(p, 0, lengths).cpu(), "received")
+    assert_close(got.received.cpu(), blocked.received.cpu(), "received (blocked)")
+    np.testing.assert_allclose(example.cpu(), p[1, :, :kept, :kept].float().cpu(), atol=FLOAT32_TOLERANCE)
+    reference = out.transpose(1, 2).float()  # [batch, query, head, dim]
+    bound = FLOAT32_TOLERANCE * max(1.0, float(reference.abs().max()))
+    assert float((output - reference)[real].abs().max()) < bound
+    assert float((output - blocked_output)[real].abs().max()) < bound
+
+
+@needs_triton
+def test_a_few_hundred_tokens_in_the_default_blocks_and_the_logsumexp():
+    """The default block sizes over 300 tokens (odd, padded), with the logsumexp against the float64 map's."""
+    n = 301
+    q, k, v, real = heads_of(n, 2, 64, heads=2, seed=1)
+    info = batch_info(n)
+    lengths = real.sum(dim=-1).int()
+    lse, stats, output = triton_path._forward(q, k, v, lengths, 64**-0.5, True, info, None, None, None, None, True)
+    groups_k = k.double().repeat_interleave(2, 1)
+    scores = (q.double() @ groups_k.transpose(-1, -2)) * 64**-0.5
+    causal = torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril()
+    scores = scores.masked_fill(~(causal & real[:, None, None, :]), float("-inf"))
+    expected = scores.logsumexp(dim=-1)  # [batch, head, q]
+    rows = real[:, None, :].expand_as(expected)
+    assert float((lse - expected)[rows].abs().max()) < FLOAT32_TOLERANCE * float(expected.abs().max())
+    entropy = torch.special.entr(scores.softmax(dim=-1)).sum(dim=-1)
+    assert float((stats[0] - entropy)[rows].abs().max()) < FLOAT32_TOLERANCE * math.log(n)
+
+
+@needs_triton
+def test_bfloat16_inputs_give_float32_statistics_within_bfloat16s_rounding():
+    """bfloat16 queries, keys and values: the scores are exact float32 products of bfloat16 inputs and p is rounded
+    to bfloat16 only for the output's product, so the statistics match the float64 map of the same bfloat16 inputs
+    to float32's bound and the output to bfloat16's unit roundoff (2^-8) of its largest value."""
+    n = 40
+    q, k, v, real = heads_of(n, 2, 64, dtype=torch.bfloat16)
+    sums, _, output = triton_path.triton_attend(q, k, v, real, None, True, batch_info(n))
+    p = oracle_map(q, k, real, True, None, None, None)
+    expected = sentence_stats(p, real.long(), True, None, sink=2, window=5)
+    for name, value in sums.means().items():
+        assert_close(value.cpu().double(), expected[name].cpu(), name)
+    assert output.dtype == torch.bfloat16
+    reference = (p @ v.double().repeat_interleave(2, 1)).transpose(1, 2)  # [batch, query, head, dim]
+    scale = float(reference.abs().max())
+    assert float((output.double() - reference)[real].abs().max()) < 4 * 2**-8 * scale
+
+
+@needs_triton
+def test_triton_is_refused_on_a_cpu_without_the_interpreter(monkeypatch, llama_dir):
+    monkeypatch.delenv(triton_path.INTERPRET, raising=False)
+    loaded = load_model(str(llama_dir), "cpu")
+    with pytest.raises(AttnprobeError, match=r"TRITON_INTERPRET=1.*use --attention auto, fused or blocked"):
+        attention_path(loaded, "triton")
+    assert attention_path(loaded, "auto") == "fused"  # auto takes triton on CUDA only
+
+
+def test_layers_the_triton_kernel_does_not_cover_are_named_by_reason():
+    plain = kernel.LayerFeatures(causal=True, span=4, softcap=30.0, sinks=True, groups=8, scale=0.1, head_size=128)
+    wide = kernel.LayerFeatures(**{**plain.__dict__, "head_size": 512})
+    assert triton_path.reason(plain, torch.bfloat16) is None
+    assert "512" in triton_path.reason(wide, torch.float32)
+    assert "float64" in triton_path.reason(plain, torch.float64)
+    found = triton_path.record((plain, wide, plain), torch.float32)
+    assert found["triton_layers"] == [0, 2] and list(found["not_triton"].values()) == [[1]]
+
+
+@needs_triton
+def test_analyze_attention_triton_equals_attention_blocked(llama_dir, tmp_path):
+    """`attnprobe analyze --attention triton` as a user runs it (under the interpreter here), a tiny grouped-query
+    Llama: heads.csv and top_tokens.csv equal the blocked path's to float32's bound, and run.json names the path,
+    its layers and the sequences it ran."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    found = {}
+    for path in ("triton", "blocked"):
+        out = tmp_path / path
+        result = runner.invoke(app, ["analyze", "--model", str(llama_dir), "--corpus", str(corpus), "--out", str(out),
+                                     "--attention", path, "--resamples", "5", "--device", DEVICE, "--top-tokens-min",
+                                     "1"])
+        assert result.exit_code == 0, result.output
+        found[path] = {name: pd.read_csv(out / name) for name in ("heads.csv", "top_tokens.csv")}
+        found[path]["run"] = json.loads((out / "run.json").read_text(encoding="utf-8"))["attention"]
+    record = found["triton"]["run"]
+    assert record["path"] == "triton" and record["triton_layers"] == [0, 1] and record["not_triton"] is None
+    assert record["sequences"] == {"triton": len(SENTENCES)}
+    for name in ("heads.csv", "top_tokens.csv"):
+        got, expected = found["triton"][name], found["blocked"][name]
+        assert list(got.columns) == list(expected.columns) and len(got) == len(expected) > 0
+        assert_close(got.select_dtypes("number"), expected.select_dtypes("number"), name)
