@@ -411,3 +411,4 @@ def test_cli_writes_the_files_and_refuses_unequal_lengths(tmp_path):
                                "wrong": " cat"}) + "\n", encoding="utf-8")
     result = run("patch", "--model", folder, "--pairs", bad, "--out", tmp_path / "o2")
     assert_one_line_error(result, "pair 1: the clean prompt is")
+
