@@ -344,9 +344,9 @@ def metric(parts: Parts, prompts: Prompts, final: Tensor, kind: str) -> Tensor:
     else:
         weight = parts.head.weight  # [vocab, hidden]
         picked = torch.stack([weight[answer], weight[wrong]], 1)  # [copies * pairs, 2, hidden]
-        logits = (picked * last[:, None]).sum(-1)  # [copies * pairs, 2]
+        logits = (picked.float() * last.float()[:, None]).sum(-1)  # [copies * pairs, 2], float32 under bf16
         if getattr(parts.head, "bias", None) is not None:
-            logits = logits + torch.stack([parts.head.bias[answer], parts.head.bias[wrong]], 1)  # [copies * pairs, 2]
+            logits = logits + torch.stack([parts.head.bias[answer], parts.head.bias[wrong]], 1).float()  # [.., 2]
         logits = parts.logits(logits).double()  # [copies * pairs, 2]
         value = logits[:, 0] - logits[:, 1]  # [copies * pairs]
     return value.view(copies, pairs)  # [copies, pairs]
