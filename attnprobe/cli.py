@@ -20,6 +20,7 @@ from attnprobe.commands import (
     classify,
     compare,
     export,
+    patch,
     plot,
     probe,
     related,
@@ -66,6 +67,7 @@ app.command()(verify.verify)
 app.command()(probe.probe)
 app.command()(compare.compare)
 app.command()(ablate.ablate)
+app.command()(patch.patch)
 app.command()(rollout.rollout)
 app.command()(related.related)
 app.command()(retrieval.retrieval)

@@ -59,6 +59,11 @@ IMPORTANCE_SCORES: dict[str, tuple[str, str]] = {
     "embedding_change": ("importance: embedding change", "ablate: change of the sentence embedding"),
     "gradient_importance": ("importance: gradient", "ablate: gradient estimate of the head's importance"),
 }
+PATCHING_SCORES: dict[str, tuple[str, str]] = {
+    "effect": ("patching effect", "patch: share of the clean-corrupt metric gap the head's output carries "
+               "(activation patching; 1 = all of it)"),
+    "attribution": ("patching: attribution", "patch: attribution patching's first-order estimate of that effect"),
+}
 PROBE_SCORES: dict[str, tuple[str, str]] = {
     "induction": ("probe: induction", "probe: attention to the token after the earlier copy (r r sequences)"),
     "duplicate": ("probe: duplicate", "probe: attention to the earlier copy of the token"),
@@ -110,8 +115,8 @@ class Report:
 def build_report(out: str | Path, sections: list[Section] | tuple[Section, ...] = ()) -> Report:
     """The page for the results folder `out`: heads.csv, layers.csv and run.json are needed, the rest is used
     when present (head_types.csv, categories.csv, positions.csv, examples.npz or example_attention.npz,
-    importance.csv, probe.csv, retrieval_heads.csv, head_similarity.npz, and a comparison `attnprobe compare` wrote
-    into `out` or `out/compare`)."""
+    importance.csv, probe.csv, retrieval_heads.csv, patching.csv, head_similarity.npz, and a comparison `attnprobe
+    compare` wrote into `out` or `out/compare`)."""
     data, notes = report_data(out)
     sections = [*sections, *compare_sections(Path(out))]
     return Report(render(data, sections), notes, len(data["examples"]))
@@ -194,7 +199,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
 
     add(heads, HEAD_SCORES, io.HEADS_FILE)
     for name, catalogue, made in ((io.IMPORTANCE_FILE, IMPORTANCE_SCORES, "ablate"),
-                                  (io.PROBE_FILE, PROBE_SCORES, "probe")):
+                                  (io.PROBE_FILE, PROBE_SCORES, "probe"), (io.PATCHING_FILE, PATCHING_SCORES, "patch")):
         folder = out / io.PROBE_FOLDER if made == "probe" and not (out / name).is_file() else out  # its default
         extra = _optional_grid(folder, name, catalogue, heads, run, made, notes)
         if extra is not None:
@@ -434,8 +439,12 @@ def _optional_grid(out: Path, name: str, catalogue: dict[str, tuple[str, str]], 
     if not present:
         notes.append(f"{name} holds none of {', '.join(catalogue)}: not shown")
         return None
+    columns = io.read_columns(out, name)
+    if "position" in columns or "receivers" in columns:
+        notes.append(f"{name} holds path patching or one row per head and position: not shown")
+        return None
     frame = io.read_table(out, name, ["layer", "head", *present], f"attnprobe {made}")
-    info_file = io.ABLATE_RUN_FILE if made == "ablate" else io.PROBE_RUN_FILE
+    info_file = {"ablate": io.ABLATE_RUN_FILE, "probe": io.PROBE_RUN_FILE, "patch": io.PATCH_RUN_FILE}[made]
     try:
         spec = json.loads((out / info_file).read_text(encoding="utf-8"))["model"]["spec"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError):

@@ -228,6 +228,13 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         bench("dormant_sinks.py", "--out", "{out}/smollm2", "--json", "{out}/dormant.json"),),
         about="benchmarks/dormant_sinks.py: SmolLM2's analyze, classify --scheme extended, ablate of every head",
         minutes=12),
+    Run("patch-smollm2", "results", (
+        ap("patch", "--model", "smollm2-135m", "--task", "ioi", "--method", "both", "--out", "{out}", "--threads", "2",
+           key="patch"),),
+        about="`attnprobe patch --model smollm2-135m --task ioi --method both`: 64 IOI pairs, every head", minutes=3),
+    Run("bench-patch", "bench", (bench("bench_patch.py", "--threads", "2", "--json", "{out}/patch.json"),),
+        about="benchmarks/bench_patch.py --threads 2: the patching sweep, attribution and memory on SmolLM2",
+        minutes=4),
     Run("bench-ablate", "slow", (bench("bench_ablate.py", "--threads", "1", "--json", "{out}/ablate.json"),),
         about="benchmarks/bench_ablate.py --threads 1", minutes=45),
     Run("bench-corpus", "slow", (

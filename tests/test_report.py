@@ -276,6 +276,25 @@ def test_retrieval_scores_join_the_grid_apart_from_the_full_cache_label(copy_of)
     assert any("retrieval_heads.csv is from another model" in note for note in page.notes)
 
 
+def test_the_report_colours_by_patching_effect(copy_of):
+    """patching.csv of the same model in the folder: "Colour by" offers the patching effect, with its interval; a
+    per-position table is left out with a note."""
+    heads = pd.read_csv(copy_of / io.HEADS_FILE)[["layer", "head"]]
+    effect = np.linspace(-0.2, 0.9, len(heads))
+    heads.assign(effect=effect, effect_lo=effect - 0.1, effect_hi=effect + 0.1, ld=1.0).to_csv(
+        copy_of / io.PATCHING_FILE, index=False)
+    spec = json.loads((copy_of / io.RUN_FILE).read_text())["model"]["spec"]
+    (copy_of / io.PATCH_RUN_FILE).write_text(json.dumps({"model": {"spec": spec}}))
+    data = page_data(build_report(copy_of).html)
+    assert "effect" in [s["key"] for s in data["scores"]]
+    assert data["values"]["effect"] == pytest.approx(effect.tolist(), rel=1e-4, abs=1e-6)
+    heads.assign(position=0, effect=effect, effect_lo=effect, effect_hi=effect).to_csv(copy_of / io.PATCHING_FILE,
+                                                                                          index=False)
+    page = build_report(copy_of)
+    assert "effect" not in [s["key"] for s in page_data(page.html)["scores"]]
+    assert any("patching.csv" in note for note in page.notes)
+
+
 def test_without_head_types_the_default_rule_applies(copy_of):
     (copy_of / io.TYPES_FILE).unlink()
     page = build_report(copy_of)

@@ -32,6 +32,9 @@ from attnprobe.io.names import (
     IMPORTANCE_FILE,
     KV_CACHE_FILE,
     LAYER_IMPORTANCE_FILE,
+    PATCH_RUN_FILE,
+    PATCHING_FIGURE,
+    PATCHING_FILE,
     PLOT_FIGURES,
     PRUNING_FILE,
     REPORT_FILE,
@@ -420,6 +423,15 @@ def write_streaming(out: str | Path, ablation: Any, figure: Any) -> list[Path]:
     return write_files(out, {STREAMING_FILE: io.csv_writer(ablation.curve),
                              STREAMING_RUN_FILE: io.json_writer(ablation.run),
                              STREAMING_FIGURE: io.figure_writer(figure)})
+
+
+def write_patching(out: str | Path, patching: Any, figure: Any) -> list[Path]:
+    """patching.csv, patch.json and patching.png for `attnprobe patch` (a patching.Patching and its figure), each to
+    a temporary name, then renamed: a run stopped before this point leaves the folder as it was."""
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
+    return write_files(out, {PATCHING_FILE: io.csv_writer(patching.table), PATCH_RUN_FILE: io.json_writer(patching.run),
+                             PATCHING_FIGURE: io.figure_writer(figure)})
 
 
 def write_retrieval(out: str | Path, retrieval: Any) -> list[Path]:

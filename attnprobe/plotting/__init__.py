@@ -3,8 +3,8 @@
 One module per figure or family of figures, over `style` (what they share: colours, fonts, literal text, layout,
 the layers x heads grid, `Undrawable`): `entropy` (entropy_heatmap, layer_gradient), `patterns` (head_patterns),
 `positions` (position_profile), `probes`, `comparison`, `ablation` (importance, pruning, layer_importance,
-importance_vs_type), `streaming`, `rollout` and `related` (head_similarity, head_map). The names callers use are
-here; the others are read from their module.
+importance_vs_type), `streaming`, `patching`, `rollout` and `related` (head_similarity, head_map). The names
+callers use are here; the others are read from their module.
 """
 
 from attnprobe.plotting.ablation import (
@@ -16,6 +16,7 @@ from attnprobe.plotting.ablation import (
 )
 from attnprobe.plotting.comparison import compare_figure
 from attnprobe.plotting.entropy import entropy_heatmap_figure, layer_gradient_figure
+from attnprobe.plotting.patching import patching_figure
 from attnprobe.plotting.patterns import (
     MIN_LABEL_PT,
     PANEL_TITLE_PT,
@@ -105,6 +106,7 @@ __all__ = [
     "probe_heatmap_figure",
     "pruning_figure",
     "representatives",
+    "patching_figure",
     "rollout_figure",
     "streaming_figure",
     "text_inches",
