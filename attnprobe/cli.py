@@ -19,6 +19,7 @@ from attnprobe.commands import (
     analyze,
     classify,
     compare,
+    compose,
     export,
     plot,
     probe,
@@ -68,6 +69,7 @@ app.command()(compare.compare)
 app.command()(ablate.ablate)
 app.command()(rollout.rollout)
 app.command()(related.related)
+app.command()(compose.compose)
 app.command()(retrieval.retrieval)
 app.command()(export.export)
 app.command("train-pattern")(train_pattern.train_pattern)

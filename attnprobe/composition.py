@@ -119,7 +119,8 @@ def receiver_factors(weights: HeadWeights, mode: str) -> tuple[Tensor, Tensor]:
 
 def composition_scores(weights: HeadWeights, mode: str) -> Tensor:
     """[layer, head, layer, head] float64: the `mode` composition score of each sender (first two axes) with each
-    receiver in a later layer; NaN elsewhere (TransformerLens' all_composition_scores puts 0 there)."""
+    receiver in a later layer; NaN elsewhere (TransformerLens' all_composition_scores puts 0 there), and NaN where
+    either circuit is zero (0 / 0)."""
     layers, heads, _, _ = weights.shape
     w_in, r_right = receiver_factors(weights, mode)  # [layer, head, d, k], [layer, head, k, k]
     r_values = right_factor(weights.w_v)  # [layer, head, k, k]
@@ -150,12 +151,19 @@ def random_baseline(d_model: int, head_size: int, samples: int = SAMPLES, seed: 
             "d_model": d_model, "head_size": head_size}
 
 
+def later_pairs(layers: int, heads: int) -> np.ndarray:
+    """[layer, head, layer, head] bool: the receiver (last two axes) is in a later layer than the sender."""
+    later = np.arange(layers)[:, None] < np.arange(layers)[None, :]  # [sender layer, receiver layer]
+    return np.broadcast_to(later[:, None, :, None], (layers, heads, layers, heads))
+
+
 def composition_rows(scores: np.ndarray, baseline: float, spread: float) -> pd.DataFrame:
     """[mode, layer, head, layer, head] scores -> rows (sender_layer, sender_head, receiver_layer, receiver_head,
-    mode, score, baseline, baseline_sd), the pairs with a later receiver only, strongest first within each mode."""
+    mode, score, baseline, baseline_sd), the pairs with a later receiver only, strongest first within each mode (a
+    head whose circuit is zero has no score: NaN, last)."""
     frames = []
     for m, mode in enumerate(MODES):
-        s_layer, s_head, r_layer, r_head = np.nonzero(np.isfinite(scores[m]))  # [pair] each
+        s_layer, s_head, r_layer, r_head = np.nonzero(later_pairs(scores.shape[1], scores.shape[2]))  # [pair] each
         frame = pd.DataFrame({"sender_layer": s_layer, "sender_head": s_head, "receiver_layer": r_layer,
                               "receiver_head": r_head, "mode": mode,
                               "score": scores[m][s_layer, s_head, r_layer, r_head]})
@@ -325,6 +333,10 @@ def compose_loaded(loaded: Any, samples: int = SAMPLES, seed: int = SEED) -> Com
     """`compose` of an attnprobe LoadedModel (model.load_model)."""
     from attnprobe.model import attention_modules
 
+    if not loaded.causal:
+        raise AttnprobeError(f"{loaded.spec} is an encoder ({type(loaded.model).__name__}), normalised after each "
+                             "attention: compose scores pre-norm decoders (GPT-2, Llama, Mistral, Qwen2, Gemma, Phi, "
+                             "OPT), whose weights fold as TransformerLens folds them")
     modules = [module for module, _ in attention_modules(loaded.model)]
     if not modules:
         raise AttnprobeError(f"found no attention modules in {loaded.spec}")
@@ -340,3 +352,26 @@ def check_settings(samples: int, top: int) -> None:
                              f"{SAMPLES})")
     if top < 1:
         raise AttnprobeError(f"--top {top} is below 1: draw 1 or more edges (default {TOP})")
+
+
+def composition_record(loaded: Any, result: Composition, table: pd.DataFrame, top: int, seconds: float
+                       ) -> dict[str, Any]:
+    """composition.json: the model, how its weights were read and folded, the baseline, each mode's strongest
+    edges and how many pairs clear the baseline by 3 of its standard deviations."""
+    from attnprobe import __version__
+    from attnprobe.records import model_record, versions
+
+    cut = result.baseline["mean"] + 3 * result.baseline["sd"]
+    modes = {}
+    for mode, rows in table.groupby("mode", sort=False):
+        strongest = rows.nlargest(min(top, 10), "score")
+        modes[mode] = {"pairs": int(len(rows)), "above_baseline_3sd": int((rows["score"] > cut).sum()),
+                       "mean": float(rows["score"].mean()),
+                       "strongest": [{"sender": [int(r.sender_layer), int(r.sender_head)],
+                                      "receiver": [int(r.receiver_layer), int(r.receiver_head)],
+                                      "score": round(float(r.score), 6)} for r in strongest.itertuples()]}
+    return {"attnprobe_version": __version__, **result.info, "model": model_record(loaded), "dtype": loaded.dtype,
+            "baseline": result.baseline, "modes": modes, "top": top,
+            "definition": "|W_OV^s W^r|_F / (|W_OV^s|_F |W^r|_F) with W^r = W_QK^r (Q), W_QK^r transposed (K) or "
+                          "W_OV^r (V), row-vector convention, as TransformerLens' all_composition_scores",
+            "wall_seconds": round(seconds, 3), "versions": versions()}

@@ -51,6 +51,10 @@ TRAINED_LOG_FILE = "training.csv"  # train-pattern: per step, the loss and the g
 TRAINED_FIGURE = "training.png"
 TRAINED_RUN_FILE = "train_pattern.json"  # train-pattern: its record (settings, model, versions, the files' sha256)
 TRAINED_CHECKPOINT_FILE = "train_checkpoint.npz"  # train-pattern's (never analyze's checkpoint.npz)
+COMPOSITION_FILE = "composition.csv"  # compose: Q-, K- and V-composition of every pair of heads in different layers
+COMPOSITION_RUN_FILE = "composition.json"  # compose: provenance, folding, the random baseline, the strongest edges
+COMPOSITION_FIGURE = "composition.png"  # compose: the strongest edges, one panel per mode
+COMPOSITION_FILES = (COMPOSITION_FILE, COMPOSITION_RUN_FILE, COMPOSITION_FIGURE)
 TRAINED_FILES = (TRAINED_GATES_FILE, TRAINED_LOG_FILE, TRAINED_FIGURE, TRAINED_RUN_FILE, TRAINED_CHECKPOINT_FILE)
 # `plot`'s figures, in any of FIGURE_FORMATS (importance.png is ablate's, drawn from importance.csv alone)
 PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "head_patterns_selected", "position_profile",
@@ -77,6 +81,7 @@ MODEL_OUTPUTS = (
     ("related", SIMILARITY_FILE, (SIMILARITY_FILE,)),
     ("retrieval", RETRIEVAL_RUN_FILE, (RETRIEVAL_FILE, RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE)),
     ("ablate --method streaming", STREAMING_RUN_FILE, (STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE)),
+    ("compose", COMPOSITION_RUN_FILE, COMPOSITION_FILES),
 )
 
 
@@ -106,7 +111,7 @@ def is_result_name(name: str) -> bool:
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
              IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE, RETRIEVAL_FILE,
              RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE, STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE,
-             *TRAINED_FILES}
+             *TRAINED_FILES, *COMPOSITION_FILES}
     fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,
