@@ -38,6 +38,7 @@ MODES = ("Q", "K", "V")
 SAMPLES = 200  # random pairs of heads for the baseline
 SEED = 0
 TOP = 30  # the strongest edges the figure draws
+BASELINE_ELEMENTS = 1 << 24  # float64 random entries drawn at once for the baseline: 128 MiB
 
 # where each family keeps its weights: the attention module's projections, the block's pre-attention norm
 FUSED = "c_attn"  # GPT-2's Conv1D: [d_model, 3 d_model], Q then K then V
@@ -141,12 +142,10 @@ def random_baseline(d_model: int, head_size: int, samples: int = SAMPLES, seed: 
     and B, D [head size, d_model] of independent standard normal entries (the same for every mode). Its mean is
     about 1 / sqrt(d_model) whatever the head size: the level a score must clear to say more than chance."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (samples, 4, d_model, head_size)
-    draws = torch.randn(shape, generator=generator, dtype=torch.float64)  # [sample, 4, d, k]
-    a, b, c, d = draws.unbind(1)  # [sample, d, k] each; b and d used transposed, as [k, d]
-    b, d = b.transpose(-1, -2), d.transpose(-1, -2)  # [sample, k, d] each
-    middle = right_factor(a) @ (b @ c) @ right_factor(d.transpose(-1, -2)).transpose(-1, -2)  # [sample, k, k]
-    scores = torch.linalg.matrix_norm(middle) / factored_norm(a, b) / factored_norm(c, d)  # [sample]
+    chunk = max(1, BASELINE_ELEMENTS // (4 * d_model * head_size))  # samples drawn at once
+    scores = torch.cat([random_scores(torch.randn((min(chunk, samples - start), 4, d_model, head_size),
+                                                  generator=generator, dtype=torch.float64))
+                        for start in range(0, samples, chunk)])  # [sample]
     return {"mean": float(scores.mean()), "sd": float(scores.std()), "samples": samples, "seed": seed,
             "d_model": d_model, "head_size": head_size}
 
@@ -155,6 +154,14 @@ def later_pairs(layers: int, heads: int) -> np.ndarray:
     """[layer, head, layer, head] bool: the receiver (last two axes) is in a later layer than the sender."""
     later = np.arange(layers)[:, None] < np.arange(layers)[None, :]  # [sender layer, receiver layer]
     return np.broadcast_to(later[:, None, :, None], (layers, heads, layers, heads))
+
+
+def random_scores(draws: Tensor) -> Tensor:
+    """[sample, 4, d, k] standard normal draws (A, B^T, C, D^T) -> [sample]: the score of A B against C D."""
+    a, b, c, d = draws.unbind(1)  # [sample, d, k] each; b and d used transposed, as [k, d]
+    b, d = b.transpose(-1, -2), d.transpose(-1, -2)  # [sample, k, d] each
+    middle = right_factor(a) @ (b @ c) @ right_factor(d.transpose(-1, -2)).transpose(-1, -2)  # [sample, k, k]
+    return torch.linalg.matrix_norm(middle) / factored_norm(a, b) / factored_norm(c, d)  # [sample]
 
 
 def composition_rows(scores: np.ndarray, baseline: float, spread: float) -> pd.DataFrame:
@@ -346,12 +353,13 @@ def compose_loaded(loaded: Any, samples: int = SAMPLES, seed: int = SEED) -> Com
     return result
 
 
-def check_settings(samples: int, top: int) -> None:
-    if samples < 2:
-        raise AttnprobeError(f"--samples {samples} is below 2: the baseline's spread needs 2 or more (default "
-                             f"{SAMPLES})")
-    if top < 1:
-        raise AttnprobeError(f"--top {top} is below 1: draw 1 or more edges (default {TOP})")
+def check_settings(samples: int, top: int, seed: int) -> None:
+    """--samples (2 or more: the baseline's spread), --top and --seed within their bounds."""
+    from attnprobe import limits
+
+    limits.check_whole("--samples", samples, 2, limits.MAX_BASELINE_SAMPLES, SAMPLES)
+    limits.check_whole("--top", top, 1, limits.MAX_TOP, TOP)
+    limits.check_whole("--seed", seed, 0, limits.MAX_SEED, SEED)
 
 
 def composition_record(loaded: Any, result: Composition, table: pd.DataFrame, top: int, seconds: float

@@ -117,6 +117,18 @@ def test_baseline_equals_dense_random_products_and_about_one_over_root_d():
     assert random_baseline(d, k, samples=8, seed=3)["mean"] == random_baseline(d, k, samples=8, seed=3)["mean"]
 
 
+def test_baseline_in_chunks_is_the_same_distribution(monkeypatch):
+    """A large model's baseline is drawn a few samples at a time (memory stays bounded): the same mean within its
+    sampling error."""
+    from attnprobe import composition
+
+    whole = random_baseline(32, 4, samples=300, seed=0)
+    monkeypatch.setattr(composition, "BASELINE_ELEMENTS", 4 * 32 * 4 * 7)  # 7 samples a chunk
+    chunked = random_baseline(32, 4, samples=300, seed=0)
+    assert chunked["samples"] == 300
+    assert abs(chunked["mean"] - whole["mean"]) < 5 * whole["sd"] / 300 ** 0.5
+
+
 def test_one_layer_is_refused():
     weights = planted_weights()
     one = HeadWeights(*(w[:1] for w in (weights.w_q, weights.w_k, weights.w_v, weights.w_o)), kv_heads=2,
@@ -210,7 +222,8 @@ def test_cli_writes_the_scores_the_record_and_the_figure(tmp_path):
     assert "Strongest composition" in result.stdout and "composition.csv" in result.stdout
 
 
-@pytest.mark.parametrize("args, fragment", [(["--samples", "1"], "--samples 1"), (["--top", "0"], "--top 0")])
+@pytest.mark.parametrize("args, fragment", [(["--samples", "1"], "--samples 1"), (["--top", "0"], "--top 0"),
+                                            (["--samples", "10000000"], "--samples 10000000")])
 def test_cli_bad_settings_are_one_line(tmp_path, args, fragment):
     result = run("compose", "--model", DATA / "llama", "--out", tmp_path, *args)
     assert_one_line_error(result, fragment)

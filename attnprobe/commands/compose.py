@@ -42,7 +42,7 @@ def compose(
     from attnprobe.composition import check_settings, compose_loaded, composition_record
 
     started = time.monotonic()
-    check_settings(samples, top)
+    check_settings(samples, top, seed)
     io.check_out_dir(out)
     io.check_inputs_apart(out, {"--model": model})
     threads_used = apply_threads(threads)
