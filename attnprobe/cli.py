@@ -19,6 +19,7 @@ from attnprobe.commands import (
     analyze,
     classify,
     compare,
+    compose,
     export,
     patch,
     plot,
@@ -70,6 +71,7 @@ app.command()(ablate.ablate)
 app.command()(patch.patch)
 app.command()(rollout.rollout)
 app.command()(related.related)
+app.command()(compose.compose)
 app.command()(retrieval.retrieval)
 app.command()(export.export)
 app.command("train-pattern")(train_pattern.train_pattern)

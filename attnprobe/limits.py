@@ -19,6 +19,7 @@ MAX_CHECKPOINT_SECONDS = 7 * 24 * 3600.0  # a week between checkpoints
 MAX_SEQUENCES = 100_000  # probe: random sequences per length
 MAX_SENTENCES = 100_000  # verify: sentences checked
 MAX_TOP = 10_000  # compare: changed heads printed
+MAX_BASELINE_SAMPLES = 100_000  # compose: pairs of random matrices, [sample, 4, d_model, head size] float64
 MAX_ENTROPY_NATS = 100.0  # classify --copy-max-entropy (ln of the largest vocabulary is about 13)
 
 

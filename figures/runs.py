@@ -103,6 +103,8 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         "`classify --scheme extended`", minutes=0.5),
     Run("probe-smollm2", "results", (ap("probe", "--model", "smollm2-135m", "--out", "{out}"),),
         about="`attnprobe probe --model smollm2-135m`", minutes=0.5),
+    Run("compose-smollm2", "results", (ap("compose", "--model", "smollm2-135m", "--out", "{out}", key="compose"),),
+        about="`attnprobe compose --model smollm2-135m`", minutes=3),
     Run("probe-minilm", "results", (ap("probe", "--model", "minilm-l6", "--out", "{out}"),),
         about="`attnprobe probe --model minilm-l6`", minutes=0.3),
     Run("bf16", "results", (

@@ -58,6 +58,10 @@ PATCHING_FILE = "patching.csv"  # patch: per head (and position), the patching e
 PATCH_RUN_FILE = "patch.json"  # patch: the pairs' sha256, metric, direction, LD clean and corrupt, settings, model
 PATCHING_FIGURE = "patching.png"
 PATCH_FILES = (PATCHING_FILE, PATCH_RUN_FILE, PATCHING_FIGURE)
+COMPOSITION_FILE = "composition.csv"  # compose: Q-, K- and V-composition of every pair of heads in different layers
+COMPOSITION_RUN_FILE = "composition.json"  # compose: provenance, folding, the random baseline, the strongest edges
+COMPOSITION_FIGURE = "composition.png"  # compose: the strongest edges, one panel per mode
+COMPOSITION_FILES = (COMPOSITION_FILE, COMPOSITION_RUN_FILE, COMPOSITION_FIGURE)
 TRAINED_FILES = (TRAINED_GATES_FILE, TRAINED_LOG_FILE, TRAINED_FIGURE, TRAINED_RUN_FILE, TRAINED_CHECKPOINT_FILE)
 # `plot`'s figures, in any of FIGURE_FORMATS (importance.png is ablate's, drawn from importance.csv alone)
 PLOT_FIGURES = ("entropy_heatmap", "layer_gradient", "head_patterns", "head_patterns_selected", "position_profile",
@@ -85,6 +89,7 @@ MODEL_OUTPUTS = (
     ("retrieval", RETRIEVAL_RUN_FILE, (RETRIEVAL_FILE, RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE)),
     ("ablate --method streaming", STREAMING_RUN_FILE, (STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE)),
     ("patch", PATCH_RUN_FILE, PATCH_FILES),
+    ("compose", COMPOSITION_RUN_FILE, COMPOSITION_FILES),
 )
 
 
@@ -114,7 +119,7 @@ def is_result_name(name: str) -> bool:
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
              IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE, RETRIEVAL_FILE,
              RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE, STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE,
-             *TRAINED_FILES, *PATCH_FILES}
+             *TRAINED_FILES, *PATCH_FILES, *COMPOSITION_FILES}
     fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,

@@ -28,6 +28,9 @@ from attnprobe.io.names import (
     COMPARE_LAYERS_FILE,
     COMPARE_RUN_FILE,
     COMPARE_TYPES_FILE,
+    COMPOSITION_FIGURE,
+    COMPOSITION_FILE,
+    COMPOSITION_RUN_FILE,
     FIGURE_FORMATS,
     IMPORTANCE_FILE,
     KV_CACHE_FILE,
@@ -503,6 +506,15 @@ def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
         "pair_rows": np.int64(info.get("pair_rows") or 0),  # the budget in head-pair rows; 0: none
     }
     return write_files(out, {SIMILARITY_FILE: io.npz_writer(**arrays)})
+
+
+def write_composition(out: str | Path, table: Any, record: dict[str, Any], figure: Any) -> list[Path]:
+    """composition.csv, composition.json and composition.png for `attnprobe compose`, each to a temporary name,
+    then renamed."""
+    from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
+
+    return write_files(out, {COMPOSITION_FILE: io.csv_writer(table), COMPOSITION_RUN_FILE: io.json_writer(record),
+                             COMPOSITION_FIGURE: io.figure_writer(figure)})
 
 
 def derived_files(out: str | Path) -> list[str]:

@@ -3,8 +3,8 @@
 One module per figure or family of figures, over `style` (what they share: colours, fonts, literal text, layout,
 the layers x heads grid, `Undrawable`): `entropy` (entropy_heatmap, layer_gradient), `patterns` (head_patterns),
 `positions` (position_profile), `probes`, `comparison`, `ablation` (importance, pruning, layer_importance,
-importance_vs_type), `streaming`, `patching`, `rollout` and `related` (head_similarity, head_map). The names
-callers use are here; the others are read from their module.
+importance_vs_type), `streaming`, `patching`, `rollout`, `related` (head_similarity, head_map) and `composition`.
+The names callers use are here; the others are read from their module.
 """
 
 from attnprobe.plotting.ablation import (
@@ -15,6 +15,7 @@ from attnprobe.plotting.ablation import (
     pruning_figure,
 )
 from attnprobe.plotting.comparison import compare_figure
+from attnprobe.plotting.composition import composition_figure
 from attnprobe.plotting.entropy import entropy_heatmap_figure, layer_gradient_figure
 from attnprobe.plotting.patching import patching_figure
 from attnprobe.plotting.patterns import (
@@ -81,6 +82,7 @@ __all__ = [
     "any_script",
     "choose_example",
     "compare_figure",
+    "composition_figure",
     "draw_pattern",
     "draw_position_profile",
     "entropy_heatmap_figure",

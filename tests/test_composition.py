@@ -1,0 +1,249 @@
+"""Composition scores: planted heads in closed form, the random baseline against dense products, TransformerLens 4.3's
+scores of two tiny models (a committed fixture, and live where transformer_lens imports), and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_cli import assert_one_line_error, run
+
+from attnprobe.composition import (
+    MODES,
+    HeadWeights,
+    compose,
+    compose_loaded,
+    composition_scores,
+    random_baseline,
+)
+from attnprobe.model import load_model
+
+DATA = Path(__file__).parent / "data" / "composition"
+FIXTURE = json.loads((DATA / "tl_scores.json").read_text(encoding="utf-8"))
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def tolerance(d_model: int) -> float:
+    """TransformerLens computes in float32: each score is a ratio of three Frobenius norms of products whose inner
+    sums run over at most d_model terms, each off by at most d_model float32 roundings of its size; a score is at
+    most 1, so 2 d_model eps bounds the difference from attnprobe's float64 (7.6e-6 at d_model 32)."""
+    return 2 * d_model * EPS32
+
+
+def tl_array(name: str, mode: str) -> np.ndarray:
+    return np.asarray(FIXTURE["models"][name][mode], dtype=np.float64)  # [layer, head, layer, head]
+
+
+def compare_with_tl(scores: np.ndarray, tl: np.ndarray, d_model: int) -> None:
+    """attnprobe's scores (NaN where the receiver is not later) against TransformerLens' (0 there)."""
+    layers = scores.shape[0]
+    later = np.arange(layers)[:, None, None, None] < np.arange(layers)[None, None, :, None]  # [L, 1, L, 1]
+    later = np.broadcast_to(later, scores.shape)
+    assert np.isnan(scores[~later]).all() and (tl[~later] == 0).all()
+    np.testing.assert_allclose(scores[later], tl[later], rtol=0, atol=tolerance(d_model))
+
+
+# ---- closed form: planted heads --------------------------------------------------------------------------------
+
+
+def unit(d: int, i: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(i), d).double()  # [d]
+
+
+def planted_weights(d: int = 16, k: int = 4) -> HeadWeights:
+    """Two layers of two heads, random but for the planted ones: L0H0 writes u -> v (OV = u v^T); L1H0 reads v with
+    its queries (QK = v z^T) and with its values; L1H1 reads w (orthogonal to v) with queries, keys and values."""
+    torch.manual_seed(0)
+    shape = (2, 2, d, k)
+    w_q, w_k, w_v = (torch.randn(shape, dtype=torch.float64) for _ in range(3))  # [layer, head, d, k] each
+    w_o = torch.randn(2, 2, k, d, dtype=torch.float64)  # [layer, head, k, d]
+    u, v, w, z = (unit(d, i) for i in range(4))
+    w_v[0, 0], w_o[0, 0] = 0, 0
+    w_v[0, 0][:, 0], w_o[0, 0][0] = u, v  # OV = u v^T
+    for head, reads in ((0, v), (1, w)):
+        w_q[1, head], w_k[1, head], w_v[1, head] = 0, 0, 0
+        w_q[1, head][:, 1], w_k[1, head][:, 1], w_v[1, head][:, 2] = reads, z, reads  # QK = reads z^T
+    return HeadWeights(w_q, w_k, w_v, w_o, kv_heads=2, norm="rmsnorm")
+
+
+def test_planted_heads_compose_with_score_one_and_orthogonal_ones_with_zero():
+    weights = planted_weights()
+    q, k, v = (composition_scores(weights, mode) for mode in MODES)  # [L, H, L, H] each
+    assert q[0, 0, 1, 0] == pytest.approx(1.0, abs=1e-12)  # writes v, the queries read v
+    assert q[0, 0, 1, 1] == pytest.approx(0.0, abs=1e-12)  # the queries read w, orthogonal to v
+    assert k[0, 0, 1, 0] == pytest.approx(0.0, abs=1e-12)  # the keys read z, orthogonal to v
+    assert v[0, 0, 1, 0] == pytest.approx(1.0, abs=1e-12)
+    assert v[0, 0, 1, 1] == pytest.approx(0.0, abs=1e-12)
+    assert np.isnan(q[1].numpy()).all() and np.isnan(q[:, :, 0].numpy()).all()  # no later receiver
+    assert 0.0 < q[0, 1, 1, 0] < 1.0  # a random sender reads partly into the planted receiver
+
+
+def test_scores_equal_dense_products_in_float64():
+    """The factored norms against |W_V W_O W_Q W_K^T| built at d_model x d_model, per mode."""
+    torch.manual_seed(1)
+    layers, heads, d, k = 3, 2, 12, 3
+    w_q, w_k, w_v = (torch.randn(layers, heads, d, k, dtype=torch.float64) for _ in range(3))
+    w_o = torch.randn(layers, heads, k, d, dtype=torch.float64)
+    weights = HeadWeights(w_q, w_k, w_v, w_o, kv_heads=heads, norm="layernorm")
+    ov = w_v @ w_o  # [L, H, d, d]
+    qk = w_q @ w_k.transpose(-1, -2)  # [L, H, d, d]
+    right = {"Q": qk, "K": qk.transpose(-1, -2), "V": ov}
+    for mode in MODES:
+        scores = composition_scores(weights, mode)
+        for s_layer, s_head, r_layer, r_head in np.ndindex(layers, heads, layers, heads):
+            if r_layer <= s_layer:
+                continue
+            a, b = ov[s_layer, s_head], right[mode][r_layer, r_head]
+            dense = torch.linalg.matrix_norm(a @ b) / torch.linalg.matrix_norm(a) / torch.linalg.matrix_norm(b)
+            assert scores[s_layer, s_head, r_layer, r_head] == pytest.approx(float(dense), rel=1e-12)
+
+
+def test_baseline_equals_dense_random_products_and_about_one_over_root_d():
+    d, k, samples = 48, 6, 64
+    baseline = random_baseline(d, k, samples=samples, seed=3)
+    draws = torch.randn((samples, 4, d, k), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    a, b, c, e = draws.unbind(1)  # as random_baseline draws them
+    left, right = a @ b.transpose(-1, -2), c @ e.transpose(-1, -2)  # [sample, d, d] each
+    dense = (torch.linalg.matrix_norm(left @ right) / torch.linalg.matrix_norm(left)
+             / torch.linalg.matrix_norm(right))  # [sample]
+    assert baseline["mean"] == pytest.approx(float(dense.mean()), rel=1e-12)
+    assert baseline["sd"] == pytest.approx(float(dense.std()), rel=1e-10)
+    # |A B C D|^2 / (|A B|^2 |C D|^2) has expectation about 1 / d for Gaussian factors, whatever k
+    assert baseline["mean"] == pytest.approx(d ** -0.5, rel=0.2)
+    assert random_baseline(d, k, samples=8, seed=3)["mean"] == random_baseline(d, k, samples=8, seed=3)["mean"]
+
+
+def test_baseline_in_chunks_is_the_same_distribution(monkeypatch):
+    """A large model's baseline is drawn a few samples at a time (memory stays bounded): the same mean within its
+    sampling error."""
+    from attnprobe import composition
+
+    whole = random_baseline(32, 4, samples=300, seed=0)
+    monkeypatch.setattr(composition, "BASELINE_ELEMENTS", 4 * 32 * 4 * 7)  # 7 samples a chunk
+    chunked = random_baseline(32, 4, samples=300, seed=0)
+    assert chunked["samples"] == 300
+    assert abs(chunked["mean"] - whole["mean"]) < 5 * whole["sd"] / 300 ** 0.5
+
+
+def test_one_layer_is_refused():
+    weights = planted_weights()
+    one = HeadWeights(*(w[:1] for w in (weights.w_q, weights.w_k, weights.w_v, weights.w_o)), kv_heads=2,
+                      norm="rmsnorm")
+    with pytest.raises(Exception, match="two different layers"):
+        compose(one)
+
+
+# ---- TransformerLens 4.3 ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fixture_models() -> dict:
+    return {name: load_model(str(DATA / name), "cpu", "float32") for name in ("gpt2", "llama")}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_scores_equal_transformerlens_fixture(fixture_models, name):
+    """TransformerLens 4.3's all_composition_scores after HookedTransformer's processing (fold_ln,
+    center_writing_weights), recorded by tests/data/composition/make_fixture.py: GPT-2 (LayerNorm folded and
+    centred, W_O centred) and Llama (RMSNorm folded, 4 query heads on 2 KV heads)."""
+    loaded = fixture_models[name]
+    result = compose_loaded(loaded)
+    assert result.info["norm"] == {"gpt2": "layernorm", "llama": "rmsnorm"}[name]
+    assert (result.info["gqa"] is not None) == (name == "llama")
+    for m, mode in enumerate(MODES):
+        compare_with_tl(result.scores[m], tl_array(name, mode), result.info["d_model"])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_fixture_tells_folding_apart(fixture_models, name):
+    """Without folding the norms (their weights set to 1, biases 0) the scores miss TransformerLens' by far more
+    than the tolerance: the fixture would catch a folding left out."""
+    model = fixture_models[name].model
+    saved = {key: value.clone() for key, value in model.state_dict().items()}
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                if "Norm" in type(module).__name__:
+                    module.weight.fill_(1.0)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+        unfolded = compose_loaded(fixture_models[name])
+    finally:
+        model.load_state_dict(saved)
+    tl = tl_array(name, "Q")
+    later = np.isfinite(unfolded.scores[0])
+    assert np.abs(unfolded.scores[0][later] - tl[later]).max() > 1000 * tolerance(32)
+
+
+def test_live_transformerlens_on_a_fresh_model(tmp_path):
+    """TransformerLens itself, where it imports (it is not an attnprobe dependency: see make_fixture.py for its
+    virtualenv), on the fixture models and a fresh tiny Llama of another shape."""
+    pytest.importorskip("transformer_lens", reason="transformer_lens is not installed (make_fixture.py says how)")
+    from conftest import make_llama
+    from transformer_lens.model_bridge import TransformerBridge
+
+    fresh = make_llama(tmp_path / "llama", layers=3, heads=6, kv_heads=3, hidden=48, seed=5, lm_head=True)
+    for folder in (DATA / "gpt2", DATA / "llama", fresh):
+        bridge = TransformerBridge.boot_transformers(str(folder), device="cpu", dtype=torch.float32)
+        bridge.enable_compatibility_mode(disable_warnings=True)
+        result = compose_loaded(load_model(str(folder), "cpu", "float32"))
+        for m, mode in enumerate(MODES):
+            tl = bridge.all_composition_scores(mode).scores.detach().double().numpy()
+            compare_with_tl(result.scores[m], tl, result.info["d_model"])
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_the_scores_the_record_and_the_figure(tmp_path):
+    out = tmp_path / "out"
+    result = run("compose", "--model", DATA / "llama", "--out", out, "--top", "5", "--samples", "20")
+    assert result.exit_code == 0, result.output
+    table = pd.read_csv(out / "composition.csv")
+    assert list(table.columns) == ["sender_layer", "sender_head", "receiver_layer", "receiver_head", "mode", "score",
+                                   "baseline", "baseline_sd"]
+    pairs = 4 * 4 * 3  # 3 layers of 4 heads: (0 -> 1), (0 -> 2), (1 -> 2)
+    assert len(table) == 3 * pairs and (table["sender_layer"] < table["receiver_layer"]).all()
+    for mode in MODES:
+        rows = table[table["mode"] == mode]
+        got = rows["score"].to_numpy()
+        tl = tl_array("llama", mode)[rows["sender_layer"], rows["sender_head"], rows["receiver_layer"],
+                                     rows["receiver_head"]]
+        np.testing.assert_allclose(got, tl, rtol=0, atol=tolerance(32))
+        assert (np.diff(got) <= 0).all()  # strongest first
+    record = json.loads((out / "composition.json").read_text(encoding="utf-8"))
+    assert record["norm"] == "rmsnorm" and "repeat" in record["gqa"] and record["baseline"]["samples"] == 20
+    assert record["model"]["spec"] == str(DATA / "llama") and len(record["modes"]["Q"]["strongest"]) == 5
+    assert (out / "composition.png").stat().st_size > 0
+    assert "Strongest composition" in result.stdout and "composition.csv" in result.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [(["--samples", "1"], "--samples 1"), (["--top", "0"], "--top 0"),
+                                            (["--samples", "10000000"], "--samples 10000000")])
+def test_cli_bad_settings_are_one_line(tmp_path, args, fragment):
+    result = run("compose", "--model", DATA / "llama", "--out", tmp_path, *args)
+    assert_one_line_error(result, fragment)
+
+
+def test_cli_refuses_an_encoder_in_one_line(bert_dir, tmp_path):
+    result = run("compose", "--model", bert_dir, "--out", tmp_path)
+    assert_one_line_error(result, "pre-norm")
+
+
+def test_cli_refuses_norms_inside_attention_in_one_line(tmp_path):
+    """Qwen3 normalises queries and keys: its circuits are not linear, so no score."""
+    from conftest import save_tokenizer
+    from transformers import Qwen3Config, Qwen3Model
+
+    folder = tmp_path / "qwen3"
+    vocab = save_tokenizer(folder, ["a b c"])
+    Qwen3Model(Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8)).save_pretrained(folder)
+    result = run("compose", "--model", folder, "--out", tmp_path / "out")
+    assert_one_line_error(result, "q_norm")
+    assert not (tmp_path / "out" / "composition.csv").exists()
+
