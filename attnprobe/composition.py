@@ -317,7 +317,7 @@ def split_heads(weight: Tensor, count: int, heads: int) -> Tensor:
 # ---- a model's composition ---------------------------------------------------------------------------------------
 
 
-def compose(weights: HeadWeights, samples: int = SAMPLES, seed: int = SEED) -> Composition:
+def compose_weights(weights: HeadWeights, samples: int = SAMPLES, seed: int = SEED) -> Composition:
     """Every mode's scores and the random baseline for the heads' shapes."""
     layers, heads, d_model, size = weights.shape
     if layers < 2:
@@ -348,9 +348,19 @@ def compose_loaded(loaded: Any, samples: int = SAMPLES, seed: int = SEED) -> Com
     if not modules:
         raise AttnprobeError(f"found no attention modules in {loaded.spec}")
     weights = head_weights(loaded.model, modules, loaded.num_heads, loaded.num_kv_heads)
-    result = compose(weights, samples, seed)
+    result = compose_weights(weights, samples, seed)
     result.info["model"] = loaded.spec
     return result
+
+
+def compose(model: Any, samples: int = SAMPLES, seed: int = SEED, dtype: str = "auto") -> Composition:
+    """The notebook API: the composition of `model` (a name or path, loaded on the CPU in `dtype`; a LoadedModel;
+    or a transformers model and its tokenizer). `result.scores` [mode, layer, head, layer, head], `result.table()`
+    composition.csv's rows, `result.baseline` and `result.info` as composition.json records them."""
+    from attnprobe.model import as_loaded
+
+    check_settings(samples, TOP, seed)
+    return compose_loaded(as_loaded(model, "cpu", dtype), samples, seed)
 
 
 def check_settings(samples: int, top: int, seed: int) -> None:

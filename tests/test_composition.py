@@ -17,6 +17,7 @@ from attnprobe.composition import (
     HeadWeights,
     compose,
     compose_loaded,
+    compose_weights,
     composition_scores,
     random_baseline,
 )
@@ -134,7 +135,7 @@ def test_one_layer_is_refused():
     one = HeadWeights(*(w[:1] for w in (weights.w_q, weights.w_k, weights.w_v, weights.w_o)), kv_heads=2,
                       norm="rmsnorm")
     with pytest.raises(Exception, match="two different layers"):
-        compose(one)
+        compose_weights(one)
 
 
 # ---- TransformerLens 4.3 ---------------------------------------------------------------------------------------
@@ -247,3 +248,14 @@ def test_cli_refuses_norms_inside_attention_in_one_line(tmp_path):
     assert_one_line_error(result, "q_norm")
     assert not (tmp_path / "out" / "composition.csv").exists()
 
+
+
+def test_notebook_api_takes_a_name_or_a_loaded_model(fixture_models):
+    import attnprobe
+
+    by_path = attnprobe.compose(str(DATA / "gpt2"), samples=10)
+    loaded = compose(fixture_models["gpt2"], samples=10)
+    np.testing.assert_array_equal(by_path.scores, loaded.scores)
+    assert len(by_path.table()) == 3 * 4 * 4 * 3 and by_path.baseline["samples"] == 10
+    with pytest.raises(attnprobe.AttnprobeError, match="--samples"):
+        attnprobe.compose(fixture_models["gpt2"], samples=1)
