@@ -259,3 +259,56 @@ def test_notebook_api_takes_a_name_or_a_loaded_model(fixture_models):
     assert len(by_path.table()) == 3 * 4 * 4 * 3 and by_path.baseline["samples"] == 10
     with pytest.raises(attnprobe.AttnprobeError, match="--samples"):
         attnprobe.compose(fixture_models["gpt2"], samples=1)
+
+
+def hand_folded(model, scale_of) -> HeadWeights:
+    """An independent reading of a Llama-style model's heads: q/k/v/o_proj as [head, d, k] with the pre-attention
+    norm's scale `scale_of(norm)` multiplied in, K and V repeated over each group."""
+    config = model.config
+    heads, kv, k = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    parts = []
+    for layer in model.layers:
+        attn, scale = layer.self_attn, scale_of(layer.input_layernorm).double()  # [d]
+        w_q = (attn.q_proj.weight.double() * scale).reshape(heads, k, -1).transpose(1, 2)  # [head, d, k]
+        w_k = (attn.k_proj.weight.double() * scale).reshape(kv, k, -1).transpose(1, 2)  # [kv, d, k]
+        w_v = (attn.v_proj.weight.double() * scale).reshape(kv, k, -1).transpose(1, 2)  # [kv, d, k]
+        w_o = attn.o_proj.weight.double().T.reshape(heads, k, -1)  # [head, k, d]
+        group = heads // kv
+        parts.append((w_q, w_k.repeat_interleave(group, 0), w_v.repeat_interleave(group, 0), w_o))
+    return HeadWeights(*(torch.stack(p).detach() for p in zip(*parts)), kv_heads=kv, norm="rmsnorm")
+
+
+def test_gemma_folds_one_plus_its_norm_weight(tmp_path):
+    """Gemma's RMSNorm scales by 1 + weight: the scale read from the norm itself, against the hand-folded one."""
+    from zoo import make
+
+    loaded = load_model(str(make("gemma", tmp_path / "gemma")), "cpu", "float32")
+    with torch.no_grad():
+        for layer in loaded.model.layers:
+            layer.input_layernorm.weight.copy_(torch.linspace(-0.9, 2.0, layer.input_layernorm.weight.numel()))
+    result = compose_loaded(loaded)
+    oracle = hand_folded(loaded.model, lambda norm: 1.0 + norm.weight)
+    wrong = hand_folded(loaded.model, lambda norm: norm.weight)  # Llama's rule on Gemma's weights
+    for m, mode in enumerate(MODES):
+        expected = composition_scores(oracle, mode).numpy()
+        # the norm's scale is read by running it in float32: each channel's 1 + w and 1 / rms rounded once or twice
+        np.testing.assert_allclose(result.scores[m], expected, rtol=4 * EPS32, atol=0)
+        assert np.nanmax(np.abs(composition_scores(wrong, mode).numpy() - expected)) > 1e-2
+
+
+@pytest.mark.parametrize("name, outcome", [("opt", "layernorm"), ("phi", "layernorm"), ("gpt_neox", "q_proj"),
+                                           ("gemma2", "pre_feedforward_layernorm"), ("olmo", "pre-attention norm")])
+def test_other_families_score_or_are_refused_in_one_line(tmp_path, name, outcome):
+    """OPT (out_proj, self_attn_layer_norm) and Phi (dense) score; GPT-NeoX's interleaved query_key_value, Gemma 2's
+    norm on the attention output and OLMo's norm without weights are refused, naming why."""
+    from zoo import make
+
+    folder = make(name, tmp_path / "model")
+    if outcome in ("layernorm", "rmsnorm"):
+        result = compose_loaded(load_model(str(folder), "cpu", "float32"))
+        assert result.info["norm"] == outcome
+        finite = result.scores[np.isfinite(result.scores)]
+        assert finite.size == 3 * 4 * 4 and ((finite > 0) & (finite <= 1)).all()  # 2 layers of 4 heads, 3 modes
+    else:
+        result = run("compose", "--model", folder, "--out", tmp_path / "out")
+        assert_one_line_error(result, outcome)

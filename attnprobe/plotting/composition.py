@@ -33,7 +33,7 @@ def composition_figure(table: pd.DataFrame, layers: int, heads: int, baseline: f
     for ax, mode in zip(axes, modes):
         draw_edges(ax, strongest[mode], layers, heads, cmap, norm)
         ax.set_title(f"{MODE_TITLES[mode]}: the {len(strongest[mode])} strongest of "
-                     f"{int((table['mode'] == mode).sum())} pairs", fontsize=9, loc="left")
+                     f"{int((table['mode'] == mode).sum()):,} pairs", fontsize=9, loc="left")
     mappable = figure.colorbar(_scalar(cmap, norm), ax=list(axes), location="bottom", shrink=0.6, aspect=40)
     mappable.set_label(f"score / random baseline ({baseline:.3f})")
     figure.suptitle(plain_text(f"Composition of {model}'s heads, from weights folded as TransformerLens folds them\n"
