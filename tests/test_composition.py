@@ -180,15 +180,38 @@ def test_the_fixture_tells_folding_apart(fixture_models, name):
     assert np.abs(unfolded.scores[0][later] - tl[later]).max() > 1000 * tolerance(32)
 
 
-def test_live_transformerlens_on_a_fresh_model(tmp_path):
+def fresh_models(folder: Path) -> list[Path]:
+    """A tiny GPT-2 and a tiny Llama of other shapes than the fixture's (and 2 query heads per KV head), their
+    norms' weights and biases random, saved as causal LMs with make_fixture.py's tokenizer."""
+    import importlib.util
+
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("make_fixture", DATA / "make_fixture.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    torch.manual_seed(7)
+    made = []
+    for name, build in (("gpt2", lambda vocab: GPT2LMHeadModel(GPT2Config(
+            vocab_size=vocab, n_positions=16, n_embd=48, n_layer=4, n_head=6, n_inner=64, initializer_range=0.2))),
+                        ("llama", lambda vocab: LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
+            num_key_value_heads=3, max_position_embeddings=16, initializer_range=0.2)))):
+        target = folder / name
+        model = build(maker.save_tokenizer(target))
+        maker.randomise_norms(model)
+        model.save_pretrained(target)
+        made.append(target)
+    return made
+
+
+def test_live_transformerlens(tmp_path):
     """TransformerLens itself, where it imports (it is not an attnprobe dependency: see make_fixture.py for its
-    virtualenv), on the fixture models and a fresh tiny Llama of another shape."""
+    virtualenv), on the fixture models and a fresh GPT-2 and Llama of other shapes."""
     pytest.importorskip("transformer_lens", reason="transformer_lens is not installed (make_fixture.py says how)")
-    from conftest import make_llama
     from transformer_lens.model_bridge import TransformerBridge
 
-    fresh = make_llama(tmp_path / "llama", layers=3, heads=6, kv_heads=3, hidden=48, seed=5, lm_head=True)
-    for folder in (DATA / "gpt2", DATA / "llama", fresh):
+    for folder in (DATA / "gpt2", DATA / "llama", *fresh_models(tmp_path)):
         bridge = TransformerBridge.boot_transformers(str(folder), device="cpu", dtype=torch.float32)
         bridge.enable_compatibility_mode(disable_warnings=True)
         result = compose_loaded(load_model(str(folder), "cpu", "float32"))
