@@ -32,12 +32,13 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from attnprobe.defaults import COMPOSE_SAMPLES, COMPOSE_SEED, COMPOSE_TOP
 from attnprobe.errors import AttnprobeError
 
 MODES = ("Q", "K", "V")
-SAMPLES = 200  # random pairs of heads for the baseline
-SEED = 0
-TOP = 30  # the strongest edges the figure draws
+SAMPLES = COMPOSE_SAMPLES  # random pairs of circuits for the baseline
+SEED = COMPOSE_SEED
+TOP = COMPOSE_TOP  # the strongest edges the figure draws
 BASELINE_ELEMENTS = 1 << 24  # float64 random entries drawn at once for the baseline: 128 MiB
 PAIR_ELEMENTS = 1 << 24  # float64 entries of each [sender, receiver, k, k] temporary: 128 MiB
 

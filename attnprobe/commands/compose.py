@@ -10,7 +10,9 @@ from rich.table import Table
 
 from attnprobe.commands.common import err_console, friendly_errors, load, out_console, say_written
 from attnprobe.commands.options import DEFAULT_OUT, DTypeChoice, ModelOption, OutOption, ThreadsOption
-from attnprobe.composition import SAMPLES, SEED, TOP
+from attnprobe.defaults import COMPOSE_SAMPLES as SAMPLES
+from attnprobe.defaults import COMPOSE_SEED as SEED
+from attnprobe.defaults import COMPOSE_TOP as TOP
 from attnprobe.naming import head_name
 from attnprobe.threads import apply as apply_threads
 
