@@ -45,6 +45,8 @@ _FUNCTIONS = {
     "head_similarity": "similarity",
     "head_similarity_figure": "plotting",
     "head_map_figure": "plotting",
+    "compose": "composition",
+    "composition_figure": "plotting",
 }
 # submodules that are also their namesake function
 _CALLABLE_MODULES = ("classify", "probe", "verify", "compare", "ablate", "rollout")
@@ -53,17 +55,20 @@ __all__ = [  # spelled out for linters and type checkers; the tests check it aga
     "AttnprobeError", "__version__", "analyze", "load_model", "from_transformers", "attention_maps", "read_corpus",
     "build_report", "entropy_heatmap_figure", "layer_gradient_figure", "head_patterns_figure",
     "position_profile_figure", "probe_heatmap_figure", "compare_figure", "importance_heatmap_figure",
-    "rollout_figure", "head_similarity", "head_similarity_figure", "head_map_figure", "classify", "probe", "verify",
+    "rollout_figure", "head_similarity", "head_similarity_figure", "head_map_figure", "compose",
+    "composition_figure", "classify", "probe", "verify",
     "compare", "ablate", "rollout",
 ]
 
 if TYPE_CHECKING:
     from attnprobe.analysis import analyze
+    from attnprobe.composition import compose
     from attnprobe.corpus import read_corpus
     from attnprobe.maps import attention_maps
     from attnprobe.model import from_transformers, load_model
     from attnprobe.plotting import (
         compare_figure,
+        composition_figure,
         entropy_heatmap_figure,
         head_map_figure,
         head_patterns_figure,

@@ -32,13 +32,15 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from attnprobe.defaults import COMPOSE_SAMPLES, COMPOSE_SEED, COMPOSE_TOP
 from attnprobe.errors import AttnprobeError
 
 MODES = ("Q", "K", "V")
-SAMPLES = 200  # random pairs of heads for the baseline
-SEED = 0
-TOP = 30  # the strongest edges the figure draws
+SAMPLES = COMPOSE_SAMPLES  # random pairs of circuits for the baseline
+SEED = COMPOSE_SEED
+TOP = COMPOSE_TOP  # the strongest edges the figure draws
 BASELINE_ELEMENTS = 1 << 24  # float64 random entries drawn at once for the baseline: 128 MiB
+PAIR_ELEMENTS = 1 << 24  # float64 entries of each [sender, receiver, k, k] temporary: 128 MiB
 
 # where each family keeps its weights: the attention module's projections, the block's pre-attention norm
 FUSED = "c_attn"  # GPT-2's Conv1D: [d_model, 3 d_model], Q then K then V
@@ -99,7 +101,16 @@ def factored_norm(a: Tensor, b: Tensor) -> Tensor:
 
 def composed_norms(r_left: Tensor, w_out: Tensor, w_in: Tensor, r_right: Tensor) -> Tensor:
     """|L W_out W_in R^T|_F for every sender s and receiver r: r_left [s, k, k] (the sender's left factor), w_out
-    [s, k, d] (what it writes), w_in [r, d, k] (what the receiver reads), r_right [r, k, k] -> [s, r]."""
+    [s, k, d] (what it writes), w_in [r, d, k] (what the receiver reads), r_right [r, k, k] -> [s, r]. Receivers in
+    chunks whose [s, r, k, k] temporaries hold at most PAIR_ELEMENTS each."""
+    senders, size = r_left.shape[0], r_left.shape[-1]
+    chunk = max(1, PAIR_ELEMENTS // (senders * size * size))  # receivers at once
+    return torch.cat([chunk_norms(r_left, w_out, w_in[start : start + chunk], r_right[start : start + chunk])
+                      for start in range(0, w_in.shape[0], chunk)], dim=1)  # [s, r]
+
+
+def chunk_norms(r_left: Tensor, w_out: Tensor, w_in: Tensor, r_right: Tensor) -> Tensor:
+    """composed_norms of one chunk of receivers: [s, r]."""
     middle = torch.einsum("sid,rdj->srij", w_out, w_in)  # [s, r, k, k]: the only product over d_model
     left = torch.einsum("sai,srij->sraj", r_left, middle)  # [s, r, k, k]
     both = torch.einsum("sraj,rbj->srab", left, r_right)  # [s, r, k, k]
@@ -317,7 +328,7 @@ def split_heads(weight: Tensor, count: int, heads: int) -> Tensor:
 # ---- a model's composition ---------------------------------------------------------------------------------------
 
 
-def compose(weights: HeadWeights, samples: int = SAMPLES, seed: int = SEED) -> Composition:
+def compose_weights(weights: HeadWeights, samples: int = SAMPLES, seed: int = SEED) -> Composition:
     """Every mode's scores and the random baseline for the heads' shapes."""
     layers, heads, d_model, size = weights.shape
     if layers < 2:
@@ -348,9 +359,19 @@ def compose_loaded(loaded: Any, samples: int = SAMPLES, seed: int = SEED) -> Com
     if not modules:
         raise AttnprobeError(f"found no attention modules in {loaded.spec}")
     weights = head_weights(loaded.model, modules, loaded.num_heads, loaded.num_kv_heads)
-    result = compose(weights, samples, seed)
+    result = compose_weights(weights, samples, seed)
     result.info["model"] = loaded.spec
     return result
+
+
+def compose(model: Any, samples: int = SAMPLES, seed: int = SEED, dtype: str = "auto") -> Composition:
+    """The notebook API: the composition of `model` (a name or path, loaded on the CPU in `dtype`; a LoadedModel;
+    or a transformers model and its tokenizer). `result.scores` [mode, layer, head, layer, head], `result.table()`
+    composition.csv's rows, `result.baseline` and `result.info` as composition.json records them."""
+    from attnprobe.model import as_loaded
+
+    check_settings(samples, TOP, seed)
+    return compose_loaded(as_loaded(model, "cpu", dtype), samples, seed)
 
 
 def check_settings(samples: int, top: int, seed: int) -> None:

@@ -31,3 +31,8 @@ TRAIN_STEPS = 60
 TRAIN_PASSKEYS = 3
 TRAIN_PASSKEY_WORDS = 8
 TRAIN_CHECKPOINT_EVERY = 10  # steps (DuoAttention saves every 50)
+
+# compose
+COMPOSE_SAMPLES = 200  # pairs of random matrices for the composition baseline
+COMPOSE_SEED = 0
+COMPOSE_TOP = 30  # the strongest edges per mode composition.png draws

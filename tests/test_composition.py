@@ -17,6 +17,7 @@ from attnprobe.composition import (
     HeadWeights,
     compose,
     compose_loaded,
+    compose_weights,
     composition_scores,
     random_baseline,
 )
@@ -134,7 +135,7 @@ def test_one_layer_is_refused():
     one = HeadWeights(*(w[:1] for w in (weights.w_q, weights.w_k, weights.w_v, weights.w_o)), kv_heads=2,
                       norm="rmsnorm")
     with pytest.raises(Exception, match="two different layers"):
-        compose(one)
+        compose_weights(one)
 
 
 # ---- TransformerLens 4.3 ---------------------------------------------------------------------------------------
@@ -179,15 +180,38 @@ def test_the_fixture_tells_folding_apart(fixture_models, name):
     assert np.abs(unfolded.scores[0][later] - tl[later]).max() > 1000 * tolerance(32)
 
 
-def test_live_transformerlens_on_a_fresh_model(tmp_path):
+def fresh_models(folder: Path) -> list[Path]:
+    """A tiny GPT-2 and a tiny Llama of other shapes than the fixture's (and 2 query heads per KV head), their
+    norms' weights and biases random, saved as causal LMs with make_fixture.py's tokenizer."""
+    import importlib.util
+
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("make_fixture", DATA / "make_fixture.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    torch.manual_seed(7)
+    made = []
+    for name, build in (("gpt2", lambda vocab: GPT2LMHeadModel(GPT2Config(
+            vocab_size=vocab, n_positions=16, n_embd=48, n_layer=4, n_head=6, n_inner=64, initializer_range=0.2))),
+                        ("llama", lambda vocab: LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
+            num_key_value_heads=3, max_position_embeddings=16, initializer_range=0.2)))):
+        target = folder / name
+        model = build(maker.save_tokenizer(target))
+        maker.randomise_norms(model)
+        model.save_pretrained(target)
+        made.append(target)
+    return made
+
+
+def test_live_transformerlens(tmp_path):
     """TransformerLens itself, where it imports (it is not an attnprobe dependency: see make_fixture.py for its
-    virtualenv), on the fixture models and a fresh tiny Llama of another shape."""
+    virtualenv), on the fixture models and a fresh GPT-2 and Llama of other shapes."""
     pytest.importorskip("transformer_lens", reason="transformer_lens is not installed (make_fixture.py says how)")
-    from conftest import make_llama
     from transformer_lens.model_bridge import TransformerBridge
 
-    fresh = make_llama(tmp_path / "llama", layers=3, heads=6, kv_heads=3, hidden=48, seed=5, lm_head=True)
-    for folder in (DATA / "gpt2", DATA / "llama", fresh):
+    for folder in (DATA / "gpt2", DATA / "llama", *fresh_models(tmp_path)):
         bridge = TransformerBridge.boot_transformers(str(folder), device="cpu", dtype=torch.float32)
         bridge.enable_compatibility_mode(disable_warnings=True)
         result = compose_loaded(load_model(str(folder), "cpu", "float32"))
@@ -247,3 +271,78 @@ def test_cli_refuses_norms_inside_attention_in_one_line(tmp_path):
     assert_one_line_error(result, "q_norm")
     assert not (tmp_path / "out" / "composition.csv").exists()
 
+
+
+def test_notebook_api_takes_a_name_or_a_loaded_model(fixture_models):
+    import attnprobe
+
+    by_path = attnprobe.compose(str(DATA / "gpt2"), samples=10)
+    loaded = compose(fixture_models["gpt2"], samples=10)
+    np.testing.assert_array_equal(by_path.scores, loaded.scores)
+    assert len(by_path.table()) == 3 * 4 * 4 * 3 and by_path.baseline["samples"] == 10
+    with pytest.raises(attnprobe.AttnprobeError, match="--samples"):
+        attnprobe.compose(fixture_models["gpt2"], samples=1)
+
+
+def hand_folded(model, scale_of) -> HeadWeights:
+    """An independent reading of a Llama-style model's heads: q/k/v/o_proj as [head, d, k] with the pre-attention
+    norm's scale `scale_of(norm)` multiplied in, K and V repeated over each group."""
+    config = model.config
+    heads, kv, k = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    parts = []
+    for layer in model.layers:
+        attn, scale = layer.self_attn, scale_of(layer.input_layernorm).double()  # [d]
+        w_q = (attn.q_proj.weight.double() * scale).reshape(heads, k, -1).transpose(1, 2)  # [head, d, k]
+        w_k = (attn.k_proj.weight.double() * scale).reshape(kv, k, -1).transpose(1, 2)  # [kv, d, k]
+        w_v = (attn.v_proj.weight.double() * scale).reshape(kv, k, -1).transpose(1, 2)  # [kv, d, k]
+        w_o = attn.o_proj.weight.double().T.reshape(heads, k, -1)  # [head, k, d]
+        group = heads // kv
+        parts.append((w_q, w_k.repeat_interleave(group, 0), w_v.repeat_interleave(group, 0), w_o))
+    return HeadWeights(*(torch.stack(p).detach() for p in zip(*parts)), kv_heads=kv, norm="rmsnorm")
+
+
+def test_gemma_folds_one_plus_its_norm_weight(tmp_path):
+    """Gemma's RMSNorm scales by 1 + weight: the scale read from the norm itself, against the hand-folded one."""
+    from zoo import make
+
+    loaded = load_model(str(make("gemma", tmp_path / "gemma")), "cpu", "float32")
+    with torch.no_grad():
+        for layer in loaded.model.layers:
+            layer.input_layernorm.weight.copy_(torch.linspace(-0.9, 2.0, layer.input_layernorm.weight.numel()))
+    result = compose_loaded(loaded)
+    oracle = hand_folded(loaded.model, lambda norm: 1.0 + norm.weight)
+    wrong = hand_folded(loaded.model, lambda norm: norm.weight)  # Llama's rule on Gemma's weights
+    for m, mode in enumerate(MODES):
+        expected = composition_scores(oracle, mode).numpy()
+        # the norm's scale is read by running it in float32: each channel's 1 + w and 1 / rms rounded once or twice
+        np.testing.assert_allclose(result.scores[m], expected, rtol=4 * EPS32, atol=0)
+        assert np.nanmax(np.abs(composition_scores(wrong, mode).numpy() - expected)) > 1e-2
+
+
+@pytest.mark.parametrize("name, outcome", [("opt", "layernorm"), ("phi", "layernorm"), ("gpt_neox", "q_proj"),
+                                           ("gemma2", "pre_feedforward_layernorm"), ("olmo", "pre-attention norm")])
+def test_other_families_score_or_are_refused_in_one_line(tmp_path, name, outcome):
+    """OPT (out_proj, self_attn_layer_norm) and Phi (dense) score; GPT-NeoX's interleaved query_key_value, Gemma 2's
+    norm on the attention output and OLMo's norm without weights are refused, naming why."""
+    from zoo import make
+
+    folder = make(name, tmp_path / "model")
+    if outcome in ("layernorm", "rmsnorm"):
+        result = compose_loaded(load_model(str(folder), "cpu", "float32"))
+        assert result.info["norm"] == outcome
+        finite = result.scores[np.isfinite(result.scores)]
+        assert finite.size == 3 * 4 * 4 and ((finite > 0) & (finite <= 1)).all()  # 2 layers of 4 heads, 3 modes
+    else:
+        result = run("compose", "--model", folder, "--out", tmp_path / "out")
+        assert_one_line_error(result, outcome)
+
+
+def test_receivers_in_chunks_give_the_same_scores(monkeypatch):
+    """A large model's receivers are scored a few at a time (memory stays bounded): the same scores."""
+    from attnprobe import composition
+
+    weights = planted_weights()
+    whole = composition_scores(weights, "K")
+    monkeypatch.setattr(composition, "PAIR_ELEMENTS", 2 * 4 * 4)  # one receiver a chunk for 2 senders of size 4
+    # float64 products of other shapes may round differently in the last bits (BLAS picks kernels by shape)
+    np.testing.assert_allclose(composition_scores(weights, "K").numpy(), whole.numpy(), rtol=1e-13, atol=1e-15)

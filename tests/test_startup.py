@@ -21,7 +21,7 @@ def heavy_modules_after(runs):
 
 
 def test_help_imports_no_torch():
-    assert heavy_modules_after([["--help"], ["analyze", "--help"], ["verify", "--help"]]) == "[]"
+    assert heavy_modules_after([["--help"], ["analyze", "--help"], ["verify", "--help"], ["compose", "--help"]]) == "[]"
 
 
 def test_classify_and_plot_import_no_torch(tmp_path):

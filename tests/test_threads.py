@@ -18,6 +18,7 @@ MODEL_COMMANDS = {  # every command that loads a model, with its other required 
     "ablate": ["--model", "m", "--corpus", "c.txt"],
     "probe": ["--model", "m"],
     "rollout": ["--model", "m", "--example", "Hello."],
+    "compose": ["--model", "m"],
     "verify": ["--model", "m"],
 }
 

@@ -8,9 +8,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from attnprobe.commands.common import friendly_errors, load, out_console, say_written
+from attnprobe.commands.common import err_console, friendly_errors, load, out_console, say_written
 from attnprobe.commands.options import DEFAULT_OUT, DTypeChoice, ModelOption, OutOption, ThreadsOption
-from attnprobe.composition import SAMPLES, SEED, TOP
+from attnprobe.defaults import COMPOSE_SAMPLES as SAMPLES
+from attnprobe.defaults import COMPOSE_SEED as SEED
+from attnprobe.defaults import COMPOSE_TOP as TOP
 from attnprobe.naming import head_name
 from attnprobe.threads import apply as apply_threads
 
@@ -47,7 +49,8 @@ def compose(
     io.check_inputs_apart(out, {"--model": model})
     threads_used = apply_threads(threads)
     loaded = load(model, "cpu", dtype.value)
-    result = compose_loaded(loaded, samples=samples, seed=seed)
+    with err_console.status(f"Scoring the pairs of {loaded.num_layers} x {loaded.num_heads} heads"):
+        result = compose_loaded(loaded, samples=samples, seed=seed)
     table = result.table()
     record = composition_record(loaded, result, table, top=top, seconds=time.monotonic() - started)
     record["threads"] = threads_used["threads"]

@@ -12,9 +12,9 @@ from matplotlib.patches import FancyArrowPatch
 from attnprobe.plotting.style import layer_ticks, plain_text
 
 EDGE_CMAP = "viridis_r"  # darker: stronger
-MODE_TITLES = {"Q": "Q-composition: the receiver's queries read what the sender wrote",
-               "K": "K-composition: the receiver's keys read it",
-               "V": "V-composition: the receiver's values read it"}
+MODE_TITLES = {"Q": "Q-composition (the receiver's queries read what the sender writes)",
+               "K": "K-composition (the receiver's keys read it)",
+               "V": "V-composition (the receiver's values read it)"}
 
 
 def composition_figure(table: pd.DataFrame, layers: int, heads: int, baseline: float, spread: float, model: str,
@@ -27,17 +27,18 @@ def composition_figure(table: pd.DataFrame, layers: int, heads: int, baseline: f
         if strongest else np.ones(1)
     norm = Normalize(vmin=min(1.0, float(ratios.min())), vmax=max(float(ratios.max()), 1.0 + 1e-9))
     cmap = colormaps[EDGE_CMAP]
-    width = min(16.0, 3.0 + 0.35 * layers)
+    width = min(16.0, max(8.0, 2.0 + 0.35 * layers))  # inches
     figure = Figure(figsize=(width, max(2.2, 0.3 * heads + 1.2) * len(modes) + 0.8), layout="constrained")
     axes = np.atleast_1d(figure.subplots(len(modes), 1, squeeze=False)[:, 0])
     for ax, mode in zip(axes, modes):
         draw_edges(ax, strongest[mode], layers, heads, cmap, norm)
-        ax.set_title(f"{MODE_TITLES[mode]} (the {len(strongest[mode])} strongest of "
-                     f"{int((table['mode'] == mode).sum())} pairs)", fontsize=9, loc="left")
-    mappable = figure.colorbar(_scalar(cmap, norm), ax=list(axes), shrink=0.8)
+        ax.set_title(f"{MODE_TITLES[mode]}: the {len(strongest[mode])} strongest of "
+                     f"{int((table['mode'] == mode).sum()):,} pairs", fontsize=9, loc="left")
+    mappable = figure.colorbar(_scalar(cmap, norm), ax=list(axes), location="bottom", shrink=0.6, aspect=40)
     mappable.set_label(f"score / random baseline ({baseline:.3f})")
-    figure.suptitle(plain_text(f"Composition of {model}'s heads (weights folded as TransformerLens does; random "
-                               f"matrices of the same shapes score {baseline:.3f} ± {spread:.3f})"), fontsize=10)
+    figure.suptitle(plain_text(f"Composition of {model}'s heads, from weights folded as TransformerLens folds them\n"
+                               f"(random matrices of the same shapes score {baseline:.3f} ± {spread:.3f})"),
+                    fontsize=10)
     return figure
 
 
