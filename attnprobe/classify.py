@@ -23,6 +23,7 @@ class HeadType(str, Enum):
     MIXED = "mixed"
     STREAMING = "streaming"  # kv scheme: nearly all mass on the sinks plus the recent window
     FULL_CACHE = "full-cache"  # kv scheme: needs keys outside the sinks and the window (the whole cache)
+    RETRIEVAL = "full-cache"  # the name FULL_CACHE had until 2026-11-29: an alias (iteration skips it)
 
 
 class Scheme(str, Enum):

@@ -521,7 +521,7 @@ def compare_bf16(out: Outputs) -> dict:
             "width": float(width), "width_unpaired": float(width_unpaired),
             "changed_unpaired": info_unpaired["changed"]["entropy"],
             "up": rows(excludes.nlargest(3, "entropy_diff")), "down": rows(excludes.nsmallest(2, "entropy_diff")),
-            "type_changes": changed, "date": out.when("bf16")["date"]}
+            "type_changes": changed, "date": out.when("bf16")["date"], "machine": out.when("bf16")["machine"]}
 
 
 def change(h: dict, with_ci: bool) -> str:
@@ -551,7 +551,19 @@ def _(d: dict) -> str:
             f"(sharper) {down}. {type_text} The same comparison with `--unpaired` {unpaired}: its intervals are "
             f"about {round(ratio)} times wider (median {fmt.num(d['width_unpaired'], 2)} nats), because they ignore "
             "that both runs measured the same sentences. A detectable difference is not a large one: read the size "
-            "as well as the interval.")
+            "as well as the interval."
+            + (f" These bfloat16 figures hold for the CPU they were measured on, {cpu_words(d['machine'])} "
+               f"({d['date']}): bfloat16 rounds in the CPU's own kernels, so another CPU (one with or without "
+               "avx512_bf16) moves other heads by other amounts, where float32, which rounds 2^16 times finer, "
+               "differs between CPUs only in far smaller digits."
+               if d.get("machine") else ""))
+
+
+def cpu_words(m: dict) -> str:
+    """'an AMD EPYC (avx512_bf16), torch 2.13.0+cpu': the CPU and its bfloat16 instructions."""
+    extra = m.get("bf16_instructions")
+    has = f"with {' and '.join(extra)}" if extra else "without bfloat16 instructions" if extra is not None else ""
+    return f"{m['cpu']}{f' ({has})' if has else ''}, torch {m['torch']}"
 
 
 @figure("readme-compare", runs=("bf16",))
@@ -562,8 +574,9 @@ def readme_compare(out: Outputs) -> dict:
 @readme_compare.renderer
 def _(d: dict) -> str:
     return (f"- `attnprobe compare`: bfloat16 barely moves attention: the mean entropy over all {d['heads']} heads "
-            f"goes from {fmt.num(d['a'], 4)} to {fmt.num(d['b'], 4)} nats, {fmt.vci(*d['diff'], 4, True)} "
-            "([compare](docs/guides/compare.md)).")
+            f"goes from {fmt.num(d['a'], 4)} to {fmt.num(d['b'], 4)} nats, {fmt.vci(*d['diff'], 4, True)}"
+            + (f", on {cpu_words(d['machine'])} ({d['date']}; bfloat16's figures depend on the CPU)"
+               if d.get("machine") else "") + " ([compare](docs/guides/compare.md)).")
 
 
 @figure("compare-minilm", runs=("compare-minilm",), images={
@@ -645,7 +658,9 @@ def kv_smollm2(out: Outputs) -> dict:
             "sink": streaming.get("sink_size"), "recent": streaming.get("recent_size"),
             "client": streaming.get("client", "duo-attention"), "random_orders": streaming.get("random_orders", 1),
             "continuation": streaming.get("continuation"),
-            "tokens": streaming.get("tokens"), "date": out.when("kv-smollm2")["date"]}
+            "tokens": streaming.get("tokens"), "date": out.when("kv-smollm2")["date"],
+            "seconds": {key: out.step("kv-smollm2", key)["seconds"] for key in ("retrieval", "forced", "streaming")},
+            "machine": out.when("kv-smollm2")["machine"], "load": out.when("kv-smollm2")["load"]}
 
 
 @kv_smollm2.renderer
@@ -680,7 +695,8 @@ def _(d: dict) -> str:
         + (f" ({', '.join(both)})" if both else "") + ".",
         "",
         f"The streaming curve: KV heads made streaming (S = {d['sink']} sink and W = {d['recent']} recent keys) by "
-        f"{how}, in the order of the DuoAttention export of the `gpl3` run (lowest score first) and in "
+        f"{how}, in the order of the DuoAttention export of `analyze` on the whole licence (its far share, `export "
+        "--scores kv`; lowest score first) and in "
         f"{random_words}, loss change per scored token against the unablated model"
         + (f" ({', '.join(tasks)} task{'s' if len(tasks) > 1 else ''})" if tasks else "") + ":",
         "",
@@ -690,10 +706,16 @@ def _(d: dict) -> str:
         *[line for sentence in halves if sentence for line in (sentence, "")],
         "![SmolLM2-135M: loss against the share of KV heads made streaming](images/smollm2-135m-streaming.png)",
         "",
+        *([f"Run times here ({fmt.machine(d['machine'], d['load'])}): `retrieval` "
+           f"{fmt.seconds(d['seconds']['retrieval'])}, with `--decode forced` {fmt.seconds(d['seconds']['forced'])}, "
+           f"the streaming curve at `ablate`'s defaults {fmt.seconds(d['seconds']['streaming'])}.", ""]
+          if d.get("seconds") else []),
         fmt.source("`attnprobe retrieval --model smollm2-135m --haystack /usr/share/common-licenses/GPL-3 --lengths "
-                   "1024,2048` (and `--decode forced`), `attnprobe export` of the `gpl3` run, and `attnprobe ablate "
-                   "--method streaming --pattern DUO` on the licence's first 9,000 characters (`--split file`); "
-                   + d["date"]),
+                   "1024,2048 --out outputs/kv` (and `--decode forced`); `attnprobe analyze --model smollm2-135m "
+                   "--corpus /usr/share/common-licenses/GPL-3 --split file --out outputs/gpl3`, `attnprobe export "
+                   "--out outputs/gpl3 --format duo-attention --scores kv --to outputs/gpl3-duo`; and `attnprobe "
+                   "ablate --model smollm2-135m --corpus gpl3-start.txt --split file --method streaming --pattern "
+                   "outputs/gpl3-duo` on the licence's first 9,000 characters (`head -c 9000`); " + d["date"]),
     ])
 
 

@@ -55,6 +55,7 @@ class Run:
     minutes: float = 1.0  # about how long here (2 shared cores), for --list and the skip message
 
 
+QUICK_TRAIN = ("--lengths", "384,448", "--sink-size", "16", "--recent-size", "64", "--threads", "1")  # train-steps
 KVPRESS_HAYSTACK = "/usr/share/common-licenses/MPL-2.0"  # bench_kvpress.py's held-out needle task, its first needle
 KVPRESS_NEEDLE = ("The best thing to do in Lisbon is ride the old yellow tram up the hill and watch the sunset from "
                   "the castle.")
@@ -127,9 +128,8 @@ RUNS: dict[str, Run] = {run.name: run for run in (
            "{out}/retrieval", key="retrieval"),
         ap("retrieval", "--model", "smollm2-135m", "--haystack", GPL3, "--lengths", "1024,2048", "--decode",
            "forced", "--out", "{out}/forced", key="forced"),
-        ap("export", "--out", "{work}/gpl3", "--format", "duo-attention", "--to", "{out}/duo"),
-        Step(("{py}", "-c", "import sys; open(sys.argv[2], 'w').write(open(sys.argv[1]).read()[:9000])", GPL3,
-              "{out}/gpl3-start.txt")),
+        ap("export", "--out", "{work}/gpl3", "--format", "duo-attention", "--scores", "kv", "--to", "{out}/duo"),
+        Step(("sh", "-c", f"head -c 9000 {GPL3} > {{out}}/gpl3-start.txt")),  # ASCII: 9,000 characters
         ap("ablate", "--model", "smollm2-135m", "--corpus", "{out}/gpl3-start.txt", "--split", "file", "--method",
            "streaming", "--pattern", "{out}/duo", "--out", "{out}/streaming", key="streaming")),
         needs=("gpl3", "probe-smollm2"), about="SmolLM2's retrieval heads (Wu et al.) on the GPL-3 licence, the "
@@ -224,6 +224,15 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         ap("export", "--out", "{out}", "--format", "duo-attention", "--to", "{out}/duo")),
         about="`attnprobe train-pattern --model smollm2-135m` at its defaults on two threads (sized for 20 minutes "
         "and 4 GiB), and its DuoAttention export", minutes=20),
+    Run("train-steps", "slow", tuple(
+        ap("train-pattern", "--model", "smollm2-135m", *QUICK_TRAIN, "--steps", "8", "--dtype", dtype, "--out",
+           f"{{out}}/{dtype}-8", key=f"{dtype}-8") for dtype in ("float32", "bfloat16")),
+        about="`attnprobe train-pattern` on SmolLM2-135M at a quick size (samples of 384 and 448 tokens, sink 16, "
+        "recent 64, one thread): 8 steps in float32 and in bfloat16", minutes=12),
+    Run("train-steps-long", "slow", (
+        ap("train-pattern", "--model", "smollm2-135m", *QUICK_TRAIN, "--steps", "24", "--dtype", "float32", "--out",
+           "{out}/float32-24", key="float32-24"),),
+        about="the same quick size, 24 steps in float32 (against train-steps' 8)", minutes=18),
     Run("sink-groups", "slow", (helper("sink-groups", "{work}/demo-extended", "{out}/sink-groups.json"),),
         needs=("demo-extended",), about="all of SmolLM2's sink heads ablated at once, zero and mean", minutes=4),
     Run("dormant-sinks", "slow", (
@@ -253,12 +262,13 @@ RUNS: dict[str, Run] = {run.name: run for run in (
 
 def machine() -> dict:
     """What the figures were measured on: CPU, cores, load, versions."""
-    model = ""
+    model, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not model:
                 model = line.split(":", 1)[1].strip()
-                break
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     import torch
@@ -266,7 +276,8 @@ def machine() -> dict:
 
     return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(),
+            "bf16_instructions": sorted(flags & {"avx512_bf16", "amx_bf16"})}  # bfloat16 rounds in these, if any
 
 
 def load_average() -> float | None:
