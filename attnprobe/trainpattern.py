@@ -390,6 +390,7 @@ class Checkpointing:
     every: int = DEFAULT_CHECKPOINT_EVERY
     resume_from: State | None = None
     should_stop: Callable[[], bool] = lambda: False
+    on_resumed: Callable[[int, int], None] | None = None  # told (steps done, steps) once resume_from is restored
 
 
 class Stopped(AttnprobeError):
@@ -444,6 +445,8 @@ def train_pattern_loaded(loaded: LoadedModel, haystack: str, settings: Settings 
         resume.check_fingerprint(state.fingerprint, finger)
         first, earlier = restore(state, gates, optimizer, settings.steps), state.seconds
         log = [list(row) for row in state.rows]
+        if checkpointing.on_resumed is not None:
+            checkpointing.on_resumed(first, settings.steps)
 
     def elapsed() -> float | None:
         """Wall seconds of the whole training so far (None after a checkpoint that did not record its own)."""

@@ -203,11 +203,16 @@ def resume_threads(threads: str, state, say: bool = True) -> dict:
     return torch_threads.apply(threads, recorded)
 
 
-def say_resumed(state, done: str, say: bool = True) -> None:
-    """A resumed run says so first (a log shows where it continued): its checkpoint and what it holds done."""
-    if state is not None and say:
-        err_console.print(f"Resuming the stopped run from {state.path}: {done} done.", markup=False, highlight=False,
-                          soft_wrap=True)
+def say_resumed(path: str | Path | None, unit: str):
+    """The `on_resumed(done, total)` of a run that continues the checkpoint at `path`: once the checkpoint has passed
+    every check, the run says so (a log shows where it continued), e.g. "Resuming the stopped run from
+    out/checkpoint.npz: 10 of 40 batches done."."""
+
+    def say(done: int, total: int) -> None:
+        err_console.print(f"Resuming the stopped run from {path}: {done} of {total} {unit} done.", markup=False,
+                          highlight=False, soft_wrap=True)
+
+    return say
 
 
 @contextmanager

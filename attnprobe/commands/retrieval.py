@@ -53,11 +53,13 @@ def retrieval(
     ],
     out: OutOption = DEFAULT_OUT,
     lengths: Annotated[
-        str | None, typer.Option("--lengths", metavar="N,N", help="Prompt lengths in tokens [default: 1000,2000,"
-                                 "4000,8000, those that fit the model's context].", show_default=False)
+        str | None, typer.Option("--lengths", metavar="N,N", help="Prompt lengths in tokens (a repeat runs once) "
+                                 "[default: 1000,2000,4000,8000, those that fit the model's context].",
+                                 show_default=False)
     ] = None,
     depths: Annotated[
-        str, typer.Option("--depths", metavar="P,P", help="Where the needle goes: percent of the context before it.")
+        str, typer.Option("--depths", metavar="P,P", help="Where the needle goes: percent of the context before "
+                           "it (a repeat runs once).")
     ] = "0,25,50,75,100",
     needle: Annotated[
         str | None, typer.Option("--needle", metavar="TEXT", help="The sentence hidden in the haystack [default: "

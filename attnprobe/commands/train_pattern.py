@@ -125,7 +125,7 @@ def train_pattern(
         **state.to_arrays())}), every=checkpoint_every, resume_from=read_checkpoint(path) if resume else None)
     threads_used = resume_threads(threads, checkpointing.resume_from)
     if checkpointing.resume_from is not None:
-        say_resumed(checkpointing.resume_from, f"{checkpointing.resume_from.done} of {steps} steps")
+        checkpointing.on_resumed = say_resumed(checkpointing.resume_from.path, "steps")
     loaded = load(model, device.value, dtype.value)
     set_bos(loaded, bos.value)
     try:
