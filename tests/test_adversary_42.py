@@ -335,3 +335,65 @@ def test_ablate_sizes_out_of_range_quote_the_patterns_sizes(gqa_lm, tmp_path):
     assert line.endswith("(default from the --pattern)")
     line = one_error_line(invoke(*common, "--heads", "L0H0", "--sink-size", 10**9))
     assert line.endswith("(default 128)")
+
+
+# ---- item 11: figures and printouts in words a reader can follow ---------------------------------------------------
+
+
+def test_streaming_panels_are_titled_in_words_not_column_names():
+    from test_plotting import streaming_rows
+
+    from attnprobe import plotting
+
+    for rows in (streaming_rows([], []), streaming_rows(["pattern"], [0.5]), streaming_rows(["pattern"], [0, 1])):
+        titles = [ax.get_title() for ax in plotting.streaming_figure(rows).axes]
+        assert titles[0].startswith("Loss change") and titles[1].startswith("KL from the full cache"), titles
+        assert not any(word in title for title in titles for word in ("loss_change", "kl ")), titles
+
+
+def test_every_cluster_band_of_a_large_similarity_matrix_is_numbered_apart():
+    from test_plots_at_scale import assert_no_overlaps, synthetic
+
+    from attnprobe import plotting
+
+    js, layer, head, types, labelled = synthetic(32, 32)
+    figure = plotting.head_similarity_figure(js, layer, head, types, labelled, "synthetic")
+    listed = [t.get_text().split(":")[0] for ax in figure.axes for t in ax.texts if "JS within" in t.get_text()]
+    bands = [t.get_text() for ax in figure.axes for t in ax.texts if t.get_text() in listed]
+    assert len(listed) == plotting.CLUSTERS and sorted(bands) == sorted(listed)  # every cluster numbered
+    assert_no_overlaps(figure)
+
+
+def test_spread_keeps_the_order_and_the_gap_within_the_bounds():
+    from attnprobe.plotting.related import spread
+
+    placed = spread(np.array([0.0, 0.1, 0.2, 50.0, 99.0, 99.5]), 5.0, -0.5, 99.5)
+    assert np.all(np.diff(placed) >= 5.0 - 1e-9) and placed[0] >= 2.0 and placed[-1] <= 97.0
+    assert placed[3] == 50.0  # a point with room stays where it is
+    assert np.array_equal(spread(np.array([10.0, 40.0]), 5.0, 0.0, 100.0), [10.0, 40.0])
+
+
+def test_compare_names_two_folders_of_one_name_apart(gpt2_dir, tmp_path):
+    from attnprobe.compare import apart
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The cat sat on the mat.\nA dog barked.\nRain fell.\n", encoding="utf-8")
+    for side in ("a", "b"):
+        result = invoke("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", tmp_path / side / "out",
+                        "--resamples", 10)
+        assert result.exit_code == 0, result.output
+    result = invoke("compare", tmp_path / "a" / "out", tmp_path / "b" / "out")
+    assert result.exit_code == 0, result.output
+    assert "A = a/out (" in result.output and "B = b/out (" in result.output
+    assert apart(tmp_path / "x", tmp_path / "x") == (str(tmp_path / "x"), str(tmp_path / "x"))
+    assert apart(tmp_path / "p" / "q", tmp_path / "q") == ("p/q", f"{tmp_path.name}/q")
+
+
+def test_forced_decodings_summary_says_what_it_counts():
+    from attnprobe.commands.retrieval import copy_words
+
+    info = {"trials_total": 10, "trials_copied": 3, "trials_scored": 10}
+    forced, greedy = copy_words(info | {"decode": "forced"}), copy_words(info | {"decode": "greedy"})
+    assert forced.startswith("every trial scored (the needle fed as the answer)") and "copied" not in forced
+    assert "guesses matched at least 50% of the needle's tokens in 3" in forced
+    assert greedy == "the needle copied (at least 50% of its tokens in the answer) in 3; 10 scored"
