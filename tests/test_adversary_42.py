@@ -397,3 +397,27 @@ def test_forced_decodings_summary_says_what_it_counts():
     assert forced.startswith("every trial scored (the needle fed as the answer)") and "copied" not in forced
     assert "guesses matched at least 50% of the needle's tokens in 3" in forced
     assert greedy == "the needle copied (at least 50% of its tokens in the answer) in 3; 10 scored"
+
+
+# ---- item 3: every setting that changes a result is in the record ---------------------------------------------------
+
+
+def test_rollout_and_related_record_bos_and_dtype_and_ablate_no_pruning_no_percents(gpt2_dir, tmp_path):
+    out = tmp_path / "out"
+    result = invoke("rollout", "--model", gpt2_dir, "--example", "Rain fell.", "--out", out, "--bos", "never",
+                    "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    with np.load(out / "rollout.npz") as saved:
+        assert str(saved["bos"]) == "never" and str(saved["dtype"]) == "float32"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The cat sat on the mat.\nA dog barked.\nRain fell.\nBirds sing.\n", encoding="utf-8")
+    run = tmp_path / "run"
+    assert invoke("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", run, "--resamples", 10).exit_code == 0
+    result = invoke("related", "--out", run, "--sentences", 4, "--device", "cpu", "--bos", "always")
+    assert result.exit_code == 0, result.output
+    with np.load(run / "head_similarity.npz") as saved:
+        assert str(saved["bos"]) == "always" and str(saved["dtype"]) == "float32"
+    result = invoke("ablate", "--model", gpt2_dir, "--corpus", corpus, "--out", tmp_path / "ab", "--no-pruning",
+                    "--resamples", 10, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "ab" / "ablate.json").read_text())["pruning_percents"] is None
