@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -85,9 +86,12 @@ def test_the_record_drops_an_earlier_export_whose_file_this_one_replaces(tmp_pat
 # ---- item 2: a full disk under the results-folder lock, a haystack whose read fails --------------------------------
 
 
+LINUX_ONLY = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc (Linux)")
+
+
+@LINUX_ONLY
 def test_a_full_disk_under_the_lock_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch, gpt2_dir):
     import errno
-    import os
 
     from attnprobe import lock
 
@@ -124,6 +128,7 @@ def unreadable(monkeypatch, path):
     monkeypatch.setattr(pathlib.Path, "open", refuse)
 
 
+@LINUX_ONLY
 @pytest.mark.parametrize("command", [["retrieval"], ["train-pattern"]])
 def test_a_haystack_whose_read_fails_is_one_line(tmp_path, monkeypatch, command):
     line = one_error_line(invoke(*command, "--model", tmp_path / "m", "--haystack", "/proc/self/mem", "--out",
