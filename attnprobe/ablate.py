@@ -154,6 +154,7 @@ def ablate_loaded(
             curve = timed(timings, "pruning", lambda: pruning_curve(loaded, stack, batches, orders, fill, weights,
                                                                     progress))
     run = run_info(loaded, corpus, ids, method, heads, layers, batch_size, resamples, seed, names[0], rho)
+    run["pruning_percents"] = run["pruning_percents"] if pruning else None  # --no-pruning: no curve, none recorded
     run["seconds"] = {k: round(v, 3) for k, v in timings.items()}
     run["wall_seconds"] = round(time.perf_counter() - started, 3)
     return Ablation(table, layer_table, curve, run)

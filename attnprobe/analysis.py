@@ -291,6 +291,8 @@ def measure(
         if state is not None and number == start:
             check_resumed_example(loaded, state, example_done, scanned, tuple(example_maps.shape))
             check_others_done(state, others_done)
+            if checkpointing.on_resumed is not None:
+                checkpointing.on_resumed(start, total)
 
     def save(done: int) -> None:
         maps = example_maps.cpu().numpy()

@@ -59,22 +59,42 @@ def main_options(
     """attnprobe: per-head attention entropy, diagonal score and head types, layer by layer."""
 
 
+# each command's line in `attnprobe --help`: Click would cut the docstring's first sentence to the column left
+# beside the names ("Run the model over the corpus; write heads.csv,..."); these fit whole at 80 columns
+SHORT_HELP = {
+    "analyze": "Measure every head on a corpus; write heads.csv, run.json",
+    "classify": "Label each head's type from heads.csv (head_types.csv)",
+    "plot": "Draw the figures of a results folder",
+    "report": "Write report.html, one page to explore a results folder",
+    "verify": "Check that the maps read are the model's true attention",
+    "probe": "Score induction, duplicate- and previous-token heads",
+    "compare": "B - A of every score of two runs, with 95% intervals",
+    "ablate": "Ablate heads, or make KV heads streaming: loss change",
+    "patch": "Which heads carry a prediction: activation/path patching",
+    "rollout": "Attention rollout of example sentences (rollout.png)",
+    "related": "How alike every pair of heads attends (Jensen-Shannon)",
+    "compose": "Q-, K- and V-composition of head pairs, from the weights",
+    "retrieval": "Find the heads that copy a needle from a long context",
+    "export": "Write the KV heads to keep, for kvpress and DuoAttention",
+    "train-pattern": "Train DuoAttention's gate per KV head (gates.csv)",
+}
+
 # the commands, in the order `attnprobe --help` lists them
-app.command(cls=analyze.AnalyzeCommand)(analyze.analyze)
-app.command()(classify.classify)
-app.command()(plot.plot)
-app.command()(report.report)
-app.command()(verify.verify)
-app.command()(probe.probe)
-app.command()(compare.compare)
-app.command()(ablate.ablate)
-app.command()(patch.patch)
-app.command()(rollout.rollout)
-app.command()(related.related)
-app.command()(compose.compose)
-app.command()(retrieval.retrieval)
-app.command()(export.export)
-app.command("train-pattern")(train_pattern.train_pattern)
+app.command(cls=analyze.AnalyzeCommand, short_help=SHORT_HELP["analyze"])(analyze.analyze)
+app.command(short_help=SHORT_HELP["classify"])(classify.classify)
+app.command(short_help=SHORT_HELP["plot"])(plot.plot)
+app.command(short_help=SHORT_HELP["report"])(report.report)
+app.command(short_help=SHORT_HELP["verify"])(verify.verify)
+app.command(short_help=SHORT_HELP["probe"])(probe.probe)
+app.command(short_help=SHORT_HELP["compare"])(compare.compare)
+app.command(short_help=SHORT_HELP["ablate"])(ablate.ablate)
+app.command(short_help=SHORT_HELP["patch"])(patch.patch)
+app.command(short_help=SHORT_HELP["rollout"])(rollout.rollout)
+app.command(short_help=SHORT_HELP["related"])(related.related)
+app.command(short_help=SHORT_HELP["compose"])(compose.compose)
+app.command(short_help=SHORT_HELP["retrieval"])(retrieval.retrieval)
+app.command(short_help=SHORT_HELP["export"])(export.export)
+app.command("train-pattern", short_help=SHORT_HELP["train-pattern"])(train_pattern.train_pattern)
 
 
 def is_usage_error(err: BaseException) -> bool:

@@ -66,7 +66,21 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.path.name} ({self.info['model']['spec']}, {self.info.get('dtype', 'float32')})"
+        return self.named(self.path.name)
+
+    def named(self, name: str) -> str:
+        """The run as the printout and the figure name it: `name` (its folder), the model and the dtype."""
+        return f"{name} ({self.info['model']['spec']}, {self.info.get('dtype', 'float32')})"
+
+
+def apart(a: Path, b: Path) -> tuple[str, str]:
+    """The two folders' names, each the fewest last parts of its full path that tell them apart (`runs/a/out` and
+    `runs/b/out`: `a/out`, `b/out`); the full paths where one is the other's end (or both are the same folder)."""
+    parts_a, parts_b = Path(a).resolve().parts, Path(b).resolve().parts
+    for count in range(1, min(len(parts_a), len(parts_b)) + 1):
+        if parts_a[-count:] != parts_b[-count:]:
+            return str(Path(*parts_a[-count:])), str(Path(*parts_b[-count:]))
+    return str(Path(a).resolve()), str(Path(b).resolve())
 
 
 @dataclass
@@ -339,11 +353,13 @@ def number(value: Any) -> float | None:
     return None if math.isnan(value) else value
 
 
-def provenance(run: Run) -> dict[str, Any]:
+def provenance(run: Run, name: str | None = None) -> dict[str, Any]:
+    """compare.json's record of one run; `name`: its folder as the label says it (`apart`), else its last part."""
     model = run.info["model"]
     keep = ("spec", "source", "architecture", "layers", "heads", "kv_heads", "causal", "gguf_sha256")
+    label = run.label if name is None else run.named(name)
     return {
-        "path": str(run.path.resolve()), "label": run.label, "model": {k: model[k] for k in keep if k in model},
+        "path": str(run.path.resolve()), "label": label, "model": {k: model[k] for k in keep if k in model},
         "corpus": run.info.get("corpus"), "sentences": run.info.get("sentences"), "tokens": run.info.get("tokens"),
         "dtype": run.info.get("dtype"), "bootstrap": run.info.get("bootstrap"),
         "attnprobe_version": run.info.get("attnprobe_version"), "created": run.info.get("created"),
@@ -377,6 +393,7 @@ def compare(
 ) -> Comparison:
     """B - A of every score of two results folders. `paired`: None chooses, True insists, False declines."""
     a, b = load_run(out_a, "OUT_A"), load_run(out_b, "OUT_B")
+    names = apart(a.path, b.path)
     scores = scores_of(a, b)
     if score not in scores:
         raise AttnprobeError(f"--score {score!r} is not in both runs: use one of {', '.join(scores)}")
@@ -396,7 +413,7 @@ def compare(
         heads.insert(3, "head_type_b", labels_b.to_numpy())
     changed = top_changes(heads if same else layers, score, top)
     info = {
-        "a": provenance(a), "b": provenance(b), "difference": "B - A", "same_shape": same,
+        "a": provenance(a, names[0]), "b": provenance(b, names[1]), "difference": "B - A", "same_shape": same,
         "heads_matched": same, "matching": matching_note(a, b), "pairing": pairing, "pairing_reason": why,
         "bootstrap_over": resampled_units(a, b),
         "draws": len(ia), "confidence": CONFIDENCE, "scores": scores, "score": score,

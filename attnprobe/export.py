@@ -164,12 +164,13 @@ def _shape(model: Any, where: str) -> dict[str, Any]:
                                                                              "weights": model.get("weights")}
 
 
-def check_sizes(sink: int, recent: int) -> None:
+def check_sizes(sink: int, recent: int, default_sink: object = defaults.SINK_TOKENS,
+                default_recent: object = defaults.WINDOW) -> None:
     """config.json's sink_size (0 or more) and recent_size (1 or more: kvpress masks a streaming head's context keys
     `[sink:-recent]`, and with recent 0 that slice, `[sink:-0]`, is empty: nothing masked), both up to
-    limits.MAX_POSITIONS."""
-    limits.check_whole("--sink-size", sink, 0, limits.MAX_POSITIONS, defaults.SINK_TOKENS)
-    limits.check_whole("--recent-size", recent, 1, limits.MAX_POSITIONS, defaults.WINDOW)
+    limits.MAX_POSITIONS. The defaults the message quotes are this export's: the results folder's own sizes."""
+    limits.check_whole("--sink-size", sink, 0, limits.MAX_POSITIONS, default_sink)
+    limits.check_whole("--recent-size", recent, 1, limits.MAX_POSITIONS, default_recent)
 
 
 def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
@@ -180,7 +181,6 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
     defaults.SINK_TOKENS and defaults.WINDOW stand in, the S and W `analyze` would have measured with."""
     if scores not in SOURCES:
         raise AttnprobeError(f"--scores {scores!r}: use one of {', '.join(SOURCES)}")
-    check_sizes(defaults.SINK_TOKENS if sink is None else sink, defaults.WINDOW if recent is None else recent)
     out = Path(out)
     if not out.is_dir():
         raise AttnprobeError(f"--out {out} is not a results folder: run `attnprobe analyze` or `attnprobe retrieval` "
@@ -209,13 +209,16 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
         model = _shape(run["model"], str(out / io.RUN_FILE))
     given = [name for name, value in (("--sink-size", sink), ("--recent-size", recent)) if value is not None]
     if run is not None:
-        sink = int(run["attention"]["sink_tokens"]) if sink is None else sink
-        recent = int(run["attention"]["window"]) if recent is None else recent
+        own = int(run["attention"]["sink_tokens"]), int(run["attention"]["window"])
         sizes_from = f"{io.RUN_FILE}'s --sink-tokens and --window"
+        quoted = (f"{own[0]}, {io.RUN_FILE}'s --sink-tokens", f"{own[1]}, {io.RUN_FILE}'s --window")
     else:  # retrieval alone: analyze's defaults, what `analyze` would have measured sink_window with
+        own = defaults.SINK_TOKENS, defaults.WINDOW
         sizes_from = f"analyze's defaults S = {defaults.SINK_TOKENS}, W = {defaults.WINDOW}: no {io.RUN_FILE}"
-        sink = defaults.SINK_TOKENS if sink is None else sink
-        recent = defaults.WINDOW if recent is None else recent
+        quoted = (f"{own[0]}, analyze's: no {io.RUN_FILE}", f"{own[1]}, analyze's: no {io.RUN_FILE}")
+    sink = own[0] if sink is None else sink
+    recent = own[1] if recent is None else recent
+    check_sizes(sink, recent, *quoted)
     sizes_from = " and ".join(given) if len(given) == 2 else f"{sizes_from}, and {given[0]}" if given else sizes_from
     layers, heads = model["layers"], model["heads"]
     secondary, secondary_name = None, None
@@ -288,7 +291,7 @@ def load_trained(out: Path, sink: int | None, recent: int | None) -> HeadScores:
     given = [name for name, value in (("--sink-size", sink), ("--recent-size", recent)) if value is not None]
     sink = sizes[0] if sink is None else sink
     recent = sizes[1] if recent is None else recent
-    check_sizes(sink, recent)
+    check_sizes(sink, recent, f"{sizes[0]}, {TRAINED_RUN_FILE}'s", f"{sizes[1]}, {TRAINED_RUN_FILE}'s")
     sizes_from = " and ".join(given) if len(given) == 2 else \
         f"{TRAINED_RUN_FILE}'s --sink-size and --recent-size" + (f", and {given[0]}" if given else "")
     per_query = np.repeat(gates, model["heads"] // kv_heads, axis=1)  # [layer, head]: query head h reads h // groups

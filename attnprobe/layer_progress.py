@@ -11,7 +11,7 @@ The library passes the callback on: `reporter(progress, *args)` makes one from a
 when that callback takes a `within` keyword (the CLI's do: `stage_progress`, `analyze`'s bar), and gives None
 otherwise, so a callback written for (stage, done, total) sees only those calls. `Shown` is the CLI's side: a
 Within as words for a progress bar ("sequence 1/1, layer 12/30") and, where stderr is no terminal, a plain line at
-most every LOG_EVERY_SECONDS.
+most every LOG_EVERY_SECONDS (for analyze's short sentences too, which report no layers).
 """
 
 from __future__ import annotations
@@ -136,11 +136,16 @@ class Shown:
 
     def advance(self, bar: Any, task: Any, step: float, within: Within | None = None) -> None:
         """`analyze`'s bar (a rich Progress and its task): advance by `step` sentences; with a Within, name the
-        sequence and layer in the task's description, and hand `log` a line when one is due."""
+        sequence and layer in the task's description; hand `log` a line when one is due (every `every` seconds:
+        short sentences, which come without a Within, too, so a log is never silent for long)."""
         bar.advance(task, step)
-        if within is None:
+        if within is None and (self.log is None or self.clock() - self.printed < self.every):
             return
         found = next(t for t in bar.tasks if t.id == task)
+        if within is None:
+            if int(found.completed) > int(found.completed - step):  # a sentence is through (steps are layers' shares)
+                self.log(self.line("analyze", found.completed, found.total))
+            return
         bar.update(task, description=self.description(self.unit, found.completed, found.total, within))
         line = self.line("analyze", found.completed, found.total, within) if self.log is not None else None
         if line is not None:

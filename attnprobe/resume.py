@@ -370,6 +370,8 @@ class Checkpointing:
     every_seconds: float = DEFAULT_EVERY_SECONDS
     should_stop: Callable[[], bool] = lambda: False  # e.g. set by a SIGINT/SIGTERM handler
     last_saved: float = field(default_factory=time.monotonic)
+    # told (batches done, batches) once `resume_from` has passed every check, before the next batch runs
+    on_resumed: Callable[[int, int], None] | None = None
 
     def due(self) -> bool:
         return time.monotonic() - self.last_saved >= self.every_seconds

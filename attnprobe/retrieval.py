@@ -38,6 +38,7 @@ from attnprobe.corpus import read_text_file
 from attnprobe.errors import AttnprobeError
 from attnprobe.layer_progress import OnLayer, reporter, watching
 from attnprobe.model import LoadedModel, quiet_transformers
+from attnprobe.naming import counted
 
 DEFAULT_NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 DEFAULT_QUESTION = "What is the best thing to do in San Francisco?"
@@ -268,6 +269,21 @@ def check_settings(lengths: list[int], depths: list[float], decode: str, resampl
         raise AttnprobeError(f"--resamples {resamples} is below 1: use 1 or more (default {DEFAULT_RESAMPLES})")
 
 
+def distinct(values: list | tuple | None, option: str) -> tuple[list | None, list[str]]:
+    """`values` with each repeat dropped (the first kept, in order; None stays None), and a note naming the repeats.
+    A repeated length or depth is the same prompt again, one trial copied: counted as another trial it would narrow
+    the intervals, which resample the trials, by copies of one."""
+    if values is None:
+        return None, []
+    kept = list(dict.fromkeys(values))
+    if len(kept) == len(values):
+        return kept, []
+    repeated = [v for v in kept if list(values).count(v) > 1]
+    return kept, [f"{option} {','.join(f'{v:g}' for v in values)} repeats {', '.join(f'{v:g}' for v in repeated)}: "
+                  "each is run once (a repeat is the same trial again, and the intervals would resample copies of "
+                  "it)"]
+
+
 def read_haystack(path: str | Path) -> str:
     """The haystack file's text (UTF-8, not empty), read as analyze reads a corpus (one line where it cannot be)."""
     return read_text_file(path, "--haystack")
@@ -306,6 +322,8 @@ def retrieval(
     if decode == "greedy" and loaded.lm_head is None:
         raise AttnprobeError("greedy decoding needs the LM head: load the model with load_model(..., lm_head=True)")
     check_settings(list(lengths or DEFAULT_LENGTHS), list(depths), decode, resamples)
+    lengths, merged = distinct(lengths, "--lengths")
+    depths, merged_depths = distinct(depths, "--depths")
     check_text("--needle", needle)
     check_text("--question", question)
     parts = prompt_parts(loaded, needle, question)
@@ -340,7 +358,7 @@ def retrieval(
         "device": str(loaded.device), "dtype": loaded.dtype,
         "wall_seconds": round(time.perf_counter() - started, 3),
     }
-    info["notes"] = notes(info)
+    info["notes"] = merged + merged_depths + notes(info)
     return Retrieval(heads, per_trial, info, trials)
 
 
@@ -378,7 +396,8 @@ def notes(info: dict[str, Any]) -> list[str]:
         found.append(f"the scores count the {info['trials_scored']} of {info['trials_total']} trials in which the "
                      "model copied the needle, as Wu et al. do")
     if info["trials_scored"] and info["trials_scored"] < 10:
-        found.append(f"only {info['trials_scored']} trials: the 95% intervals are rough; add --lengths or --depths")
+        found.append(f"only {counted(info['trials_scored'], 'trial')}: the 95% intervals are rough; add --lengths or "
+                     "--depths")
     return found
 
 

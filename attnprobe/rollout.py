@@ -214,7 +214,7 @@ def rollout_loaded(
         attention=attention, rollout=rolled, residual=residual,
         info={"model": loaded.spec, "source": loaded.source, **loaded.origin, "causal": loaded.causal,
               "dtype": loaded.dtype, "dtype_requested": loaded.dtype_requested, "layers": loaded.num_layers,
-              "heads": loaded.num_heads, "max_tokens": limit, "limit": None},
+              "heads": loaded.num_heads, "max_tokens": limit, "limit": None, "bos": loaded.bos},
     )
 
 

@@ -242,7 +242,7 @@ def head_similarity(
         js=total.mean(), layer=layer, head=head, indices=indices, rows=total.rows,
         tokens=sum(len(t) for t in ids), max_tokens=limit, cut=sum(len(t) > limit for t in full),
         info={"model": loaded.spec, "corpus_sha256": corpus.sha256, "causal": loaded.causal,
-              "sentences_asked": sentences, "pair_rows": pair_rows},
+              "sentences_asked": sentences, "pair_rows": pair_rows, "bos": loaded.bos, "dtype": loaded.dtype},
     )
 
 

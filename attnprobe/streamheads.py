@@ -58,7 +58,7 @@ from attnprobe.corpus import Corpus, read_corpus
 from attnprobe.errors import AttnprobeError
 from attnprobe.export import DUO_CONFIG_FILE, DUO_SCORES_FILE
 from attnprobe.model import LoadedModel, attention_modules, load_model, using_attention
-from attnprobe.naming import head_name
+from attnprobe.naming import counted, head_name
 from attnprobe.retrieval import DEFAULT_DEPTHS, DEFAULT_NEEDLE, DEFAULT_QUESTION
 
 NAME = "attnprobe_streaming"
@@ -351,7 +351,8 @@ def check_decoder(loaded: LoadedModel, encoder_fix: str, cannot: str) -> None:
         raise AttnprobeError(f"{cannot} {reason}: use another decoder")
 
 
-def check_sizes(sink: int, recent: int) -> None:
+def check_sizes(sink: int, recent: int, default_sink: object = DUO_SINK, default_recent: object = DUO_RECENT) -> None:
+    """S and W of a streaming head; the defaults the message quotes are the run's (a --pattern's config.json's)."""
     from attnprobe import limits
 
     if sink < 0:
@@ -359,8 +360,8 @@ def check_sizes(sink: int, recent: int) -> None:
     if recent < 1:
         raise AttnprobeError(f"--recent-size {recent} is below 1: a streaming head keeps at least its own key; use "
                              f"1 or more (DuoAttention uses {DUO_RECENT})")
-    limits.check_whole("--sink-size", sink, 0, limits.MAX_POSITIONS, DUO_SINK)
-    limits.check_whole("--recent-size", recent, 1, limits.MAX_POSITIONS, DUO_RECENT)
+    limits.check_whole("--sink-size", sink, 0, limits.MAX_POSITIONS, default_sink)
+    limits.check_whole("--recent-size", recent, 1, limits.MAX_POSITIONS, default_recent)
 
 
 # ---- which heads ---------------------------------------------------------------------------------------
@@ -590,7 +591,12 @@ def streaming_ablate_loaded(
             wanted = tuple(t for t in wanted if t != "text")  # --task both: the needle task alone, with a note
             dropped.append(f"the text task was left out: {text_refusal(client, continuation)}")
     if "needle" in wanted:
-        kvtasks.add_needle(sequences, loaded, needle.haystack, client, lengths=needle.lengths, depths=needle.depths,
+        from attnprobe.retrieval import distinct
+
+        lengths, merged = distinct(needle.lengths, "--lengths")
+        depths, merged_depths = distinct(needle.depths, "--depths")
+        dropped += merged + merged_depths
+        kvtasks.add_needle(sequences, loaded, needle.haystack, client, lengths=lengths, depths=depths,
                            needle=needle.needle, question=needle.question)
     orders = {"pattern": ranked(found.scores)} if found is not None else {}
     chosen = first_share(orders["pattern"], sparsity, layers, kv_heads) if found is not None else \
@@ -626,7 +632,8 @@ def streaming_ablate_loaded(
     frame = pd.DataFrame(rows)
     run = run_info(loaded, corpus, sequences, counts, found, chosen, sink, recent, sparsity,
                    shares if curve else (), (["pattern"] if found is not None else []) + ["random"] if curve else [],
-                   batch_size, resamples, seed, bases, frame, client, continuation, random_orders, needle)
+                   batch_size, resamples, seed, bases, frame, client, continuation, random_orders if curve else None,
+                   needle)
     run["notes"] += pattern_notes + dropped
     if cut:
         run["notes"].append(f"{len(cut)} sequence{'' if len(cut) == 1 else 's'} cut to the model's "
@@ -757,7 +764,7 @@ def run_info(
     loaded: LoadedModel, corpus: Corpus, sequences: kvtasks.Sequences, counts: dict[int, int],
     pattern: Pattern | None, chosen: np.ndarray, sink: int, recent: int, sparsity: float, shares: tuple[float, ...],
     orders: list[str], batch_size: int, resamples: int, seed: int, bases: dict[str, dict[str, Any]],
-    frame: pd.DataFrame, client: str, continuation: int, random_orders: int, needle: Needle | None,
+    frame: pd.DataFrame, client: str, continuation: int, random_orders: int | None, needle: Needle | None,
 ) -> dict[str, Any]:
     from attnprobe.ablate import record_header
     from attnprobe.records import versions
@@ -793,7 +800,7 @@ def run_info(
         "result": {name: {k: float(chosen_rows.loc[name, k]) for k in result_keys} for name in tasks},
         "shares": [float(s) for s in shares],
         "orders": orders,
-        "random_orders": int(random_orders),
+        "random_orders": None if random_orders is None else int(random_orders),  # None: no curve (--no-pruning)
         "attention": f"{NAME}: eager, in blocks of query rows (no n x n map)",
         "device": str(loaded.device),
         "dtype": loaded.dtype,
@@ -828,8 +835,9 @@ def task_notes(sequences: kvtasks.Sequences, counts: dict[int, int], bases: dict
         mine = [i for i in sequences.of(name) if i in counts]
         words = "trials" if name == "needle" else "sequences"
         if basis["method"] == BLOCK:
-            notes.append(f"{name}: only {len(mine)} {words}: the 95% intervals resample blocks of consecutive "
-                         "scored tokens within each sequence (another stretch of similar text), not other documents")
+            notes.append(f"{name}: only {counted(len(mine), words[:-1])}: the 95% intervals resample blocks of "
+                         "consecutive scored tokens within each sequence (another stretch of similar text), not other "
+                         "documents")
         else:
             note = few_items_note(len(mine), "sequence")
             notes += [f"{name}: {note}"] if note else []

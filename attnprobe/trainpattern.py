@@ -331,10 +331,11 @@ class State:
     rows: np.ndarray  # [done, LOG_COLUMNS] float64: training.csv's rows so far
     path: str | None = None
     threads: int = 0  # the torch threads the run used (threads.resumed_threads); 0: not recorded
+    seconds: float | None = None  # wall seconds the training ran until this state, all its parts; None: not recorded
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         meta = json.dumps({"fingerprint": self.fingerprint, "done": self.done, "command": COMMAND,
-                           "threads": self.threads})
+                           "threads": self.threads, "seconds": self.seconds})
         return {"meta": np.array(meta), "gates": self.gates, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
                 "rows": self.rows}
 
@@ -359,6 +360,10 @@ class State:
         if not isinstance(done, int) or isinstance(done, bool) or done < 1:
             raise ValueError(f"done = {plain(done)} is not a whole number of steps of at least 1")
         threads = recorded_threads(meta)
+        seconds = meta.get("seconds")
+        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                                    or not math.isfinite(seconds) or seconds < 0):
+            raise ValueError(f"seconds = {plain(seconds)} is not a number of seconds of 0 or more")
         gates = arrays["gates"]
         for name in ("gates", "exp_avg", "exp_avg_sq"):
             value = arrays[name]
@@ -370,7 +375,8 @@ class State:
         rows = arrays["rows"]
         if rows.dtype != np.float64 or rows.shape != (done, len(LOG_COLUMNS)) or not np.isfinite(rows).all():
             raise ValueError(f"its training rows are not {done} rows of {len(LOG_COLUMNS)} finite numbers")
-        return cls(meta["fingerprint"], done, gates, arrays["exp_avg"], arrays["exp_avg_sq"], rows, path, threads)
+        return cls(meta["fingerprint"], done, gates, arrays["exp_avg"], arrays["exp_avg_sq"], rows, path, threads,
+                   None if seconds is None else float(seconds))
 
 
 LOG_COLUMNS = ("step", "length", "distill_loss", "penalty", "loss", "mean_gate", "below_half", "lr")
@@ -384,6 +390,7 @@ class Checkpointing:
     every: int = DEFAULT_CHECKPOINT_EVERY
     resume_from: State | None = None
     should_stop: Callable[[], bool] = lambda: False
+    on_resumed: Callable[[int, int], None] | None = None  # told (steps done, steps) once resume_from is restored
 
 
 class Stopped(AttnprobeError):
@@ -432,16 +439,24 @@ def train_pattern_loaded(loaded: LoadedModel, haystack: str, settings: Settings 
     gates = nn.Parameter(torch.ones(len(gated), loaded.num_kv_heads, dtype=torch.float32, device=loaded.device))
     optimizer = torch.optim.AdamW([gates], lr=settings.lr, weight_decay=0.0, foreach=False)
     log: list[list[float]] = []
-    first = 0
+    first, earlier = 0, 0.0  # steps and wall seconds of the stopped run's parts
     if checkpointing is not None and checkpointing.resume_from is not None:
         state = checkpointing.resume_from
         resume.check_fingerprint(state.fingerprint, finger)
-        first = restore(state, gates, optimizer, settings.steps)
+        first, earlier = restore(state, gates, optimizer, settings.steps), state.seconds
         log = [list(row) for row in state.rows]
+        if checkpointing.on_resumed is not None:
+            checkpointing.on_resumed(first, settings.steps)
+
+    def elapsed() -> float | None:
+        """Wall seconds of the whole training so far (None after a checkpoint that did not record its own)."""
+        return None if earlier is None else earlier + time.perf_counter() - started
+
     with frozen(loaded.model):
-        run_steps(loaded, settings, samples, gates, rows, optimizer, log, first, finger, progress, checkpointing)
+        run_steps(loaded, settings, samples, gates, rows, optimizer, log, first, finger, progress, checkpointing,
+                  elapsed)
     return result(loaded, settings, spans, gated, gates.detach().cpu().numpy(), log, haystack_name, hay_sha, finger,
-                  time.perf_counter() - started, first)
+                  Timing(time.perf_counter() - started, elapsed()), first)
 
 
 def passkey_samples(loaded: LoadedModel, haystack: str, settings: Settings,
@@ -473,7 +488,7 @@ def frozen(model: nn.Module) -> Iterator[None]:
 def run_steps(loaded: LoadedModel, settings: Settings, samples: Callable[[int], passkeys.Sample],
               gates: nn.Parameter, rows: dict[int, int], optimizer: torch.optim.Optimizer, log: list[list[float]],
               first: int, finger: dict[str, Any], progress: Progress | None,
-              checkpointing: Checkpointing | None) -> None:
+              checkpointing: Checkpointing | None, elapsed: Callable[[], float | None] = lambda: None) -> None:
     """Steps `first` to settings.steps - 1, appending each step's row to `log`; checkpoints every
     `checkpointing.every` steps, and on a stop request (Stopped) or a loss that is not a number (the last good
     state saved, AttnprobeError naming the step)."""
@@ -482,12 +497,12 @@ def run_steps(loaded: LoadedModel, settings: Settings, samples: Callable[[int], 
     for step in range(first, settings.steps):
         if checkpointing is not None and step > first and checkpointing.should_stop():
             if step > last_saved:
-                checkpointing.save(snapshot(finger, step, gates, optimizer, log))
+                checkpointing.save(snapshot(finger, step, gates, optimizer, log, elapsed()))
             raise Stopped(f"stopped after {step} of {settings.steps} steps")
         row = train_step(loaded, layers, gates, rows, optimizer, samples(step), settings, step)
         if not all(math.isfinite(v) for v in row):
             if checkpointing is not None and step > last_saved:
-                checkpointing.save(snapshot(finger, step, gates, optimizer, log))
+                checkpointing.save(snapshot(finger, step, gates, optimizer, log, elapsed()))
                 last_saved = step
             kept = f" (the checkpoint of step {last_saved}, the last good one, is kept)" \
                 if checkpointing is not None and last_saved else ""
@@ -497,7 +512,7 @@ def run_steps(loaded: LoadedModel, settings: Settings, samples: Callable[[int], 
         if progress is not None:
             progress(step + 1, settings.steps, dict(zip(LOG_COLUMNS, row)))
         if checkpointing is not None and (step + 1) % checkpointing.every == 0 and step + 1 < settings.steps:
-            checkpointing.save(snapshot(finger, step + 1, gates, optimizer, log))
+            checkpointing.save(snapshot(finger, step + 1, gates, optimizer, log, elapsed()))
             last_saved = step + 1
 
 
@@ -557,8 +572,8 @@ def train_step(loaded: LoadedModel, layers: list[nn.Module], gates: nn.Parameter
 
 
 def snapshot(finger: dict[str, Any], done: int, gates: nn.Parameter, optimizer: torch.optim.Optimizer,
-             log: list[list[float]]) -> State:
-    """The state after `done` steps, for a checkpoint."""
+             log: list[list[float]], seconds: float | None = None) -> State:
+    """The state after `done` steps, `seconds` into the training (all its parts), for a checkpoint."""
     state = optimizer.state.get(gates, {})
     zeros = np.zeros(tuple(gates.shape), dtype=np.float32)
 
@@ -567,7 +582,7 @@ def snapshot(finger: dict[str, Any], done: int, gates: nn.Parameter, optimizer: 
 
     return State(finger, done, gates.detach().cpu().numpy().astype(np.float32), moment("exp_avg"),
                  moment("exp_avg_sq"), np.asarray(log, dtype=np.float64).reshape(done, len(LOG_COLUMNS)),
-                 threads=torch.get_num_threads())
+                 threads=torch.get_num_threads(), seconds=seconds)
 
 
 def restore(state: State, gates: nn.Parameter, optimizer: torch.optim.Optimizer, steps: int) -> int:
@@ -605,8 +620,17 @@ def gates_table(layers: int, kv_heads: int, gated: list[int], trained: np.ndarra
     return pd.DataFrame({"layer": layer, "kv_head": head, "gate": table.reshape(-1), "trained": has[layer]})
 
 
+@dataclass(frozen=True)
+class Timing:
+    """The wall time of a training: this process's part and the whole (the earlier parts of a resumed run until its
+    checkpoint, and this one; None where the checkpoint did not record its own)."""
+
+    this_part: float
+    whole: float | None
+
+
 def result(loaded: LoadedModel, settings: Settings, spans: list[int | None], gated: list[int], trained: np.ndarray,
-           log: list[list[float]], haystack_name: str, haystack_sha256: str, finger: dict[str, Any], seconds: float,
+           log: list[list[float]], haystack_name: str, haystack_sha256: str, finger: dict[str, Any], timing: Timing,
            resumed_at: int) -> TrainedPattern:
     from attnprobe import __version__
     from attnprobe.records import model_record, versions
@@ -622,11 +646,15 @@ def result(loaded: LoadedModel, settings: Settings, spans: list[int | None], gat
                      f"{', '.join(map(str, windowed[:8]))}{', ...' if len(windowed) > 8 else ''}: "
                      f"{sorted({spans[k] for k in windowed})[0]} keys or so): their KV cache is bounded, so they got "
                      "no gate; gates.csv gives their KV heads 1 (trained: false)")
+    if resumed_at and timing.whole is None:
+        notes.append(f"resumed at step {resumed_at} from a checkpoint that does not record how long the training ran "
+                     "until then: wall_seconds counts the resumed part only")
     run = {
         "attnprobe_version": __version__,
         "command": COMMAND,
         "model": {**model_record(loaded), "weights": finger["model_sha256"], "tokenizer": finger["tokenizer_sha256"]},
         "settings": {**asdict(settings), "lengths": list(settings.lengths)},
+        "bos": loaded.bos,  # --bos: auto (the tokenizer's own), always or never; the samples begin with it or not
         "method": "DuoAttention (Xiao et al. 2024): alpha x full + (1 - alpha) x streaming per KV head; loss = mean "
                   "over the question-and-answer tokens of the mean squared difference of the last hidden states "
                   "from the full model's + reg_weight x mean gate; AdamW, gates clipped to [0, 1] after each step",
@@ -647,7 +675,9 @@ def result(loaded: LoadedModel, settings: Settings, spans: list[int | None], gat
         "device": str(loaded.device),
         "dtype": loaded.dtype,
         "resumed_at_step": resumed_at or None,
-        "wall_seconds": round(seconds, 3),
+        # the whole training: a resumed run's earlier parts (until their checkpoint) and this process's part
+        "wall_seconds": round(timing.this_part if timing.whole is None else timing.whole, 3),
+        "wall_seconds_this_process": round(timing.this_part, 3) if resumed_at else None,
         "notes": notes,
         "versions": versions(),
     }

@@ -167,7 +167,8 @@ def test_analyze_logs_the_layers_of_a_long_document_off_a_terminal(long_llama, t
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("analyze:")]
     assert [line.split(" (")[0] for line in lines] == [
-        f"analyze: 0/1 sentences, sentence 1/1, layer {layer}/{LAYERS}" for layer in range(1, LAYERS)], result.stderr
+        f"analyze: 0/1 sentences, sentence 1/1, layer {layer}/{LAYERS}" for layer in range(1, LAYERS)] + \
+        ["analyze: 1/1 sentences"], result.stderr
 
 
 def test_retrieval_logs_the_layers_of_a_long_prefill(long_llama, tmp_path, monkeypatch):
@@ -218,4 +219,23 @@ def test_analyze_bar_names_the_layer_then_drops_it():
         shown.advance(bar, task, 2 / 3)
         shown.advance(bar, task, 0.0, Within(3, 3))  # through: the plain count again
         assert bar.tasks[0].description == "sentences" and bar.tasks[0].completed == pytest.approx(1.0)
-    assert [line.split(" (")[0] for line in lines] == ["analyze: 0/2 sentences, sentence 1/2, layer 1/3"]
+    assert [line.split(" (")[0] for line in lines] == ["analyze: 0/2 sentences, sentence 1/2, layer 1/3",
+                                                      "analyze: 1/2 sentences"]  # a sentence through: its count
+
+
+def test_a_log_of_short_sentences_gets_a_count_line_every_interval():
+    """Short sentences report no layers: off a terminal analyze's count comes as a line once `every` seconds have
+    passed and a sentence is through (a batch advances by shares of a layer), never more often."""
+    from rich.progress import Progress
+
+    lines, now = [], [0.0]
+    shown = Shown("sentences", every=10, clock=lambda: now[0], log=lines.append)
+    with Progress(disable=True) as bar:
+        task = bar.add_task("sentences", total=1000)
+        for second in range(1, 61):  # a batch of 8 sentences a second, over 4 layers
+            now[0] = float(second)
+            for _ in range(4):
+                shown.advance(bar, task, 8 / 4)
+    assert [line.split(" (")[0] for line in lines] == [f"analyze: {8 * (s - 1) + 2}/1000 sentences"
+                                                       for s in (10, 20, 30, 40, 50, 60)]
+    assert [line.split(" (")[1] for line in lines] == [f"{s}.0 s)" for s in (10, 20, 30, 40, 50, 60)]

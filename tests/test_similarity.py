@@ -246,7 +246,8 @@ def test_related_writes_head_similarity(copy_of, gpt2_dir):
     assert result.exit_code == 0, result.output
     similarity = io.read_similarity(copy_of)
     assert set(similarity) == {"js", "layer", "head", "sentences", "rows", "tokens", "max_tokens", "cut", "indices",
-                               "model", "corpus_sha256", "causal", "threads", "sentences_asked", "pair_rows"}
+                               "model", "corpus_sha256", "causal", "threads", "sentences_asked", "pair_rows",
+                               "bos", "dtype"}
     assert similarity["js"].shape == (12, 12) and int(similarity["sentences"]) == 5
     assert similarity["indices"].tolist() == [0, 1, 3, 4, 6]
     assert int(similarity["max_tokens"]) == 8 and bool(similarity["causal"])

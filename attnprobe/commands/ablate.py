@@ -72,7 +72,8 @@ def ablate(
     layers: Annotated[bool, typer.Option("--layers", help="Also ablate each whole attention layer.")] = False,
     pruning: Annotated[
         bool, typer.Option("--pruning/--no-pruning", help="Also remove heads cumulatively (pruning.csv); with "
-                           "--method streaming, the curve over --shares of KV heads streaming.")
+                           "--method streaming, the curve over --shares of KV heads streaming (--no-pruning: no "
+                           "curve, so no --shares or --random-orders).")
     ] = True,
     pattern: Annotated[
         Path | None, typer.Option("--pattern", parser=folder, metavar="DIR", help="--method streaming: the heads' "
@@ -131,11 +132,13 @@ def ablate(
     ] = None,
     lengths: Annotated[
         str | None, typer.Option("--lengths", metavar="N,N", help="--method streaming, needle task: prompt lengths "
-                                 "in tokens.  [default: 1000,2000, those that fit]", show_default=False)
+                                 "in tokens (a repeat runs once).  [default: 1000,2000, those that fit]",
+                                 show_default=False)
     ] = None,
     depths: Annotated[
         str | None, typer.Option("--depths", metavar="P,P", help="--method streaming, needle task: percent of the "
-                                 "context before the needle.  [default: 0,25,50,75,100]", show_default=False)
+                                 "context before the needle (a repeat runs once).  [default: 0,25,50,75,100]",
+                                 show_default=False)
     ] = None,
     split: Annotated[
         SplitChoice, typer.Option("--split", help="One sequence per line, per blank-line paragraph, or the whole file "

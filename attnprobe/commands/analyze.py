@@ -22,6 +22,7 @@ from attnprobe.commands.common import (
     out_console,
     release_offload,
     resume_threads,
+    say_resumed,
     say_written,
     set_bos,
     stop_requests,
@@ -185,6 +186,8 @@ def analyze(
         resume_from=io.read_checkpoint(out, saved) if resume else None, every_seconds=checkpoint_every,
     )
     threads_used = resume_threads(threads, checkpointing.resume_from, say=world.is_main)
+    if checkpointing.resume_from is not None and world.is_main:
+        checkpointing.on_resumed = say_resumed(checkpointing.resume_from.path, "batches")
     with loading(model, world.is_main) as on_status:
         loaded = load_model(model, distributed.device_for(world, device.value), dtype.value,
                             device_map=device_map, max_memory=parse_max_memory(max_memory), on_status=on_status)

@@ -37,8 +37,9 @@ err_console = Console(stderr=True)
 
 
 def friendly_errors(command):
-    """Turn the library's errors into one line on stderr and exit code 1 (printed by torchrun's rank 0 alone); and
-    hand what the command froze (`freeze_imports`) back to the garbage collector when it ends."""
+    """Turn the library's errors into one line on stderr and exit code 1 (printed by torchrun's rank 0 alone), and
+    Ctrl-C into one line and exit code 130; and hand what the command froze (`freeze_imports`) back to the garbage
+    collector when it ends."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -49,6 +50,12 @@ def friendly_errors(command):
             if is_main_process():
                 err_console.print(f"Error: {err}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:  # Ctrl-C where no checkpoint is kept (Typer would exit 130 without a word)
+            if is_main_process():
+                err_console.print("Interrupted: stopped before the results were written (each file is written whole "
+                                  "or not at all); run the same command again.", markup=False, highlight=False,
+                                  soft_wrap=True)
+            raise typer.Exit(130) from None
         finally:
             while AT_END:  # what the command holds until it ends (hold_out's lock)
                 AT_END.pop()()
@@ -194,6 +201,18 @@ def resume_threads(threads: str, state, say: bool = True) -> dict:
     if note and say:
         err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
     return torch_threads.apply(threads, recorded)
+
+
+def say_resumed(path: str | Path | None, unit: str):
+    """The `on_resumed(done, total)` of a run that continues the checkpoint at `path`: once the checkpoint has passed
+    every check, the run says so (a log shows where it continued), e.g. "Resuming the stopped run from
+    out/checkpoint.npz: 10 of 40 batches done."."""
+
+    def say(done: int, total: int) -> None:
+        err_console.print(f"Resuming the stopped run from {path}: {done} of {total} {unit} done.", markup=False,
+                          highlight=False, soft_wrap=True)
+
+    return say
 
 
 @contextmanager

@@ -35,7 +35,7 @@ from attnprobe.commands.options import (
     OutOption,
     ThreadsOption,
 )
-from attnprobe.naming import head_name
+from attnprobe.naming import counted, head_name
 from attnprobe.threads import apply as apply_threads
 
 
@@ -53,11 +53,13 @@ def retrieval(
     ],
     out: OutOption = DEFAULT_OUT,
     lengths: Annotated[
-        str | None, typer.Option("--lengths", metavar="N,N", help="Prompt lengths in tokens [default: 1000,2000,"
-                                 "4000,8000, those that fit the model's context].", show_default=False)
+        str | None, typer.Option("--lengths", metavar="N,N", help="Prompt lengths in tokens (a repeat runs once) "
+                                 "[default: 1000,2000,4000,8000, those that fit the model's context].",
+                                 show_default=False)
     ] = None,
     depths: Annotated[
-        str, typer.Option("--depths", metavar="P,P", help="Where the needle goes: percent of the context before it.")
+        str, typer.Option("--depths", metavar="P,P", help="Where the needle goes: percent of the context before "
+                           "it (a repeat runs once).")
     ] = "0,25,50,75,100",
     needle: Annotated[
         str | None, typer.Option("--needle", metavar="TEXT", help="The sentence hidden in the haystack [default: "
@@ -112,8 +114,8 @@ def retrieval(
     result.info.setdefault("dtype_requested", loaded.dtype_requested)
     written = io.write_retrieval(out, result)
     info = result.info
-    out_console.print(f"{model}: {info['trials_total']} trials ({decode.value}), the needle copied in "
-                      f"{info['trials_copied']}; {info['trials_scored']} scored", markup=False, highlight=False)
+    out_console.print(f"{model}: {counted(info['trials_total'], 'trial')} ({decode.value}), {copy_words(info)}",
+                      markup=False, highlight=False, soft_wrap=True)
     if not result.heads.empty:
         top = result.heads.sort_values("mean", ascending=False, kind="stable").head(10)
         table = Table(title="Top retrieval heads (mean score over the scored trials)")
@@ -126,3 +128,18 @@ def retrieval(
     for note in info["notes"]:
         err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
     say_written(written)
+
+
+def copy_words(info: dict) -> str:
+    """What the summary counts, in words: greedy decoding copied the needle (its answer holds at least half the
+    needle's tokens, ROUGE-1 recall) and only those trials are scored; forced decoding feeds the needle, so every trial
+    is scored, and the count is of the trials where the model's own next-token guesses matched at least half of it."""
+    from attnprobe.retrieval import COPY_MIN_RECALL
+
+    share = f"{COPY_MIN_RECALL:.0%}"
+    if info["decode"] == "forced":
+        return (f"every trial scored (the needle fed as the answer); the model's own guesses matched at least {share} "
+                f"of the needle's tokens in {info['trials_copied']}")
+    return (f"the needle copied (at least {share} of its tokens in the answer) in {info['trials_copied']}; "
+            f"{info['trials_scored']} scored")
+

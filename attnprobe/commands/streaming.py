@@ -68,6 +68,10 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
     if o.sparsity is not None and o.pattern is None:
         raise AttnprobeError("--sparsity picks the lowest-scoring share of a --pattern's KV heads: add --pattern DIR, "
                              "or drop --sparsity")
+    idle = [name for name, value in (("--shares", o.shares), ("--random-orders", o.random_orders)) if value is not None]
+    if idle and not curve:
+        raise AttnprobeError(f"{idle[0]} sets the curve that --no-pruning leaves out: drop {idle[0]}, or drop "
+                             "--no-pruning")
     share_list = streamheads.SHARES if o.shares is None else tuple(number_list(o.shares, float, "--shares"))
     if not share_list:
         raise AttnprobeError("--shares names no share: give e.g. 0,0.25,0.5,0.75,1")
@@ -75,8 +79,10 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
         if value is not None:
             streamheads.check_fraction(name, value)
     if o.sink is not None or o.recent is not None:
+        of_pattern = "from the --pattern" if o.pattern is not None else None
         streamheads.check_sizes(streamheads.DUO_SINK if o.sink is None else o.sink,
-                                streamheads.DUO_RECENT if o.recent is None else o.recent)
+                                streamheads.DUO_RECENT if o.recent is None else o.recent,
+                                of_pattern or streamheads.DUO_SINK, of_pattern or streamheads.DUO_RECENT)
     client = o.client or "kvpress"
     kvtasks.check_choice("--client", client, kvtasks.CLIENTS)
     wanted = kvtasks.tasks_of(o.task or "both")

@@ -22,6 +22,7 @@ from attnprobe.commands.common import (
     number_list,
     out_console,
     resume_threads,
+    say_resumed,
     say_written,
     set_bos,
     stop_requests,
@@ -123,6 +124,8 @@ def train_pattern(
     checkpointing = tp.Checkpointing(save=lambda state: io.write_files(out, {io.TRAINED_CHECKPOINT_FILE: io.npz_writer(
         **state.to_arrays())}), every=checkpoint_every, resume_from=read_checkpoint(path) if resume else None)
     threads_used = resume_threads(threads, checkpointing.resume_from)
+    if checkpointing.resume_from is not None:
+        checkpointing.on_resumed = say_resumed(checkpointing.resume_from.path, "steps")
     loaded = load(model, device.value, dtype.value)
     set_bos(loaded, bos.value)
     try:

@@ -477,6 +477,8 @@ def write_rollout(out: str | Path, rollout: Any, figure: Any) -> list[Path]:
         "residual": np.float64(rollout.residual), "model": np.asarray(str(rollout.info.get("model", ""))),
         "limit": np.int64(rollout.info.get("limit") or 0),  # --limit N: chosen among the first N; 0: no limit
         "threads": np.int64(rollout.info.get("threads") or 0),  # torch threads it ran with; 0: not recorded
+        "bos": np.asarray(str(rollout.info.get("bos", ""))),  # --bos: auto, always or never ("": not recorded)
+        "dtype": np.asarray(str(rollout.info.get("dtype", ""))),  # the dtype it ran in
     }
     return write_files(out, {ROLLOUT_FILE: io.npz_writer(**arrays), ROLLOUT_FIGURE: io.figure_writer(figure)})
 
@@ -488,7 +490,8 @@ def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
     `sentences`, `rows`, `tokens`, `max_tokens`, `cut` (int64), `indices` [sentence] int64 (0-based corpus
     positions), `model` and `corpus_sha256` (strings), `causal` (bool), `threads` (int64, the torch threads it
     ran with), `sentences_asked` and `pair_rows` (int64: --sentences and the budget in head-pair rows that cut
-    the sample to `sentences`; 0: no budget). No pickles: `np.load(path)` reads it.
+    the sample to `sentences`; 0: no budget), `bos` and `dtype` (strings: the --bos and the dtype it ran with, which
+    may differ from run.json's). No pickles: `np.load(path)` reads it.
     """
     from attnprobe import io  # the package: the writers are reached through it (tests patch them there)
 
@@ -504,6 +507,8 @@ def write_similarity(out: str | Path, similarity: Any) -> list[Path]:
         "threads": np.int64(info.get("threads") or 0),  # torch threads it ran with; 0: not recorded
         "sentences_asked": np.int64(info.get("sentences_asked") or similarity.sentences),  # --sentences
         "pair_rows": np.int64(info.get("pair_rows") or 0),  # the budget in head-pair rows; 0: none
+        "bos": np.asarray(str(info.get("bos", ""))),  # --bos it ran with ("": not recorded)
+        "dtype": np.asarray(str(info.get("dtype", ""))),  # the dtype it ran in
     }
     return write_files(out, {SIMILARITY_FILE: io.npz_writer(**arrays)})
 

@@ -154,7 +154,7 @@ def head_similarity_figure(
     else:
         clusters = fcluster(tree, t=min(CLUSTERS, n), criterion="maxclust")  # [head]: contiguous in the leaf order
         summary = cluster_summary(js, clusters, order, kinds, names)
-        draw_cluster_bands(tree_ax, ax, summary, n)
+        draw_cluster_bands(tree_ax, ax, summary, n, side)
         listed = figure.add_subplot(grid[1, 2])
         listed.set_axis_off()
         for k, (_, _, _, line) in enumerate(summary):
@@ -187,18 +187,41 @@ def head_similarity_figure(
     return figure
 
 
-def draw_cluster_bands(band_ax: Axes, ax: Axes, summary: list[tuple[int, int, int, str]], n: int) -> None:
-    """The clusters as numbered bands above the matrix (the number where its band is wide enough) and thin
-    white lines across the matrix between them."""
-    for start, end, number, _ in summary:
-        band_ax.axvspan(start - 0.5, end - 0.5, color="#d9d9e3" if number % 2 else "#a9a9bd", linewidth=0)
-        if end - start >= n / 30:
-            band_ax.text((start + end - 1) / 2, 0.5, f"C{number}", ha="center", va="center", fontsize=8)
+BAND_TOP = 0.45  # the cluster bands fill the lower part of their strip; their numbers sit above
+BAND_LABEL_INCHES = 0.32  # room for one band number ("C12" at 8 points) and a little space beside it
+
+
+def draw_cluster_bands(band_ax: Axes, ax: Axes, summary: list[tuple[int, int, int, str]], n: int,
+                       width: float) -> None:
+    """The clusters as bands above the matrix, every band numbered (C1, C2, ...: the list on the right names them):
+    each number above its band, moved sideways (`spread`) where bands are too narrow for their numbers to sit apart,
+    with a thin line down to its band; thin white lines across the matrix between the clusters. `width`: the
+    strip's width in inches."""
+    centres = np.array([(start + end - 1) / 2 for start, end, *_ in summary], dtype=float)
+    places = spread(centres, BAND_LABEL_INCHES * n / width, -0.5, n - 0.5)
+    for (start, end, number, _), centre, place in zip(summary, centres, places):
+        band_ax.axvspan(start - 0.5, end - 0.5, ymax=BAND_TOP, color="#d9d9e3" if number % 2 else "#a9a9bd",
+                        linewidth=0)
+        band_ax.text(place, 0.8, f"C{number}", ha="center", va="center", fontsize=8)
+        band_ax.plot([centre, place], [BAND_TOP, 0.62], color="#555555", linewidth=0.6)
         if start:
             ax.axhline(start - 0.5, color="white", linewidth=0.8)
             ax.axvline(start - 0.5, color="white", linewidth=0.8)
     band_ax.set_xlim(-0.5, n - 0.5)
     band_ax.set_ylim(0, 1)
+
+
+def spread(points: np.ndarray, gap: float, low: float, high: float) -> np.ndarray:
+    """`points` (increasing) moved as little as a forward and a backward pass need so that neighbours are at least
+    `gap` apart and every point lies within [low + gap / 2, high - gap / 2] (where they fit: len x gap <= high -
+    low); the order is kept."""
+    placed = np.asarray(points, dtype=float).copy()
+    first, last = low + gap / 2, high - gap / 2
+    for k in range(len(placed)):
+        placed[k] = max(placed[k], first if k == 0 else placed[k - 1] + gap)
+    for k in range(len(placed) - 1, -1, -1):
+        placed[k] = min(placed[k], last if k == len(placed) - 1 else placed[k + 1] - gap)
+    return placed
 
 
 def label_rises(points: np.ndarray, span: float, near: float = 0.05, step: float = 11.0) -> list[float]:

@@ -14,6 +14,7 @@ from attnprobe.plotting.style import CATEGORY_COLORS, any_script_figure, plain_t
 
 STREAMING_COLORS = {"pattern": "#1f77b4", "random": "#7f7f7f"}
 STREAMING_LABELS = {"loss_change": "loss change (nats/token)", "kl": "KL(full cache || streaming) (nats/token)"}
+STREAMING_TITLES = {"loss_change": "Loss change", "kl": "KL from the full cache"}  # the panels' titles, in words
 
 
 @any_script_figure
@@ -46,6 +47,7 @@ def streaming_panel(ax: Axes, curve: pd.DataFrame, name: str) -> None:
         low, high = row[name] - row[f"{name}_ci_low"], row[f"{name}_ci_high"] - row[name]
         ax.errorbar([x], [row[name]], yerr=[[max(low, 0.0)], [max(high, 0.0)]], capsize=3, linestyle="none", **style)
 
+    words = STREAMING_TITLES[name]
     lines = 0
     for k, (order, group) in enumerate(curve[curve["order"] != "chosen"].groupby("order", sort=False)):
         group = group.sort_values("share")
@@ -68,15 +70,15 @@ def streaming_panel(ax: Axes, curve: pd.DataFrame, name: str) -> None:
     ax.set_xlabel("KV heads streaming (% of all KV heads)")
     ax.set_ylabel(STREAMING_LABELS[name])
     if lines:
-        ax.set_title(f"{name} as KV heads keep only sink + recent keys (bands: 95% intervals)", fontsize=10)
+        ax.set_title(f"{words} as KV heads keep only sink + recent keys (bands: 95% intervals)", fontsize=10)
         ax.legend(loc="upper left", fontsize=8, title="order (lowest score first)")
         return
     ax.set_xlim(0.0, 100.0)  # a point alone: where it sits among all KV heads
     if len(ax.get_legend_handles_labels()[0]) > 1:  # the chosen heads and orders at one share each
-        ax.set_title(f"{name} at one share per order (bars: 95% intervals; no curve)", fontsize=10)
+        ax.set_title(f"{words} at one share per order (bars: 95% intervals; no curve)", fontsize=10)
         ax.legend(loc="upper left", fontsize=8, title="order (lowest score first)")
     else:
-        ax.set_title(f"{name} with the chosen KV heads streaming (bar: 95% interval; no curve)", fontsize=10)
+        ax.set_title(f"{words} with the chosen KV heads streaming (bar: 95% interval; no curve)", fontsize=10)
         for _, row in chosen.iterrows():
             ax.annotate(f"chosen: {int(row['kv_heads_streaming'])} KV heads", (100 * row["share"], row[name]),
                         xytext=(8, 6), textcoords="offset points", fontsize=8, color="#d62728")
