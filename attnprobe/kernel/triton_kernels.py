@@ -73,7 +73,7 @@ def _key_range(q0, length, span, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, B
                BLOCK_N: tl.constexpr):
     """The first (aligned to BLOCK_N) and one past the last key a block of rows q0 .. q0 + BLOCK_M - 1 may see."""
     hi = length
-    lo = 0
+    lo = length * 0  # a tensor either way (a jitted function returns one type)
     if CAUSAL:
         hi = tl.minimum(length, q0 + BLOCK_M)
         if HAS_SPAN:
@@ -260,7 +260,7 @@ def received_pass(
     key_ok = offs_n < length
     k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
     k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N], read once
-    lo = 0
+    lo = length * 0
     hi = length  # real rows only
     if CAUSAL:
         lo = k0

@@ -125,9 +125,10 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision: IEEE float32 for float32 inputs (never TF32's 10-bit mantissa)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """tl.dot's input precision: IEEE float32 for float32 inputs (never TF32's 10-bit mantissa); Triton's default
+    (None) for bfloat16 and float16, whose products are exact in the float32 accumulator anyway."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _forward(
