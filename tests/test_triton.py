@@ -5,6 +5,10 @@ the kernel covers; and `--attention triton` end to end against `--attention bloc
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -214,3 +218,16 @@ def test_analyze_attention_triton_equals_attention_blocked(llama_dir, tmp_path):
         got, expected = found["triton"][name], found["blocked"][name]
         assert list(got.columns) == list(expected.columns) and len(got) == len(expected) > 0
         assert_close(got.select_dtypes("number"), expected.select_dtypes("number"), name)
+
+
+@needs_triton
+def test_the_kernels_compile_for_an_h100_without_one():
+    """Triton's compiler (not the interpreter, which runs what the compiler refuses) builds the richest variants down
+    to a cubin for sm_90, each within an H100's 227 KiB of shared memory (tests/triton_compile.py)."""
+    script = Path(__file__).resolve().parent / "triton_compile.py"
+    env = {key: value for key, value in os.environ.items() if key != triton_path.INTERPRET}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=script.parent.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    shared = [int(line.rsplit("=", 1)[1]) for line in done.stdout.splitlines() if line.startswith("OK ")]
+    assert len(shared) == 3 and max(shared) <= 227 * 1024, done.stdout
