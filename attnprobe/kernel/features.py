@@ -5,7 +5,7 @@ function sees."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
@@ -40,7 +40,8 @@ class LayerFeatures:
     groups: int  # query heads per key/value head (1: multi-head; heads: multi-query)
     scale: float  # of the scores: 1/sqrt(head size), or the model's own (`scaling`)
     own_scale: bool = False  # the model's scale is not 1/sqrt(head size) (Gemma's query_pre_attn_scalar, OPT)
-    head_size: int = 0  # channels per head of the queries and keys
+    head_size: int = field(default=0, compare=False)  # channels per head of the queries and keys (what a kernel
+    # takes, not what the layer computes: left out of equality)
 
 
 def config_reason(loaded: LoadedModel) -> str | None:

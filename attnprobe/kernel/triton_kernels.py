@@ -73,7 +73,7 @@ def _key_range(q0, length, span, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, B
                BLOCK_N: tl.constexpr):
     """The first (aligned to BLOCK_N) and one past the last key a block of rows q0 .. q0 + BLOCK_M - 1 may see."""
     hi = length
-    lo = 0
+    lo = length * 0  # a tensor either way (a jitted function returns one type)
     if CAUSAL:
         hi = tl.minimum(length, q0 + BLOCK_M)
         if HAS_SPAN:
@@ -159,20 +159,10 @@ def stats_forward(
         p = tl.where(ok, tl.exp(s - m_safe[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
         diff = offs_m[:, None] - offs_n[None, :]  # i - j
         dist = tl.abs(diff).to(tl.float32)
-        at_first = offs_n[None, :] == 0
-        at_previous = diff == 1
-        at_self = diff == 0
-        near = (diff <= 2) & (diff >= -2)
-        in_sink_window = (offs_n[None, :] < sink) | (diff < window)
         tail = tail * alpha
         total = total * alpha + tl.sum(p, 1)
         plogit = plogit * alpha + tl.sum(p * s, 1)
-        first = first * alpha + tl.sum(tl.where(at_first, p, 0.0), 1)
-        previous = previous * alpha + tl.sum(tl.where(at_previous, p, 0.0), 1)
-        own = own * alpha + tl.sum(tl.where(at_self, p, 0.0), 1)
-        diagonal = diagonal * alpha + tl.sum(tl.where(near, p, 0.0), 1)
         distance = distance * alpha + tl.sum(p * dist, 1)
-        sink_window = sink_window * alpha + tl.sum(tl.where(in_sink_window, p, 0.0), 1)
         if HAS_SPECIAL:
             flags = tl.load(Special + b * stride_tok + offs_n, mask=key_ok, other=0.0)
             special = special * alpha + tl.sum(p * flags[None, :], 1)
@@ -183,18 +173,42 @@ def stats_forward(
             same = (row_ids[:, None] == key_ids[None, :]) & (diff != 0) & ok
             duplicate = duplicate * alpha + tl.sum(tl.where(same, p, 0.0), 1)
             has_duplicate = has_duplicate + tl.sum(tl.where(same, 1.0, 0.0), 1)
+        pw = p  # the value-weighted map's weights exp(s_ij - m) |f_h(x_j)| (WEIGHTED)
         if WEIGHTED:
             w = tl.load(Norms + bh * n + offs_n, mask=key_ok, other=0.0)  # |f_h(x_j)|
             pw = p * w[None, :]
             log_w = tl.log(tl.where(w > 0, w, 1.0))
             w_total = w_total * alpha + tl.sum(pw, 1)
             w_plogit = w_plogit * alpha + tl.sum(pw * (s + log_w[None, :]), 1)
-            w_first = w_first * alpha + tl.sum(tl.where(at_first, pw, 0.0), 1)
-            w_previous = w_previous * alpha + tl.sum(tl.where(at_previous, pw, 0.0), 1)
-            w_own = w_own * alpha + tl.sum(tl.where(at_self, pw, 0.0), 1)
-            w_diagonal = w_diagonal * alpha + tl.sum(tl.where(near, pw, 0.0), 1)
             w_distance = w_distance * alpha + tl.sum(pw * dist, 1)
-            w_sink_window = w_sink_window * alpha + tl.sum(tl.where(in_sink_window, pw, 0.0), 1)
+        # The positional sums touch few tiles (key 0's; those within 2 of the block's rows; the sink's and the recent
+        # window's): rescaled in every tile, summed only in those.
+        first, w_first = first * alpha, w_first * alpha
+        previous, own, diagonal = previous * alpha, own * alpha, diagonal * alpha
+        w_previous, w_own, w_diagonal = w_previous * alpha, w_own * alpha, w_diagonal * alpha
+        sink_window, w_sink_window = sink_window * alpha, w_sink_window * alpha
+        if start_n == 0:
+            at_first = offs_n[None, :] == 0
+            first += tl.sum(tl.where(at_first, p, 0.0), 1)
+            if WEIGHTED:
+                w_first += tl.sum(tl.where(at_first, pw, 0.0), 1)
+        if (start_n <= q0 + BLOCK_M + 1) & (start_n + BLOCK_N >= q0 - 1):
+            at_previous = diff == 1
+            at_self = diff == 0
+            near = (diff <= 2) & (diff >= -2)
+            previous += tl.sum(tl.where(at_previous, p, 0.0), 1)
+            own += tl.sum(tl.where(at_self, p, 0.0), 1)
+            diagonal += tl.sum(tl.where(near, p, 0.0), 1)
+            if WEIGHTED:
+                w_previous += tl.sum(tl.where(at_previous, pw, 0.0), 1)
+                w_own += tl.sum(tl.where(at_self, pw, 0.0), 1)
+                w_diagonal += tl.sum(tl.where(near, pw, 0.0), 1)
+        if CAUSAL:  # an encoder's sink_window is undefined (NaN, set by the caller)
+            if (start_n < sink) | (start_n + BLOCK_N > q0 - window + 1):
+                in_sink_window = (offs_n[None, :] < sink) | (diff < window)
+                sink_window += tl.sum(tl.where(in_sink_window, p, 0.0), 1)
+                if WEIGHTED:
+                    w_sink_window += tl.sum(tl.where(in_sink_window, pw, 0.0), 1)
         if NEED_OUT:
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :],
                         other=0.0)
@@ -260,7 +274,7 @@ def received_pass(
     key_ok = offs_n < length
     k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
     k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N], read once
-    lo = 0
+    lo = length * 0
     hi = length  # real rows only
     if CAUSAL:
         lo = k0

@@ -28,8 +28,8 @@ from attnprobe.kernel.fused import ReceivedOnRead
 from attnprobe.metrics import RowMasses, SentenceSums, row_stats, value_weighted
 from attnprobe.scores import OUTPUT_NORM
 
-BLOCK_M = 64  # query rows per program (tl.dot needs 16 or more)
-BLOCK_N = 64  # keys per step of the online softmax
+BLOCK_M: int | None = None  # query rows per program, keys per step of the online softmax (tl.dot needs 16 or more);
+BLOCK_N: int | None = None  # None: _blocks chooses by the inputs' width (the tests set them)
 MAX_HEAD_SIZE = 256  # larger heads fall back (a block of rows and keys no longer fits a GPU's registers)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRET = "TRITON_INTERPRET"  # Triton's switch to its interpreter (a CPU runs the kernels through it)
@@ -115,6 +115,14 @@ def _masses(found: dict[str, Tensor], prefix: str, causal: bool, info: Batch) ->
     )
 
 
+def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
+    """(rows, keys) of a block: 64 x 64, or 32 x 32 where float32 rows are wider than 64 channels (compiled offline
+    for sm_90 with triton 3.9, 64 x 64 float32 blocks of 128 channels take 176 KiB of shared memory, of 256 channels
+    336 KiB: above an H100's 227 KiB; 32 x 32 take 84 and 164 KiB). BLOCK_M / BLOCK_N, when set, win."""
+    wide = dtype == torch.float32 and block_d > 64
+    return BLOCK_M or (32 if wide else 64), BLOCK_N or (32 if wide else 64)
+
+
 def _block_d(dim: int) -> int:
     """The kernel's head-size block: a power of two of at least 16 (tl.dot); channels beyond `dim` are masked."""
     return max(16, 1 << (dim - 1).bit_length())
@@ -125,9 +133,10 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision: IEEE float32 for float32 inputs (never TF32's 10-bit mantissa)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """tl.dot's input precision: IEEE float32 for float32 inputs (never TF32's 10-bit mantissa); Triton's default
+    (None) for bfloat16 and float16, whose products are exact in the float32 accumulator anyway."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _forward(
@@ -147,7 +156,8 @@ def _forward(
     special, punct, ids = flags
     norm_rows = lse if norms is None else norms.float().contiguous()  # [batch, head, key]
     sink_logits = lse if sinks is None else sinks.float().contiguous()  # [head]
-    grid = (triton_cdiv(n, BLOCK_M), batch * heads)
+    rows, keys = _blocks(query.dtype, _block_d(dim))
+    grid = (triton_cdiv(n, rows), batch * heads)
     kernels.stats_forward[grid](
         query, key, value, out, lse, stats, lengths.to(torch.int32).contiguous(), norm_rows, special, punct, ids,
         sink_logits, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
@@ -156,8 +166,8 @@ def _forward(
         info.sink, info.window,
         CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         WEIGHTED=norms is not None, HAS_SPECIAL=info.special is not None, HAS_TOKENS=info.tokens is not None,
-        NEED_OUT=wanted, PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_D=_block_d(dim),
+        NEED_OUT=wanted, PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows,
+        BLOCK_N=keys, BLOCK_D=_block_d(dim),
     )
     return lse, stats, out if wanted else None
 
@@ -181,12 +191,13 @@ def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: fl
     batch, heads, n, dim = query.shape
     query, key = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key))
     found = torch.zeros(batch, heads, n, device=query.device)  # [batch, head, key]
-    grid = (triton_cdiv(n, BLOCK_N), batch * heads)
+    rows, keys = _blocks(query.dtype, _block_d(dim))
+    grid = (triton_cdiv(n, keys), batch * heads)
     kernels.received_pass[grid](
         query, key, lse.contiguous(), found, lengths.to(torch.int32).contiguous(), *query.stride()[:3],
         *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0), int(span or 0),
         CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
-        PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
         BLOCK_D=_block_d(dim),
     )
     return found
