@@ -94,7 +94,8 @@ def sequence_paths(counted: dict[str, int], sentences: int) -> dict[str, int]:
 def attention_path(loaded: LoadedModel, attention: str) -> str:
     """`triton` (the statistics inside a Triton attention kernel), `fused` (the fused kernel's logsumexp), `blocked`
     (attnprobe's statistics attention, O(n) memory) or `eager` (hooks on eager maps). auto takes triton on a CUDA
-    device where triton imports, else fused; --attention triton elsewhere is refused (triton_path.unavailable).
+    device where triton imports once triton_path.AUTO_ON_CUDA says the GPU has proven it, else fused; --attention
+    triton elsewhere is refused (triton_path.unavailable).
 
     `attention` is one of ATTENTION_CHOICES (check_options has checked it).
     """
@@ -108,7 +109,7 @@ def attention_path(loaded: LoadedModel, attention: str) -> str:
     if reason is None:
         if attention == "auto":
             on_gpu = loaded.device.type == "cuda" and triton_path.unavailable(loaded.device) is None
-            return "triton" if on_gpu else "fused"
+            return "triton" if on_gpu and triton_path.AUTO_ON_CUDA else "fused"
         return attention
     if attention != "auto":
         raise AttnprobeError(f"--attention {attention} does not implement {reason}: use --attention eager or auto")

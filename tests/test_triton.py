@@ -3,6 +3,7 @@ no CUDA device is present; on a GPU the same tests compile the kernels): every s
 and the mass each key receives against a float64 map computed here and against the blocked path, for each feature
 the kernel covers; and `--attention triton` end to end against `--attention blocked`."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -184,6 +185,20 @@ def test_triton_is_refused_on_a_cpu_without_the_interpreter(monkeypatch, llama_d
     with pytest.raises(AttnprobeError, match=r"TRITON_INTERPRET=1.*use --attention auto, fused or blocked"):
         attention_path(loaded, "triton")
     assert attention_path(loaded, "auto") == "fused"  # auto takes triton on CUDA only
+
+
+@needs_triton
+def test_auto_takes_triton_on_cuda_only_once_the_gpu_has_proven_it(monkeypatch, llama_dir):
+    """auto on a CUDA device where triton imports: the fused path while AUTO_ON_CUDA is off (the compiled kernel has
+    not run on a GPU yet), the Triton path once it is on; `triton` asked for is taken either way."""
+    on_gpu = dataclasses.replace(load_model(str(llama_dir), "cpu"), device=torch.device("cuda"))
+    monkeypatch.setattr(triton_path, "unavailable", lambda device: None)
+    monkeypatch.setattr(kernel, "unsupported", lambda loaded: None)  # it runs a pass on the device
+    assert triton_path.AUTO_ON_CUDA is False
+    assert attention_path(on_gpu, "auto") == "fused"
+    assert attention_path(on_gpu, "triton") == "triton"
+    monkeypatch.setattr(triton_path, "AUTO_ON_CUDA", True)
+    assert attention_path(on_gpu, "auto") == "triton"
 
 
 def test_layers_the_triton_kernel_does_not_cover_are_named_by_reason():

@@ -95,9 +95,10 @@ def analyze(
     ] = SplitChoice.lines,
     attention: Annotated[
         AttentionChoice,
-        typer.Option("--attention", help="triton: every statistic inside one Triton attention kernel (CUDA); "
+        typer.Option("--attention", help="triton: every statistic inside one Triton attention kernel "
+                     "(CUDA; not yet run on a GPU, so auto does not take it); "
                      "fused: statistics from the fused kernel's logsumexp; blocked: statistics inside attnprobe's "
-                     "attention, O(n) memory; eager: hooks on full maps; auto: triton on a CUDA GPU, else fused from "
+                     "attention, O(n) memory; eager: hooks on full maps; auto: fused from "
                      "512 tokens and blocked below, where the architecture allows, else eager.",
                      rich_help_panel=RUN),
     ] = AttentionChoice.auto,
