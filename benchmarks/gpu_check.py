@@ -37,7 +37,7 @@ it measured), with every step's output in FOLDER/gpu-check.log:
                 budget BLOCKED_MIB; seconds per step and peak GPU memory, the distillation loss and the gates;
   torchrun    - `torchrun --standalone --nproc-per-node 1` of a process-group check (NCCL on the GPU: all_reduce and
                 barrier) and of `attnprobe analyze` on a tiny zoo Llama on the GPU.
-The JSON's `targets` says whether issue 29's targets were met: fused bfloat16 statistics within TARGET_TIME x the
+The JSON's `targets` says whether the GPU targets were met: fused bfloat16 statistics within TARGET_TIME x the
 SDPA forward's time at the longest length, peak memory within TARGET_MEMORY x, fused = eager to bfloat16's
 tolerance on every family tested; `targets.triton`, the Triton path's (TRITON_TARGETS).
 
