@@ -7,6 +7,10 @@ BIN = $(VENV)/bin
 LOCK ?= constraints.txt
 LOWEST_TRANSFORMERS := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 TORCH ?= torch==2.13.0
+# the torch range pyproject.toml declares (torch>=A,<B) and its lowest release: test-latest installs the newest release
+# in the range, test-lowest the lowest (CUDA builds, ~5 GB in each venv: PyPI has no CPU build of them)
+TORCH_RANGE := $(shell sed -n 's/^ *"\(torch>=[^"]*\)".*/\1/p' pyproject.toml)
+LOWEST_TORCH := $(shell sed -n 's/.*"torch>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 MODEL ?= smollm2-135m
 CORPUS ?= corpora/sentences.txt
 OUT ?= outputs
@@ -39,9 +43,10 @@ demo: setup
 	@echo "Done: results in $(OUT)/. To run attnprobe commands in this shell, activate the environment once: . $(VENV)/bin/activate"
 
 # THREADS=N runs the suite with N torch threads (OMP_NUM_THREADS): CI runs it with 1 and with 2, since float32
-# results round differently with the thread count (and the CPU), and every tolerance must hold for both.
+# results round differently with the thread count (and the CPU), and every tolerance must hold for both. MARKS selects
+# tests by marker (pytest -m): test-latest and test-lowest leave out those marked version_free (tests/conftest.py).
 test: setup browser
-	HF_HUB_OFFLINE=1 $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) )$(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) )$(BIN)/python -m pytest $(if $(MARKS),-m "$(MARKS)")
 
 # The report's browser test drives Debian's chromium (through playwright, without its browser download). Install it
 # where we can (root with apt-get); elsewhere the test skips and says why.
@@ -78,15 +83,19 @@ gpu-check:
 	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )$(if $(STEPS),--steps $(STEPS) )\
 	  $(if $(BUDGET),--budget $(BUDGET) )--out "$${OUT:-outputs/gpu-check}"
 
-# The two ends of the declared range, each in its own venv: the newest releases pip resolves today (what a new user
-# gets), and the lowest transformers pyproject.toml allows (the rest resolved for it).
+# The two ends of the declared range, each in its own venv: the newest releases pip resolves today, torch included
+# (what a new user gets), and the lowest torch and transformers pyproject.toml allows (the rest resolved for them).
+# Both leave out the tests marked version_free (pure numpy/pandas, figures, report, docs: the locked run has them).
+# PIP_CONSTRAINT=/dev/null: some machines cap torch through pip's global constraint file (`pip config list`), and an
+# end of the range must install the release it names (an empty PIP_CONSTRAINT does not lift the cap).
 test-latest:
 	rm -rf .venv-latest
-	$(MAKE) test VENV=.venv-latest LOCK=
+	PIP_CONSTRAINT=/dev/null $(MAKE) test VENV=.venv-latest LOCK= TORCH="$(TORCH_RANGE)" MARKS="not version_free"
 
 test-lowest:
 	rm -rf .venv-lowest
-	$(MAKE) test VENV=.venv-lowest LOCK= EXTRA="transformers==$(LOWEST_TRANSFORMERS)"
+	PIP_CONSTRAINT=/dev/null $(MAKE) test VENV=.venv-lowest LOCK= TORCH="torch==$(LOWEST_TORCH)" \
+	  EXTRA="transformers==$(LOWEST_TRANSFORMERS)" MARKS="not version_free"
 
 # constraints.txt anew from a venv of the newest releases (then run `make test` and commit it with what it changes).
 lock:
