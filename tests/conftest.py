@@ -23,6 +23,25 @@ if "TRITON_INTERPRET" not in os.environ and not __import__("torch").cuda.is_avai
 # accumulated error of sums over keys and layers). Tests comparing such results use this bound, relative above 1.
 FLOAT32_TOLERANCE = 1e-5
 
+# Test modules whose checks do not depend on the torch or transformers release: what they assert is computed by numpy,
+# pandas, matplotlib, mkdocs or the browser (docs, figures, the report, plots, classification, bootstrap and corpus
+# arithmetic, the import graph). A model run inside some of them only makes a results folder to read, and the tests
+# of that run (analysis, kernels, the model zoo, ...) run in every suite. They are marked version_free: the locked
+# suite (`make test`) runs them, `make test-latest` and `make test-lowest` leave them out (MARKS, docs/development.md).
+VERSION_FREE = frozenset({
+    "test_allocator.py", "test_block_bootstrap.py", "test_bootstrap.py", "test_classify.py", "test_classify_kv.py",
+    "test_corpus.py", "test_docs.py", "test_export_kv_score.py", "test_figures.py", "test_import_layers.py",
+    "test_io_package.py", "test_plot_options.py", "test_plots_at_scale.py", "test_plotting.py",
+    "test_position_plot.py", "test_report.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in VERSION_FREE:
+            item.add_marker(pytest.mark.version_free)
+
+
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "corpora" / "sentences.txt"
 LOCK_PATH = Path(__file__).resolve().parent.parent / "constraints.txt"
 

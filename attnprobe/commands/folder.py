@@ -17,28 +17,39 @@ from attnprobe.errors import AttnprobeError
 @dataclass
 class ResultsFolder:
     """`out` as `command` writes it. `inputs`: the run's input paths by option ({"--corpus": ..., "--model": ...}),
-    which may never be results of this folder (check_inputs_apart) and are never swept as a killed run's files."""
+    which may never be results of this folder (check_inputs_apart) and are never swept as a killed run's files, nor
+    are the paths of `keep` (default: the inputs)."""
 
     out: Path | str
     command: str
     inputs: dict[str, Any]
+    keep: tuple[Any, ...] | None = None
     started: float = field(default_factory=time.time)  # a temporary file of this process older than this is stale
 
-    @property
-    def keep(self) -> tuple[Any, ...]:
-        return tuple(self.inputs.values())
+    def __post_init__(self) -> None:
+        if self.keep is None:
+            self.keep = tuple(self.inputs.values())
 
     def check(self) -> None:
         """Refuse an --out that cannot hold results (a file, a folder we cannot write), before anything runs."""
         io.check_out_dir(self.out)
 
-    def take(self, hold: bool = True) -> None:
-        """Refuse inputs inside the results, lock the folder until the command ends (a second run into it is
-        refused) and, with `hold`, sweep what a killed run left (half-written files, never the inputs)."""
+    def apart(self) -> None:
+        """Refuse an input that is one of this folder's results (a run would overwrite what it reads)."""
         io.check_inputs_apart(self.out, self.inputs)
-        if hold:
-            hold_out(self.out, self.command)
+
+    def hold(self, sweep: bool = True) -> None:
+        """Lock the folder until the command ends (a second run into it is refused) and, with `sweep`, remove what a
+        killed run left (half-written files, never the inputs)."""
+        hold_out(self.out, self.command)
+        if sweep:
             self.sweep()
+
+    def take(self, hold: bool = True) -> None:
+        """`apart`, then with `hold` the lock and the sweep."""
+        self.apart()
+        if hold:
+            self.hold()
 
     def sweep(self) -> None:
         """Remove the temporary files a killed run of attnprobe left (io.remove_stale_temps), keeping the inputs."""

@@ -17,7 +17,6 @@ from attnprobe.commands.common import (
     err_console,
     freeze_imports,
     friendly_errors,
-    hold_out,
     load,
     number_list,
     out_console,
@@ -103,18 +102,19 @@ def train_pattern(
     from attnprobe import io, limits
     from attnprobe import passkeys as keys
     from attnprobe import trainpattern as tp
+    from attnprobe.commands.folder import ResultsFolder
 
     freeze_imports()
-    started = time.time()
+    folder = ResultsFolder(out, "train-pattern", {"--haystack": haystack}, keep=(haystack, model))
     length_list = tp.DEFAULT_LENGTHS if lengths is None else tuple(number_list(lengths, int, "--lengths"))
     settings = tp.Settings(length_list, steps, lr, reg_weight, sink_size, recent_size, passkeys, passkey_words, seed,
                            block_mib)
     settings.check()
     limits.check_whole("--checkpoint-every", checkpoint_every, 1, tp.MAX_STEPS, tp.DEFAULT_CHECKPOINT_EVERY)
-    io.check_out_dir(out)
-    io.check_inputs_apart(out, {"--haystack": haystack})
+    folder.check()
+    folder.apart()
     text, name = keys.read_haystack(haystack)
-    hold_out(out, "train-pattern")
+    folder.hold(sweep=False)  # a killed run's files go at the end
     path = Path(out) / io.TRAINED_CHECKPOINT_FILE
     if path.exists() and not path.is_file():
         raise AttnprobeError(f"{path} is not a file: move it away, then run again")
@@ -145,7 +145,7 @@ def train_pattern(
     # train_pattern.json last, with the sha256 of the files beside it (export refuses a gates.csv of another run)
     record = (tp.RUN_FILE, lambda hashes: io.json_writer({**result.run, io.RUN_FILES_KEY: hashes}))
     written = io.write_files(out, files, remove=[io.TRAINED_CHECKPOINT_FILE], last=record)
-    io.remove_stale_temps(out, started, keep=(haystack, model))
+    folder.sweep()
     for note in result.run["notes"]:
         err_console.print(f"Note: {note}", markup=False, highlight=False, soft_wrap=True)
     summary = result.run["result"]
