@@ -406,10 +406,11 @@ def group_size(prompts: Prompts) -> int:
 
 @torch.inference_mode()
 def activation_patching(
-    loaded: LoadedModel, parts: Parts, prompts: Prompts, heads: list[Head], *, direction: str, positions: str,
-    kind: str, base: Prefix, source: Prefix, progress: Progress | None = None,
+    loaded: LoadedModel, parts: Parts, prompts: Prompts, heads: list[Head], *, positions: str, kind: str,
+    base: Prefix, source: Prefix, progress: Progress | None = None,
 ) -> tuple[list[Target], np.ndarray]:
-    """The metric [pairs, target] with each target's source output patched into the base run."""
+    """The metric [pairs, target] with each target's source output patched into the base run (denoising: base =
+    the corrupt run, source = the clean one; noising the other way)."""
     check_attention(loaded, base, source)
     seq = prompts.mask.shape[1]
     targets = targets_of(heads, positions, seq)
@@ -717,9 +718,8 @@ def patch(
         else:
             targets: list[Target] = []
             if method in ("activation", "both"):
-                targets, patched = activation_patching(loaded, parts, prompts, chosen, direction=direction,
-                                                       positions=positions, kind=kind, base=base, source=other,
-                                                       progress=progress)
+                targets, patched = activation_patching(loaded, parts, prompts, chosen, positions=positions,
+                                                       kind=kind, base=base, source=other, progress=progress)
                 values["effect"] = effects(patched, clean, corrupt, direction, weights)
             if method in ("attribution", "both"):
                 targets, estimated = attribution_patching(loaded, parts, prompts, chosen, direction=direction,

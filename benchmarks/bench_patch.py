@@ -117,8 +117,8 @@ def main() -> None:
         def sweep():
             base = pt.run_prefix(loaded, parts, prompts.corrupt, prompts.mask)
             source = pt.run_prefix(loaded, parts, prompts.clean, prompts.mask)
-            return pt.activation_patching(loaded, parts, prompts, every, direction="denoise", positions="all",
-                                          kind="logit-diff", base=base, source=source)
+            return pt.activation_patching(loaded, parts, prompts, every, positions="all", kind="logit-diff",
+                                          base=base, source=source)
 
         sweep_s, sweep_mib, _ = measured(sweep)
 

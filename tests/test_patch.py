@@ -119,17 +119,22 @@ def test_activation_patching_equals_the_hook_oracle(family):
     every = [(layer, head) for layer in range(layers) for head in range(heads)]
     base, source = prefixes(loaded, parts, prompts, direction)
     base_ids, source_ids = pt.base_and_source(prompts, direction)
-    for positions in ("all", "last"):
-        targets, got = pt.activation_patching(loaded, parts, prompts, every, direction=direction,
-                                              positions=positions, kind="logit-diff", base=base, source=source)
+    for positions in ("all", "last", "each"):
+        targets, got = pt.activation_patching(loaded, parts, prompts, every, positions=positions,
+                                              kind="logit-diff", base=base, source=source)
         for k in range(len(PAIRS)):
             ids, src = rows_of(prompts, base_ids, k), rows_of(prompts, source_ids, k)
             outs = head_outputs(model, name, src, layers)
-            last = len(ids) - 1 if positions == "last" else None
-            with torch.no_grad():
-                want = [oracle_metric(model, ids, int(prompts.answer[k]), int(prompts.wrong[k]), {
-                    model.get_submodule(PROJECTION[name].format(t.layer)): swap_hook(outs[t.layer], t.head, dim, last)
-                }) for t in targets]
+            want = []
+            for t in targets:
+                at = len(ids) - 1 if positions == "last" else t.position
+                if at is not None and at >= len(ids):  # past this pair's end: no value
+                    want.append(np.nan)
+                    continue
+                with torch.no_grad():
+                    want.append(oracle_metric(model, ids, int(prompts.answer[k]), int(prompts.wrong[k]), {
+                        model.get_submodule(PROJECTION[name].format(t.layer)): swap_hook(outs[t.layer], t.head, dim,
+                                                                                         at)}).item())
             np.testing.assert_allclose(got[k], np.array(want), rtol=0, atol=atol(np.array(want)) * 10)
 
 
@@ -367,6 +372,21 @@ def test_smollm2_ioi_matches_the_oracle(smollm2_tokenizer_loaded):
                                                   {model.model.layers[layer].self_attn.o_proj: hook})))
         want.append(np.mean(values))
     np.testing.assert_allclose(result.table["ld"], want, rtol=0, atol=atol(np.array(want)) * 10)
+
+
+def test_logprob_is_the_models_log_probability(tmp_path):
+    """--metric logprob: the clean and corrupt runs' log p(answer) at the last position, as the model's own
+    log-softmax gives them (Gemma 2: after its final soft-capping)."""
+    folder = zoo.make("gemma2", tmp_path / "gemma2", lm_head=True)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    result = pt.patch(loaded, PAIRS, heads=[(1, 0)], kind="logprob", resamples=20)
+    model = oracle_model(folder)
+    prompts = pt.tokenize_pairs(loaded, PAIRS)
+    for name, ids in (("ld_clean", prompts.clean), ("ld_corrupt", prompts.corrupt)):
+        with torch.no_grad():
+            want = np.mean([torch.log_softmax(model(input_ids=torch.tensor([rows_of(prompts, ids, k)])).logits[0, -1]
+                                              .double(), -1)[int(prompts.answer[k])].item() for k in range(len(PAIRS))])
+        assert result.run[name]["mean"] == pytest.approx(want, abs=atol(want))
 
 
 def test_effects_are_the_ratio_of_means():
