@@ -73,9 +73,11 @@ def _(d: dict) -> str:
     met = {k: "met" if v else "missed" for k, v in d["targets_met"].items()}
     rows = [
         [f"plain loop: one corrupt forward per head, x {d['heads']}", fmt.seconds(d["plain_loop_s"]), "", ""],
+        ["the same, the LM head on every position (a causal LM's forward)", fmt.seconds(d["plain_loop_all_logits_s"]),
+         "", ""],
         [f"`attnprobe patch` sweep, all {d['heads']} heads", fmt.seconds(d["sweep_s"]),
-         f"**{fmt.num(d['sweep_ratio'], 2)}** x the plain loop (target <= 0.5: {met['sweep']})",
-         f"{fmt.num(d['sweep_mib'], 0)} MiB"],
+         f"**{fmt.num(d['sweep_ratio'], 2)}** x the plain loop (target <= 0.5: {met['sweep']}); "
+         f"{fmt.num(d['sweep_ratio_all_logits'], 2)} x the second", f"{fmt.num(d['sweep_mib'], 0)} MiB"],
         ["one corrupt forward", fmt.seconds(d["corrupt_forward_s"]), "",
          f"{fmt.num(d['corrupt_forward_mib'], 0)} MiB"],
         ["attribution, every head and position", fmt.seconds(d["attribution_s"]),
