@@ -432,3 +432,27 @@ def test_cli_writes_the_files_and_refuses_unequal_lengths(tmp_path):
     result = run("patch", "--model", folder, "--pairs", bad, "--out", tmp_path / "o2")
     assert_one_line_error(result, "pair 1: the clean prompt is")
 
+
+
+def test_ctrl_c_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """A Ctrl-C in the middle of the sweep: no result file, no temporary file, the folder's lock released (a run
+    into it right after works)."""
+    folder = zoo.make("llama", tmp_path / "llama", lm_head=True)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p.__dict__) + "\n" for p in PAIRS), encoding="utf-8")
+    out = tmp_path / "out"
+    real = pt.activation_patching
+
+    def interrupted(*args, **kwargs):
+        kwargs["progress"] = lambda *_: (_ for _ in ()).throw(KeyboardInterrupt)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pt, "activation_patching", interrupted)
+    stopped = run("patch", "--model", folder, "--pairs", pairs, "--out", out, "--resamples", 5)
+    assert stopped.exit_code != 0  # click's answer to Ctrl-C (130, or 1 with "Aborted!" in older releases)
+    left = [p.name for p in out.iterdir()] if out.exists() else []
+    assert not [name for name in left if not name.startswith(".attnprobe.lock")], left
+    monkeypatch.setattr(pt, "activation_patching", real)
+    result = run("patch", "--model", folder, "--pairs", pairs, "--out", out, "--resamples", 5)
+    assert result.exit_code == 0, result.output
+    assert (out / "patching.csv").is_file()
