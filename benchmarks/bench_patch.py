@@ -136,6 +136,7 @@ def main() -> None:
                     start_kib)
                 layers_s.append(seconds)
                 layers_mib.append(mib)
+                print(f"  layer {layer}: {seconds:.2f} s", flush=True)
                 if layer % step == 0:
                     plain.append(plain_head(layer, layer % loaded.num_heads, clean))
         attribution_s, attribution_mib, _ = measured(attribution)

@@ -6,7 +6,7 @@ from figures import fmt
 from figures.registry import Outputs, figure
 from figures.runs import INDUCTION
 
-PATCH = "`attnprobe patch --model smollm2-135m --task ioi --method both --out outputs/patch --threads 2`"
+PATCH = "`attnprobe patch --model smollm2-135m --task ioi --n 16 --method both --out outputs/patch --threads 2`"
 
 
 def row(r) -> dict:

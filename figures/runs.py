@@ -229,9 +229,10 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         about="benchmarks/dormant_sinks.py: SmolLM2's analyze, classify --scheme extended, ablate of every head",
         minutes=12),
     Run("patch-smollm2", "results", (
-        ap("patch", "--model", "smollm2-135m", "--task", "ioi", "--method", "both", "--out", "{out}", "--threads", "2",
-           key="patch"),),
-        about="`attnprobe patch --model smollm2-135m --task ioi --method both`: 64 IOI pairs, every head", minutes=3),
+        ap("patch", "--model", "smollm2-135m", "--task", "ioi", "--n", "16", "--method", "both", "--out", "{out}",
+           "--threads", "2", key="patch"),),
+        about="`attnprobe patch --model smollm2-135m --task ioi --n 16 --method both`: 16 IOI pairs, every head",
+        minutes=8),
     Run("bench-patch", "bench", (bench("bench_patch.py", "--threads", "2", "--json", "{out}/patch.json"),),
         about="benchmarks/bench_patch.py --threads 2: the patching sweep, attribution and memory on SmolLM2",
         minutes=4),
