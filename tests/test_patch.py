@@ -456,3 +456,14 @@ def test_ctrl_c_leaves_nothing_half_written(tmp_path, monkeypatch):
     result = run("patch", "--model", folder, "--pairs", pairs, "--out", out, "--resamples", 5)
     assert result.exit_code == 0, result.output
     assert (out / "patching.csv").is_file()
+
+
+def test_a_model_whose_blocks_cannot_be_rerun_is_refused(tmp_path):
+    """BLOOM passes its ALiBi as batch x heads rows, which stacked copies of the pairs cannot extend: one line, no
+    wrong number (patch reruns the last block as two copies and compares, before any patching)."""
+    folder = zoo.make("bloom", tmp_path / "bloom", lm_head=True)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p.__dict__) + "\n" for p in PAIRS), encoding="utf-8")
+    result = run("patch", "--model", folder, "--pairs", pairs, "--out", tmp_path / "out")
+    assert_one_line_error(result, "patching does not support BloomModel")
+    assert not (tmp_path / "out" / "patching.csv").exists()
