@@ -202,10 +202,11 @@ def find_parts(loaded: LoadedModel) -> Parts:
 
 
 def final_norm(model: nn.Module) -> nn.Module | None:
-    """The norm after the last block (GPT-2's ln_f, Llama's norm, OPT's decoder.final_layer_norm): the last module
-    of one of those names outside the blocks."""
+    """The norm after the last block (GPT-2's ln_f, Llama's norm, OPT's decoder.final_layer_norm, Phi's
+    final_layernorm, MPT's norm_f): the last module outside the blocks whose name says norm (check_rerun proves it)."""
     found = [module for name, module in model.named_modules()
-             if name.split(".")[-1] in FINAL_NORMS and not any(part.isdigit() for part in name.split("."))]
+             if name and not any(part.isdigit() for part in name.split("."))
+             and (name.split(".")[-1] in FINAL_NORMS or "norm" in name.split(".")[-1].lower())]
     return found[-1] if found else None
 
 
@@ -310,11 +311,17 @@ def run_suffix(parts: Parts, prefix: Prefix, layer: int, copies: int) -> Tensor:
 
 
 def check_rerun(loaded: LoadedModel, parts: Parts, run: Prefix) -> None:
-    """The last block rerun from its kept input gives the run's own last hidden state (else this architecture does
-    something between its blocks that patching does not know, and every patched number would be wrong)."""
-    again = run_suffix(parts, run, len(parts.blocks) - 1, 1)  # [pairs, seq, hidden]
-    real = run.final.new_zeros(run.final.shape[:2], dtype=torch.bool) | (again == again).all(-1)  # [pairs, seq]
-    gap = float((again - run.final).abs()[real].max()) if real.any() else 0.0
+    """The last block rerun from its kept input, as two stacked copies of the pairs, gives the run's own last hidden
+    state in both (else this architecture does something between or inside its blocks that patching does not know,
+    such as BLOOM's ALiBi of batch x heads rows, and every patched number would be wrong)."""
+    try:
+        again = run_suffix(parts, run, len(parts.blocks) - 1, 2).unflatten(0, (2, -1))  # [2, pairs, seq, hidden]
+    except RuntimeError as err:
+        raise AttnprobeError(f"{loaded.spec}: its blocks cannot be rerun on stacked copies of the pairs "
+                             f"({str(err).splitlines()[0][:80]}): patching does not support "
+                             f"{type(loaded.model).__name__}") from None
+    finite = torch.isfinite(again).all(-1) & torch.isfinite(run.final).all(-1)  # [2, pairs, seq]: padded rows
+    gap = float((again - run.final).abs()[finite].max()) if finite.any() else 0.0
     scale = float(run.final.abs().max()) or 1.0
     if gap > 1e-3 * scale:
         raise AttnprobeError(f"{loaded.spec}: rerunning its last block does not give its output (off by {gap:.3g}): "
@@ -406,10 +413,11 @@ def group_size(prompts: Prompts) -> int:
 
 @torch.inference_mode()
 def activation_patching(
-    loaded: LoadedModel, parts: Parts, prompts: Prompts, heads: list[Head], *, direction: str, positions: str,
-    kind: str, base: Prefix, source: Prefix, progress: Progress | None = None,
+    loaded: LoadedModel, parts: Parts, prompts: Prompts, heads: list[Head], *, positions: str, kind: str,
+    base: Prefix, source: Prefix, progress: Progress | None = None,
 ) -> tuple[list[Target], np.ndarray]:
-    """The metric [pairs, target] with each target's source output patched into the base run."""
+    """The metric [pairs, target] with each target's source output patched into the base run (denoising: base =
+    the corrupt run, source = the clean one; noising the other way)."""
     check_attention(loaded, base, source)
     seq = prompts.mask.shape[1]
     targets = targets_of(heads, positions, seq)
@@ -717,9 +725,8 @@ def patch(
         else:
             targets: list[Target] = []
             if method in ("activation", "both"):
-                targets, patched = activation_patching(loaded, parts, prompts, chosen, direction=direction,
-                                                       positions=positions, kind=kind, base=base, source=other,
-                                                       progress=progress)
+                targets, patched = activation_patching(loaded, parts, prompts, chosen, positions=positions,
+                                                       kind=kind, base=base, source=other, progress=progress)
                 values["effect"] = effects(patched, clean, corrupt, direction, weights)
             if method in ("attribution", "both"):
                 targets, estimated = attribution_patching(loaded, parts, prompts, chosen, direction=direction,

@@ -6,7 +6,7 @@ from figures import fmt
 from figures.registry import Outputs, figure
 from figures.runs import INDUCTION
 
-PATCH = "`attnprobe patch --model smollm2-135m --task ioi --method both --out outputs/patch --threads 2`"
+PATCH = "`attnprobe patch --model smollm2-135m --task ioi --n 16 --method both --out outputs/patch --threads 2`"
 
 
 def row(r) -> dict:
@@ -40,8 +40,10 @@ def _(d: dict) -> str:
     rows = [[h["head"], fmt.vci(*h["effect"], sign=True), fmt.signed(h["attribution"]),
              "yes" if h["head"] in d["induction"] else ""] for h in d["top"]]
     found = [h["head"] for h in d["top"] if h["head"] in d["induction"]]
-    overlap = (f"{fmt.listing(found)} of the probe's top induction heads ({fmt.listing(d['induction'])}) "
-               f"{'is' if len(found) == 1 else 'are'} among them" if found else
+    overlap = (f"{fmt.listing(found)}, one of the probe's top induction heads ({fmt.listing(d['induction'])}), "
+               "is among them" if len(found) == 1 else
+               f"{fmt.listing(found)}, of the probe's top induction heads ({fmt.listing(d['induction'])}), are "
+               "among them" if found else
                f"none of the probe's top induction heads ({fmt.listing(d['induction'])}) is among them")
     worst = "; ".join(f"{x['head']} activation {fmt.signed(x['effect'])}, attribution {fmt.signed(x['attribution'])}"
                       for x in d["disagreements"][:3])
@@ -52,7 +54,7 @@ def _(d: dict) -> str:
         f"clean prompts and "
         f"{fmt.vci(d['ld_corrupt']['mean'], d['ld_corrupt']['ci_low'], d['ld_corrupt']['ci_high'], sign=True)} on "
         f"the corrupt ones. {d['above']} of the {d['heads']} heads have a denoising effect whose 95% interval is "
-        f"above 0; the strongest, with {overlap}:",
+        f"above 0. The strongest eight are below; {overlap}.",
         fmt.table(["head", "effect [95% interval]", "attribution", "induction head"], rows),
         f"Attribution patching ranks the heads with Spearman {rho} against activation patching; its own top eight "
         f"are {fmt.listing(d['top_attribution'])}. Where the two differ most: {worst}.",
@@ -73,9 +75,11 @@ def _(d: dict) -> str:
     met = {k: "met" if v else "missed" for k, v in d["targets_met"].items()}
     rows = [
         [f"plain loop: one corrupt forward per head, x {d['heads']}", fmt.seconds(d["plain_loop_s"]), "", ""],
+        ["the same, the LM head on every position (a causal LM's forward)", fmt.seconds(d["plain_loop_all_logits_s"]),
+         "", ""],
         [f"`attnprobe patch` sweep, all {d['heads']} heads", fmt.seconds(d["sweep_s"]),
-         f"**{fmt.num(d['sweep_ratio'], 2)}** x the plain loop (target <= 0.5: {met['sweep']})",
-         f"{fmt.num(d['sweep_mib'], 0)} MiB"],
+         f"**{fmt.num(d['sweep_ratio'], 2)}** x the plain loop (target <= 0.5: {met['sweep']}); "
+         f"{fmt.num(d['sweep_ratio_all_logits'], 2)} x the second", f"{fmt.num(d['sweep_mib'], 0)} MiB"],
         ["one corrupt forward", fmt.seconds(d["corrupt_forward_s"]), "",
          f"{fmt.num(d['corrupt_forward_mib'], 0)} MiB"],
         ["attribution, every head and position", fmt.seconds(d["attribution_s"]),
@@ -85,6 +89,6 @@ def _(d: dict) -> str:
     memory = "n/a" if d["memory_ratio"] is None else fmt.num(d["memory_ratio"], 2)
     return (fmt.table(["way", "time", "ratio", "peak memory above the loaded model"], rows) + "\n\n"
             + f"The sweep's peak memory is {memory} x the corrupt forward's (target <= 2: {met['memory']}).\n\n"
-            + fmt.source(f"`.venv/bin/python benchmarks/bench_patch.py --threads 2` ({d['model']}, {d['pairs']} IOI "
-                         f"pairs, {d['tokens']} tokens; {d['threads']} threads; "
+            + fmt.source(f"`.venv/bin/python benchmarks/bench_patch.py --pairs 16 --threads 2` ({d['model']}, "
+                         f"{d['pairs']} IOI pairs, {d['tokens']} tokens; {d['threads']} threads; "
                          f"{fmt.machine(w['machine'], w['load'])}; {w['date']})"))

@@ -108,9 +108,10 @@ def prefixes(loaded, parts, prompts, direction: str):
 
 
 def test_activation_patching_equals_the_hook_oracle(family):
-    """Every head, all positions and the last one: the patched metric of each pair equals one plain forward per head
-    with the source run's slice put into o_proj's input, on models with GQA, sliding windows, soft-capping, sinks
-    (GPT-2 noising: the clean run patched from the corrupt one; the rest denoising)."""
+    """Every head, all positions and the last one (GPT-2 and Llama also each position): the patched metric of each
+    pair equals one plain forward per head with the source run's slice put into o_proj's input, on models with GQA,
+    sliding windows, soft-capping, sinks (GPT-2 noising: the clean run patched from the corrupt one; the rest
+    denoising)."""
     name, folder = family
     direction = "noise" if name == "gpt2" else "denoise"
     loaded, parts, prompts = setup(folder)
@@ -119,17 +120,23 @@ def test_activation_patching_equals_the_hook_oracle(family):
     every = [(layer, head) for layer in range(layers) for head in range(heads)]
     base, source = prefixes(loaded, parts, prompts, direction)
     base_ids, source_ids = pt.base_and_source(prompts, direction)
-    for positions in ("all", "last"):
-        targets, got = pt.activation_patching(loaded, parts, prompts, every, direction=direction,
-                                              positions=positions, kind="logit-diff", base=base, source=source)
+    for positions in ("all", "last", "each") if name in ("gpt2", "llama") else ("all", "last"):  # each: one oracle
+        # forward per head and position, so on two families only (the suite's time)
+        targets, got = pt.activation_patching(loaded, parts, prompts, every, positions=positions,
+                                              kind="logit-diff", base=base, source=source)
         for k in range(len(PAIRS)):
             ids, src = rows_of(prompts, base_ids, k), rows_of(prompts, source_ids, k)
             outs = head_outputs(model, name, src, layers)
-            last = len(ids) - 1 if positions == "last" else None
-            with torch.no_grad():
-                want = [oracle_metric(model, ids, int(prompts.answer[k]), int(prompts.wrong[k]), {
-                    model.get_submodule(PROJECTION[name].format(t.layer)): swap_hook(outs[t.layer], t.head, dim, last)
-                }) for t in targets]
+            want = []
+            for t in targets:
+                at = len(ids) - 1 if positions == "last" else t.position
+                if at is not None and at >= len(ids):  # past this pair's end: no value
+                    want.append(np.nan)
+                    continue
+                with torch.no_grad():
+                    want.append(oracle_metric(model, ids, int(prompts.answer[k]), int(prompts.wrong[k]), {
+                        model.get_submodule(PROJECTION[name].format(t.layer)): swap_hook(outs[t.layer], t.head, dim,
+                                                                                         at)}).item())
             np.testing.assert_allclose(got[k], np.array(want), rtol=0, atol=atol(np.array(want)) * 10)
 
 
@@ -369,6 +376,21 @@ def test_smollm2_ioi_matches_the_oracle(smollm2_tokenizer_loaded):
     np.testing.assert_allclose(result.table["ld"], want, rtol=0, atol=atol(np.array(want)) * 10)
 
 
+def test_logprob_is_the_models_log_probability(tmp_path):
+    """--metric logprob: the clean and corrupt runs' log p(answer) at the last position, as the model's own
+    log-softmax gives them (Gemma 2: after its final soft-capping)."""
+    folder = zoo.make("gemma2", tmp_path / "gemma2", lm_head=True)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    result = pt.patch(loaded, PAIRS, heads=[(1, 0)], kind="logprob", resamples=20)
+    model = oracle_model(folder)
+    prompts = pt.tokenize_pairs(loaded, PAIRS)
+    for name, ids in (("ld_clean", prompts.clean), ("ld_corrupt", prompts.corrupt)):
+        with torch.no_grad():
+            want = np.mean([torch.log_softmax(model(input_ids=torch.tensor([rows_of(prompts, ids, k)])).logits[0, -1]
+                                              .double(), -1)[int(prompts.answer[k])].item() for k in range(len(PAIRS))])
+        assert result.run[name]["mean"] == pytest.approx(want, abs=atol(want))
+
+
 def test_effects_are_the_ratio_of_means():
     """effect = (mean patched - mean corrupt) / (mean clean - mean corrupt); noising mirrors it; with one resample
     of weight 1 on every pair the interval is the point."""
@@ -412,3 +434,38 @@ def test_cli_writes_the_files_and_refuses_unequal_lengths(tmp_path):
     result = run("patch", "--model", folder, "--pairs", bad, "--out", tmp_path / "o2")
     assert_one_line_error(result, "pair 1: the clean prompt is")
 
+
+
+def test_ctrl_c_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """A Ctrl-C in the middle of the sweep: no result file, no temporary file, the folder's lock released (a run
+    into it right after works)."""
+    folder = zoo.make("llama", tmp_path / "llama", lm_head=True)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p.__dict__) + "\n" for p in PAIRS), encoding="utf-8")
+    out = tmp_path / "out"
+    real = pt.activation_patching
+
+    def interrupted(*args, **kwargs):
+        kwargs["progress"] = lambda *_: (_ for _ in ()).throw(KeyboardInterrupt)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pt, "activation_patching", interrupted)
+    stopped = run("patch", "--model", folder, "--pairs", pairs, "--out", out, "--resamples", 5)
+    assert stopped.exit_code != 0  # click's answer to Ctrl-C (130, or 1 with "Aborted!" in older releases)
+    left = [p.name for p in out.iterdir()] if out.exists() else []
+    assert not [name for name in left if not name.startswith(".attnprobe.lock")], left
+    monkeypatch.setattr(pt, "activation_patching", real)
+    result = run("patch", "--model", folder, "--pairs", pairs, "--out", out, "--resamples", 5)
+    assert result.exit_code == 0, result.output
+    assert (out / "patching.csv").is_file()
+
+
+def test_a_model_whose_blocks_cannot_be_rerun_is_refused(tmp_path):
+    """BLOOM passes its ALiBi as batch x heads rows, which stacked copies of the pairs cannot extend: one line, no
+    wrong number (patch reruns the last block as two copies and compares, before any patching)."""
+    folder = zoo.make("bloom", tmp_path / "bloom", lm_head=True)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p.__dict__) + "\n" for p in PAIRS), encoding="utf-8")
+    result = run("patch", "--model", folder, "--pairs", pairs, "--out", tmp_path / "out")
+    assert_one_line_error(result, "patching does not support BloomModel")
+    assert not (tmp_path / "out" / "patching.csv").exists()

@@ -168,7 +168,7 @@ def patch(
             source = {"from": "task ioi", "corruption": corruption.value, "seed": seed}
         else:
             source = {"from": str(pairs)}
-        with stage_progress("heads") as progress:
+        with stage_progress("patches") as progress:
             result = patcher.patch(loaded, read, method=method.value, direction=direction.value,
                                    positions=positions.value, kind=metric.value, heads=chosen, senders=sent,
                                    receivers=received, via=(via.value if via else "out") if sent else None,
@@ -215,9 +215,17 @@ def patch_table(frame, run: dict) -> Table:
                                                              "attribution" in frame.columns else [])):
         table.add_column(name, justify="right")
     for _, row in shown.iterrows():
-        cells = [head_name(int(row["layer"]), int(row["head"])), *(str(row[c]) for c in extra), f"{row[column]:+.3f}",
+        cells = [head_name(int(row["layer"]), int(row["head"])), *(cell(row[c]) for c in extra), f"{row[column]:+.3f}",
                  f"[{row[f'{column}_lo']:+.3f}, {row[f'{column}_hi']:+.3f}]"]
         if column == "effect" and "attribution" in frame.columns:
             cells.append(f"{row['attribution']:+.3f}")
         table.add_row(*cells)
     return table
+
+
+def cell(value) -> str:
+    """A position as a whole number; a long list of receivers as its count."""
+    if isinstance(value, str):
+        names = value.split()
+        return value if len(names) <= 4 else f"{len(names)} heads"
+    return str(int(value))
