@@ -22,7 +22,9 @@ Part `user` (--part user), SmolLM2-135M on one document of --user-tokens tokens 
   floor    - load the model as attnprobe does, tokenize the document, one SDPA forward pass;
   defaults - `attnprobe analyze --split file` with every default (`--threads auto`, value-weighted and token scores).
 --repeat N runs them N times interleaved; it prints the medians and defaults/floor of wall and CPU time (target
-<= 1.3), and the threads `auto` chose in each run (run.json).
+<= 1.3), and the threads `auto` chose in each run (run.json). --baseline DIR adds a third way, interleaved with the
+two: `baseline`, the same analyze from the attnprobe package in DIR (an older checkout, e.g. from `git archive`),
+so that a change is measured before and after in one run.
 
 Part 2, a tiny random Llama (4 layers, 4 query heads, 2 KV heads, 64 wide, room for 40k positions)
 on one random sequence of 1k ... 32k tokens: time and peak memory of the blocked run, so that O(n)
@@ -129,9 +131,10 @@ def child_user_floor(document: Path) -> None:
         loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
 
 
-def user_part(work: Path, tokens: int, repeat: int) -> dict:
+def user_part(work: Path, tokens: int, repeat: int, baseline: Path | None = None) -> dict:
     """The floor process and `attnprobe analyze` with its defaults, interleaved `repeat` times, torch's and
-    attnprobe's own thread choices: medians, each run, and defaults / floor."""
+    attnprobe's own thread choices: medians, each run, and defaults / floor. `baseline`: a folder holding another
+    attnprobe package, whose analyze runs as a third way (`baseline`)."""
     import statistics
 
     document = user_document(work, tokens)
@@ -142,18 +145,23 @@ def user_part(work: Path, tokens: int, repeat: int) -> dict:
         "defaults": [sys.executable, "-m", "attnprobe", "analyze", "--model", "smollm2-135m", "--corpus",
                      str(document), "--split", "file", "--out", str(work / "user-out"), "--device", "cpu"],
     }
+    envs = {way: env for way in commands}
+    if baseline is not None:
+        commands["baseline"] = [*commands["defaults"][:-3], str(work / "baseline-out"), "--device", "cpu"]
+        envs["baseline"] = {**env, "PYTHONPATH": str(baseline.resolve())}
     runs: dict[str, list[dict]] = {way: [] for way in commands}
     for _ in range(repeat):
         for way, command in commands.items():
             started = time.perf_counter()
-            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=envs[way])
             _, status, usage = os.wait4(process.pid, 0)
             if os.waitstatus_to_exitcode(status) != 0:
                 raise SystemExit(f"user/{way} failed: {process.stderr.read().decode()[-2000:]}")
             run = {"seconds": time.perf_counter() - started, "cpu_seconds": usage.ru_utime + usage.ru_stime,
                    "peak_mib": usage.ru_maxrss / 1024}
-            if way == "defaults":
-                record = json.loads((work / "user-out" / "run.json").read_text(encoding="utf-8"))
+            if way != "floor":
+                record = json.loads((work / ("user-out" if way == "defaults" else "baseline-out") / "run.json")
+                                    .read_text(encoding="utf-8"))
                 run.update(threads=record["threads"]["threads"], tokens=record["tokens"],
                            path=record["attention"]["path"])
             runs[way].append(run)
@@ -167,7 +175,9 @@ def user_part(work: Path, tokens: int, repeat: int) -> dict:
     print(f"--threads auto chose {', '.join(str(r['threads']) for r in runs['defaults'])} thread(s)")
     for what, key in (("wall", "seconds"), ("cpu", "cpu_seconds")):
         print(f"{what}: defaults / floor = {ratios[key]:.2f} (target <= {TARGET_USER}: "
-              f"{'met' if ratios[key] <= TARGET_USER else 'MISSED'})")
+              f"{'met' if ratios[key] <= TARGET_USER else 'MISSED'})"
+              + (f"; baseline / floor = {medians['baseline'][key] / medians['floor'][key]:.2f}"
+                 if "baseline" in medians else ""))
     return {"tokens": runs["defaults"][0]["tokens"], "runs": runs, "medians": medians, "ratios": ratios,
             "target": TARGET_USER, "repeat": repeat}
 
@@ -356,6 +366,8 @@ def main() -> None:
                         help="both: smollm2 and tiny; zoo: the other architectures; user: as a user runs it")
     parser.add_argument("--user-tokens", type=int, default=8000, help="the user part's document length")
     parser.add_argument("--repeat", type=int, default=1, help="the user part: runs of each way, interleaved")
+    parser.add_argument("--baseline", type=Path, help="the user part: also run analyze from the attnprobe package in "
+                        "this folder (an older checkout), interleaved")
     parser.add_argument("--child-user-floor", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=3600, help="SmolLM2 document length")
     parser.add_argument("--eager", action="store_true", help="also time the eager hook path on SmolLM2 (slow)")
@@ -413,7 +425,7 @@ def main() -> None:
     if args.part == "zoo":
         measured["zoo"] = zoo(work, [int(n) for n in args.lengths.split(",")])
     if args.part == "user":
-        measured["user"] = user_part(work, args.user_tokens, args.repeat)
+        measured["user"] = user_part(work, args.user_tokens, args.repeat, args.baseline)
     if args.part in ("tiny", "both"):
         build_tiny(work)
         lengths = [int(n) for n in args.lengths.split(",")]
