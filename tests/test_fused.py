@@ -10,7 +10,7 @@ from test_blocked import assert_close, corpus_of
 
 from attnprobe import kernel, values
 from attnprobe.analysis import analyze_loaded
-from attnprobe.metrics import VALUE_WEIGHTED, TokenClasses, bin_count, block_row_stats, received, sentence_stats
+from attnprobe.metrics import VALUE_WEIGHTED, TokenClasses, bin_count, received, sentence_stats
 from attnprobe.model import load_model
 from attnprobe.planning import Options
 
@@ -110,58 +110,6 @@ def test_a_sink_of_norm_zero_far_above_the_rest_keeps_the_value_weighted_window(
     assert float(p[0, 0, 20, 1]) < 1e-40  # the weights the window holds underflow float32
     assert 0.1 < float(expected.min())  # and the value-weighted window holds a good share
     assert_close(sums.means()["sink_window_vw"].double(), expected, "sink_window_vw")
-
-
-def test_value_weighted_rows_ride_in_the_map_call_and_equal_a_float64_weighted_map(monkeypatch):
-    """The value-weighted statistics from the w_j-weighted channels of the map's own call (one kernel call per
-    layer for both maps and the output): every real row's value against the float64 weighted map's."""
-    n = 300
-    q, k, v, real = sharp_heads(n, 30.0)
-    torch.manual_seed(2)
-    v = v * torch.randn(*v.shape[:-1], 1).mul(1.5).exp()  # [batch, kv head, key, dim]: norms spread widely
-    v[:, 1, 4] = 0.0  # a key of norm 0 for KV head 1
-    projection = torch.nn.Linear(4 * 16, 24)
-    factors = values.head_factors(projection, 4)  # [head, 16, 16]
-    widths = []
-    real_flash = kernel.fused.flash
-    monkeypatch.setattr(kernel.fused, "flash", lambda *args: widths.append(args[2].shape[-1]) or real_flash(*args))
-    info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(n),
-                        budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None, keep_rows=True)
-    sums, _, _ = kernel.fused_attend(q, k, v, real, None, True, info, factors=factors)
-    assert widths == [56]  # one call: keys, position, sink, keys times w_j and 4 more, values (54, rounded to 8)
-    p, _ = oracle(q, k, real, True)
-    slices = projection.weight.detach().double().view(24, 4, 16).transpose(0, 1)  # [head, width, head size]
-    norms = torch.einsum("hwd,bhkd->bhkw", slices, v.double().repeat_interleave(2, 1)).norm(dim=-1)  # [b, h, key]
-    weighted = p * norms[:, :, None, :]
-    weighted = weighted / weighted.sum(dim=-1, keepdim=True)  # [batch, head, query, key]
-    lengths = real.sum(dim=-1)
-    expected = block_row_stats(weighted, 0, lengths, True, None, sink=2, window=8)
-    rows = real[:, None, :].expand(-1, 4, -1)  # [batch, head, query]
-    # one row's value, unlike a sentence's mean, keeps its rounding: float32 sums of terms up to dim x logit (the
-    # entropy's lse and scale q . E[k]) or n (the distance's E[j]) in size, each off by a few units of roundoff
-    tolerance = 2 * max(16 * 30.0, n) * 2**-24
-    for name in VALUE_WEIGHTED:
-        assert_close(sums.rows[name + "_vw"][rows].double(), expected[name][rows], name + "_vw", tolerance)
-
-
-def test_value_weighted_sums_from_the_map_call_are_trusted_only_while_no_lost_weight_could_matter():
-    """_weighted_trusted: a row's z_i = E[w] must be at least 1e8 times n tiny max(1, w_max), what the weights
-    that underflow float32 could have held; a row with nothing to weigh (every key of norm 0) is not judged."""
-    n, tiny = 4, torch.finfo(torch.float32).tiny
-    real = torch.ones(1, n, dtype=torch.bool)
-    norms = torch.tensor([[[0.5, 2.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]])  # [batch, head, key]: head 1 has nothing
-    lse = torch.zeros(1, 2, n)
-    bound = 1e8 * n * tiny * 2.0  # w_max = 2
-    for z, trusted in ((2 * bound, True), (bound / 2, False)):
-        lse_w = torch.full((1, 2, n), math.log(z), dtype=torch.float64).float()
-        lse_w[0, 1] = -math.inf  # z = 0: nothing to weigh
-        assert kernel.fused._weighted_trusted(lse, lse_w, norms, real, True) is trusted
-    padded = real.clone()
-    padded[0, 3] = False  # a padded row is not judged
-    lse_w = torch.full((1, 2, n), math.log(2 * bound)).float()
-    lse_w[0, :, 3] = math.log(bound / 2)
-    assert kernel.fused._weighted_trusted(lse, lse_w, norms, padded, True)
-    assert not kernel.fused._weighted_trusted(lse, lse_w, norms, real, True)
 
 
 @pytest.mark.parametrize("causal", [True, False])

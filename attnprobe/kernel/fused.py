@@ -35,9 +35,9 @@ def fused_attend(
     the causal part sum_{j<=i} p_ij (i - j) from a third, causal call; the recent window of sink_window is a
     banded sum over the W keys before each row.
 
-    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from more value channels of
-    the same call (see _fused_masses; the single weights' logits and the recent window's band are shared with the
-    map's), and `output_norm` from the output.
+    `factors` [head, k, dim] (values.head_factors): also the value-weighted statistics, from one more statistics
+    call with ln |f_h(x_j)| added to the mask (see _fused_masses; the single weights' logits and the recent
+    window's band are shared with the map's), and `output_norm` from the output.
     """
     batch, heads, n, dim = query.shape
     groups = heads // key.shape[1]
@@ -62,7 +62,8 @@ def fused_attend(
     additive32 = None if hidden is None else torch.zeros(hidden.shape, device=q.device).masked_fill_(
         hidden, float("-inf"))  # [batch, 1, 1, key]
     norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]
-    found, carried, keys = _fused_masses(q, centred, real, additive32, causal, info, scale, norms,
+    biases = (None,) if norms is None else (None, values.log_weights(norms))  # the map; the value-weighted one
+    found, carried, keys = _fused_masses(q, centred, real, additive32, causal, info, scale, biases,
                                          carry=value if together else None)
     masses, lse = found[0]
     if together:  # centring the keys leaves every row's softmax, so the output, as it was
@@ -119,34 +120,34 @@ class _FusedSums(NamedTuple):
 
 def _fused_masses(
     q: Tensor, keys: Tensor, real: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
-    norms: Tensor | None = None, carry: Tensor | None = None,
+    biases: tuple[Tensor | None, ...] = (None,), carry: Tensor | None = None,
 ) -> tuple[list[tuple[RowMasses, Tensor]], Tensor | None, Tensor]:
-    """Every row's masses from the fused kernel (fused_attend's identities) and the logsumexp [batch, head, q], for
-    the map and, given the keys' value norms `norms` [batch, head, key] (values.key_norms), its value-weighted map;
-    the attention output of `carry` [batch, kv head, key, c] (values that ride along in the call) or None; and the
-    keys [batch, head, key, dim] as the call reads them (a view of its buffer). `keys` [batch, kv head, key, dim]
-    (centred): each query head of a group reads its KV head's. One statistics call (_fused_call) computes both
-    maps' sums; the scores of the single weights and of the recent window's band are computed once for both.
+    """Every row's masses from the fused kernel (fused_attend's identities) and the logsumexp [batch, head, q], once
+    per entry of `biases` (None: the map itself); the attention output of `carry` [batch, kv head, key, c] (values
+    that ride along in the first call) or None; and the keys [batch, head, key, dim] as the calls read them (a view
+    of the first call's buffer). `keys` [batch, kv head, key, dim] (centred): each query head of a group reads its
+    KV head's. Each entry costs a statistics call of its own (_fused_call), all from one widened copy of the
+    queries; the scores of the single weights and of the recent window's band are computed once for all of them.
 
-    The value-weighted map a~_ij = p_ij w_j / z_i (w_j = |f_h(x_j)|, z_i = sum_j p_ij w_j) is the map with the
-    bias b_j = ln w_j added to the scores: its logsumexp is lse_i + ln z_i, and its sums are the map's sums of
-    w_j-weighted channels over z_i (_weighted_sums). Where a row's z_i could miss weights that underflowed
-    float32 in the map (_weighted_trusted), the value-weighted sums come from a call of their own with b_j in the
-    mask instead, in log space. The bias joins the single weights exp(s_ij + b_j - lse~_i) and the recent
-    window's banded sum, and the entropy loses its mean: H~_i = lse~_i - scale q_i . E~[k] - E~[b]. Special
-    tokens and punctuation are counted for the map only.
+    A bias [batch, head, key] is an additive per-key term, ln |f_h(x_j)| for the value-weighted map
+    (values.ZERO_NORM where the norm is 0). It joins the mask, the single weights exp(s_ij + b_j - lse_i) and the
+    recent window's banded sum, and the entropy loses its mean, -sum_j p_ij b_j, from one more value channel:
+    H_i = lse_i - scale q_i . E[k] - E[b]. Special tokens and punctuation are counted without a bias only.
     """
     batch, heads, n, dim = q.shape
-    sums, carried, read = _fused_call(_widened_queries(q, _call_width(dim, info, None, norms, carry)), keys,
-                                      additive, causal, info, scale, norms=norms, carry=carry)
-    biases: tuple[Tensor | None, ...] = (None,)
-    if norms is not None:
-        bias = values.log_weights(norms)  # [batch, head, key]
-        biases = (None, bias)
-        if not _weighted_trusted(sums[0].lse, sums[1].lse, norms, real, causal):
-            width = _call_width(dim, info, bias, None, None)
-            sums[1] = _fused_call(_widened_queries(q, width), keys, additive, causal, info, scale, bias=bias)[0][0]
-    keys = read  # [batch, head, key, dim]
+    widths = [_head_size(dim + len(_channels(info, bias)) + (carry.shape[-1] if k == 0 and carry is not None else 0))
+              for k, bias in enumerate(biases)]
+    queries = [q] * len(widths)  # [batch, head, q, dim] each: a kernel that takes values wider than Q and K
+    if one_head_size(q.device):  # the kernel's queries are as wide as its values
+        widened = q.new_empty(batch, heads, n, max(widths))  # [batch, head, q, width]: every call reads a prefix
+        widened[..., :dim] = q
+        widened[..., dim:] = 0.0  # zero channels leave the scores alone
+        queries = [widened[..., :width] for width in widths]
+        del widened
+    calls = [_fused_call(query, width, keys, additive, causal, info, scale, bias, carry if k == 0 else None)
+             for k, (query, bias, width) in enumerate(zip(queries, biases, widths))]
+    del queries
+    sums, carried, keys = [call_sums for call_sums, _, _ in calls], calls[0][1], calls[0][2]
 
     views = [(call.lse, call.sinks, bias) for call, bias in zip(sums, biases)]
     offsets = range(-DIAGONAL_WINDOW, (0 if causal else DIAGONAL_WINDOW) + 1)  # a causal row's later keys: weight 0
@@ -191,9 +192,6 @@ def _fused_masses(
     return found, carried, keys
 
 
-WEIGHTED = ("weight", "weighted position", "weighted sink", "weighted bias")  # a value-weighted map's channels
-
-
 def _channels(info: Batch, bias: Tensor | None) -> tuple[str, ...]:
     """The statistics' value channels of a _fused_call after the keys, in order."""
     return ("position", "sink", *(("special",) if info.special is not None and bias is None else ()),
@@ -201,50 +199,25 @@ def _channels(info: Batch, bias: Tensor | None) -> tuple[str, ...]:
             *(("bias",) if bias is not None else ()))
 
 
-def _call_width(dim: int, info: Batch, bias: Tensor | None, norms: Tensor | None, carry: Tensor | None) -> int:
-    """The head size of a _fused_call: the keys, the statistics' channels, with `norms` the value-weighted map's
-    (the keys times w_j, then WEIGHTED), and the carried values."""
-    weighted = 0 if norms is None else dim + len(WEIGHTED)
-    return _head_size(dim + len(_channels(info, bias)) + weighted + (0 if carry is None else carry.shape[-1]))
-
-
-def _widened_queries(q: Tensor, width: int) -> Tensor:
-    """The queries [batch, head, q, dim] as a _fused_call of head size `width` reads them: widened with zero
-    channels (which leave the scores alone) for a kernel of one head size, else themselves."""
-    if not one_head_size(q.device):
-        return q  # [batch, head, q, dim]: a kernel that takes values wider than Q and K
-    widened = q.new_empty(*q.shape[:-1], width)  # [batch, head, q, width]
-    widened[..., : q.shape[-1]] = q
-    widened[..., q.shape[-1] :] = 0.0
-    return widened
-
-
 def _fused_call(
-    queries: Tensor, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
-    bias: Tensor | None = None, norms: Tensor | None = None, carry: Tensor | None = None,
-) -> tuple[list[_FusedSums], Tensor | None, Tensor]:
-    """One statistics call of _fused_masses: the map's sums (`bias` [batch, head, key] added to its scores, or
-    None), then with `norms` [batch, head, key] its value-weighted map's (_weighted_sums); the output of `carry`
-    [batch, kv head, key, c] riding in it, [batch, head, q, c] or None; and the keys [batch, head, key, dim] as
-    the call read them. `queries` [batch, head, q, dim or width] (_widened_queries: the call's head size
-    _call_width for a kernel of one head size); `keys` [batch, kv head, key, dim].
+    queries: Tensor, width: int, keys: Tensor, additive: Tensor | None, causal: bool, info: Batch, scale: float,
+    bias: Tensor | None = None, carry: Tensor | None = None,
+) -> tuple[_FusedSums, Tensor | None, Tensor]:
+    """One statistics call of _fused_masses (`bias` [batch, head, key] or None) and the output of `carry`
+    [batch, kv head, key, c] riding in it, [batch, head, q, c] or None; and the keys [batch, head, key, dim] as the
+    call read them. `queries` [batch, head, q, dim or width]: the queries, for a kernel of one head size widened to
+    the values' `width` with zero channels (one_head_size); `keys` [batch, kv head, key, dim].
 
     One buffer [batch, head, key, width] holds the keys (repeated for each head of a group as they are copied in),
     the statistics' channels (_channels: the centred position, 1 on the first `sink` keys, special and punctuation
-    flags, the bias), with `norms` the keys times w_j and WEIGHTED (w_j, w_j times the centred position, w_j on
-    the first `sink` keys, w_j ln w_j), zeros, and the carried values last. It is the call's values, and its first
-    channels as wide as the queries are the call's keys: all of it for a kernel of one head size (the queries'
-    zero channels leave the scores to the keys'), the keys' own `dim` channels (a view) for one that takes wider
-    values."""
+    flags, the bias), zeros, and the carried values last. It is the call's values, and its first channels as wide
+    as the queries are the call's keys: all of it for a kernel of one head size (the queries' zero channels leave
+    the scores to the keys'), the keys' own `dim` channels (a view) for one that takes wider values."""
     batch, heads, n = queries.shape[:3]
     kv_heads, dim = keys.shape[1], keys.shape[-1]
-    width = _call_width(dim, info, bias, norms, carry)
     mid = (n - 1) / 2
     names = _channels(info, bias)
     at = {name: dim + k for k, name in enumerate(names)}
-    weighted = dim + len(names)  # where the keys times w_j start
-    if norms is not None:
-        at.update({name: weighted + dim + k for k, name in enumerate(WEIGHTED)})
     first = width - (0 if carry is None else carry.shape[-1])  # where the carried values start
     buffer = queries.new_empty(batch, heads, n, width)  # [batch, head, key, width]: written in place
     grouped = buffer.view(batch, kv_heads, heads // kv_heads, n, width)  # [batch, kv head, group, key, width]
@@ -252,8 +225,7 @@ def _fused_call(
     if carry is not None:
         grouped[..., first:] = carry[:, :, None]
     buffer[..., dim:first] = 0.0
-    position = torch.arange(n, device=buffer.device, dtype=torch.float32) - mid  # [key]
-    buffer[..., at["position"]] = position
+    buffer[..., at["position"]] = torch.arange(n, device=buffer.device, dtype=torch.float32) - mid  # [key]
     buffer[..., : info.sink, at["sink"]] = 1.0
     if "special" in at:
         buffer[..., at["special"]] = info.special[:, None, :n].float()  # [batch, 1, key]
@@ -262,12 +234,6 @@ def _fused_call(
     if bias is not None:
         buffer[..., at["bias"]] = torch.where(bias > values.ZERO_NORM, bias, 0.0)  # [batch, head, key]: b_j
         additive = bias[:, :, None, :] if additive is None else bias[:, :, None, :] + additive  # [b, h, 1, key]
-    if norms is not None:
-        torch.mul(buffer[..., :dim], norms[..., None], out=buffer[..., weighted : weighted + dim])  # [b, h, key, dim]
-        buffer[..., at["weight"]] = norms  # [batch, head, key]: w_j
-        buffer[..., at["weighted position"]] = norms * position  # [batch, head, key]
-        buffer[..., : info.sink, at["weighted sink"]] = norms[..., : info.sink]  # [batch, head, sink]
-        buffer[..., at["weighted bias"]] = norms * torch.where(norms > 0, values.log_weights(norms), 0.0)  # w ln w
     mean, lse = flash(queries, buffer[..., : queries.shape[-1]], buffer, causal, additive, scale)  # [batch, head, q,
     # width], [batch, head, q]
     carried = None if carry is None else mean[..., first:].to(carry.dtype)  # [batch, head, q, c]
@@ -276,60 +242,17 @@ def _fused_call(
     entropy = lse - scale * torch.linalg.vecdot(q, mean[..., :dim])  # [batch, head, q]
     if bias is not None:
         entropy = entropy - mean[..., at["bias"]]  # [batch, head, q]
-    position_mean = mean[..., at["position"]] + mid  # [batch, head, q]: E[j]
-    found = [_FusedSums(
-        lse=lse, entropy=entropy, sinks=mean[..., at["sink"]],
-        distance=_distance(q, keys_h, lse, position_mean, additive, causal, scale),
+    position = mean[..., at["position"]] + mid  # [batch, head, q]: E[j]
+    if causal:
+        distance = torch.arange(n, device=q.device) - position  # [batch, head, q]
+    else:
+        distance = _encoder_distance(q, keys_h, lse, position, additive, scale)
+    found = _FusedSums(
+        lse=lse, entropy=entropy, distance=distance, sinks=mean[..., at["sink"]],
         special=mean[..., at["special"]] if "special" in at else None,
         punctuation=mean[..., at["punctuation"]] if "punctuation" in at else None,
-    )]
-    if norms is not None:
-        found.append(_weighted_sums(q, keys_h, lse, mean, weighted, at, norms, additive, causal, scale))
+    )
     return found, carried, keys_h
-
-
-def _weighted_sums(
-    q: Tensor, keys: Tensor, lse: Tensor, mean: Tensor, weighted: int, at: dict[str, int], norms: Tensor,
-    additive: Tensor | None, causal: bool, scale: float,
-) -> _FusedSums:
-    """The value-weighted map's sums from the map's call (_fused_call with `norms`): its sums E~[g] = E[w g] / z
-    with z_i = E[w] (the `weight` channel of `mean` [batch, head, q, width]), its logsumexp lse_i + ln z_i and
-    its entropy lse~_i - scale q_i . E~[k] - E~[b] (b_j = ln w_j; w_j b_j = 0 where w_j = 0). `weighted`: where
-    the keys times w_j start in `mean`. NaN or infinite in a row with nothing to weigh (z_i = 0)."""
-    dim, n = q.shape[-1], q.shape[2]
-    z = mean[..., at["weight"]]  # [batch, head, q]
-    lse_w = lse + z.log()  # [batch, head, q]
-    key_mean = mean[..., weighted : weighted + dim] / z[..., None]  # [batch, head, q, dim]: E~[k]
-    entropy = lse_w - scale * torch.linalg.vecdot(q, key_mean) - mean[..., at["weighted bias"]] / z  # [b, h, q]
-    position_mean = mean[..., at["weighted position"]] / z + (n - 1) / 2  # [batch, head, q]: E~[j]
-    if not causal:  # the encoder distance's causal call needs the value-weighted mask
-        bias = values.log_weights(norms)[:, :, None, :]  # [batch, head, 1, key]
-        additive = bias if additive is None else bias + additive  # [batch, head, 1, key]
-    return _FusedSums(lse=lse_w, entropy=entropy, sinks=mean[..., at["weighted sink"]] / z,
-                      distance=_distance(q, keys, lse_w, position_mean, additive, causal, scale),
-                      special=None, punctuation=None)
-
-
-def _weighted_trusted(lse: Tensor, lse_w: Tensor, norms: Tensor, real: Tensor, causal: bool) -> bool:
-    """Whether every row's value-weighted sums from the map's call (_weighted_sums) hold all but 1e-8 of the
-    value-weighted map. The kernel drops the map's weights below float32's range (exp underflows below `tiny`,
-    1.2e-38); they and their products with w_j lose at most n tiny max(1, max_j w_j) of a row's z_i = E[w], so a
-    row is trusted when that is at most 1e-8 z_i. A row with nothing to weigh is NaN either way."""
-    n = norms.shape[-1]
-    w_max = torch.where(real[:, None, :], norms, 0.0).amax(dim=-1, keepdim=True).double()  # [batch, head, 1]
-    lost = n * torch.finfo(torch.float32).tiny * w_max.clamp(min=1.0)  # [batch, head, 1]
-    z = (lse_w.double() - lse.double()).exp()  # [batch, head, q]
-    judged = real[:, None, :] & ~_nothing_to_weigh(norms, real, causal)  # [batch, head, q]
-    return bool((~judged | (1e-8 * z >= lost)).all())
-
-
-def _distance(q: Tensor, keys: Tensor, lse: Tensor, position: Tensor, additive: Tensor | None, causal: bool,
-              scale: float) -> Tensor:
-    """sum_j p_ij |i - j| of every row [batch, head, q] from E[j] (`position`): i - E[j] for a causal map, else
-    _encoder_distance."""
-    if causal:
-        return torch.arange(q.shape[2], device=q.device) - position  # [batch, head, q]
-    return _encoder_distance(q, keys, lse, position, additive, scale)
 
 
 def _fused_received(q: Tensor, keys: Tensor, lse: Tensor, real: Tensor, causal: bool, scale: float) -> Tensor:
