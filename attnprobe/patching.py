@@ -636,21 +636,24 @@ def attached(modules: list[nn.Module], hooks: list[Callable], pre: bool) -> Iter
 def effects(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray, direction: str,
             weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Effect per target from the means over pairs (patched [pairs, target], clean and corrupt [pairs]) and its
-    bootstrap interval from each resample's means (weights [resample, pairs]); and the mean patched metric."""
-    def ratio(p: np.ndarray, c: np.ndarray, r: np.ndarray) -> np.ndarray:
+    bootstrap interval from each resample's means (weights [resample, pairs]); and the mean patched metric. A target
+    a pair does not have (NaN: a position past its end under --positions each) takes its clean and corrupt means
+    over the pairs that have it, so that the three means are of the same pairs."""
+    def ratio(p: np.ndarray, c: np.ndarray, r: np.ndarray) -> np.ndarray:  # each [target] or [resample, target]
         with np.errstate(invalid="ignore", divide="ignore"):
-            return (p - r[..., None]) / (c - r)[..., None] if direction == "denoise" else \
-                (c[..., None] - p) / (c - r)[..., None]
+            return (p - r) / (c - r) if direction == "denoise" else (c - p) / (c - r)
 
-    present = ~np.isnan(patched)  # [pairs, target]
+    present = (~np.isnan(patched)).astype(float)  # [pairs, target]: a position past a pair's end has no value
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean_p = np.where(present, patched, 0).sum(0) / present.sum(0)  # [target]
-        effect = ratio(mean_p, clean.mean(), corrupt.mean())  # [target]
+        count = present.sum(0)  # [target]
+        mean_p = np.where(present > 0, patched, 0).sum(0) / count  # [target]
+        mean_c, mean_r = clean @ present / count, corrupt @ present / count  # [target] each: the same pairs
+        effect = ratio(mean_p, mean_c, mean_r)  # [target]
         w_p = weights @ present  # [resample, target]
-        r_p = (weights @ np.where(present, patched, 0)) / w_p  # [resample, target]
-        total = weights.sum(1)  # [resample]
-        r_clean, r_corrupt = weights @ clean / total, weights @ corrupt / total  # [resample] each
-    low, high = interval(ratio(r_p, r_clean, r_corrupt))  # [target] each
+        r_p = (weights @ np.where(present > 0, patched, 0)) / w_p  # [resample, target]
+        r_c = (weights @ (present * clean[:, None])) / w_p  # [resample, target]
+        r_r = (weights @ (present * corrupt[:, None])) / w_p  # [resample, target]
+    low, high = interval(ratio(r_p, r_c, r_r))  # [target] each
     return effect, low, high, mean_p
 
 

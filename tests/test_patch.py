@@ -405,6 +405,22 @@ def test_effects_are_the_ratio_of_means():
     np.testing.assert_allclose(effect, [(5 - 2) / 4, (5 - 4) / 4])
 
 
+def test_a_position_some_pairs_lack_is_measured_over_the_pairs_that_have_it():
+    """--positions each with pairs of other lengths: a patch that changes nothing (patched = corrupt on the pairs
+    that have the position, NaN on the others) has effect 0, in the point and in every resample, though the clean
+    and corrupt means over all pairs differ from those over the pairs that have it."""
+    clean, corrupt = np.array([3.0, 3.0, 5.0, 5.0]), np.array([0.0, 0.0, 2.0, 2.0])
+    patched = np.array([[0.0, np.nan], [0.0, np.nan], [2.0, 2.0], [2.0, 2.0]])  # [pairs, target]
+    weights = np.random.default_rng(0).poisson(1.0, size=(50, 4)).astype(float) + 0.1  # [resample, pairs]
+    effect, low, high, mean = pt.effects(patched, clean, corrupt, "denoise", weights)
+    np.testing.assert_allclose(effect, [0.0, 0.0], atol=1e-12)
+    np.testing.assert_allclose([low, high], np.zeros((2, 2)), atol=1e-12)
+    np.testing.assert_allclose(mean, [1.0, 2.0])
+    effect, *_ = pt.effects(np.array([[3.0, np.nan], [3.0, np.nan], [5.0, 5.0], [5.0, 5.0]]), clean, corrupt,
+                            "denoise", weights)
+    np.testing.assert_allclose(effect, [1.0, 1.0])  # the clean values restored: 1 at both
+
+
 def test_read_pairs_refuses_bad_lines(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"clean": "a", "corrupt": "b", "answer": " c"}\n', encoding="utf-8")

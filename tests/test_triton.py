@@ -267,3 +267,25 @@ def test_the_kernels_compile_for_an_h100_without_one():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     shared = [int(line.rsplit("=", 1)[1]) for line in done.stdout.splitlines() if line.startswith("OK ")]
     assert len(shared) == 3 and max(shared) <= 227 * 1024, done.stdout
+
+
+def test_a_kernel_triton_cannot_run_is_one_line_naming_the_fix():
+    """Triton's own errors at compile or launch (out of shared memory on a smaller GPU, ...) become one line that
+    names --attention fused or blocked; any other error passes through as it is."""
+    OutOfResources = type("OutOfResources", (Exception,), {"__module__": "triton.runtime.errors"})
+    with pytest.raises(AttnprobeError, match=r"Triton statistics kernel could not run here \(OutOfResources: out of "
+                                             r"resource: shared memory.*head size 256\): use --attention fused"):
+        with triton_path._launching("statistics", torch.float32, 256):
+            raise OutOfResources("out of resource: shared memory, Required: 336000\nmore")
+    with pytest.raises(KeyError):
+        with triton_path._launching("statistics", torch.float32, 256):
+            raise KeyError("not triton's")
+
+
+def test_float32_blocks_fit_an_a100_at_every_head_size():
+    """The block sizes _blocks picks are those tests/triton_compile.py compiles within an A100's 163 KiB of shared
+    memory (--all --arch 80): 64 x 64 up to 64 channels, 32 x 32 up to 128, 16 x 32 above."""
+    assert triton_path._blocks(torch.float32, 64) == (64, 64)
+    assert triton_path._blocks(torch.float32, 128) == (32, 32)
+    assert triton_path._blocks(torch.float32, 256) == (16, 32)
+    assert triton_path._blocks(torch.bfloat16, 256) == (64, 64)

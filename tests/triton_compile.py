@@ -37,12 +37,13 @@ def _source(fn, pointers: dict[str, str], constants: dict) -> ASTSource:
     return ASTSource(fn, signature, constants)
 
 
-def forward(dtype: str, dim: int, rows: int, keys: int, features: bool) -> ASTSource:
+def forward(dtype: str, dim: int, rows: int, keys: int, features: bool, causal: bool = True,
+            need_out: bool = True) -> ASTSource:
     """stats_forward with every feature (or none) on, for inputs of `dtype` and a head block of `dim`."""
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "Out": dtype, "Lse": "fp32", "Stats": "fp32", "Lengths": "i32",
                 "Norms": "fp32", "Special": "fp32", "Punct": "fp32", "Ids": "i32", "Sinks": "fp32"}
-    constants = dict(CAUSAL=True, HAS_SPAN=features, HAS_SOFTCAP=features, HAS_SINKS=features, WEIGHTED=features,
-                     HAS_SPECIAL=features, HAS_TOKENS=features, NEED_OUT=True,
+    constants = dict(CAUSAL=causal, HAS_SPAN=features, HAS_SOFTCAP=features, HAS_SINKS=features, WEIGHTED=features,
+                     HAS_SPECIAL=features, HAS_TOKENS=features, NEED_OUT=need_out,
                      PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False, BLOCK_M=rows, BLOCK_N=keys,
                      BLOCK_D=dim)
     return _source(triton_kernels.stats_forward, pointers, constants)
@@ -64,7 +65,8 @@ def variants(every: bool) -> dict[str, ASTSource]:
         found.update({"bfloat16, plain, head 64": forward("bf16", 64, 64, 64, False),
                       "float16, every feature, head 256": forward("fp16", 256, 64, 64, True),
                       "float32, every feature, head 64": forward("fp32", 64, 64, 64, True),
-                      "float32, every feature, head 256": forward("fp32", 256, 32, 32, True),
+                      "float32, every feature, head 256": forward("fp32", 256, 16, 32, True),
+                      "bfloat16, encoder, no output, head 128": forward("bf16", 128, 64, 64, True, False, False),
                       "received, float32, head 64": received("fp32", 64, 64, 64)})
     return found
 

@@ -110,7 +110,7 @@ def stats_forward(
     offs_m = q0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
                 mask=(offs_m[:, None] < n) & d_ok[None, :], other=0.0)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -149,8 +149,8 @@ def stats_forward(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < length
-        s = _scores(q, k_base + offs_n[None, :] * stride_kn + offs_d[:, None], key_ok[None, :] & d_ok[:, None],
-                    scale, softcap, HAS_SOFTCAP, PRECISION, UPCAST)
+        s = _scores(q, k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
+                    key_ok[None, :] & d_ok[:, None], scale, softcap, HAS_SOFTCAP, PRECISION, UPCAST)
         ok = _allowed(offs_m, offs_n, length, span, CAUSAL, HAS_SPAN)
         s = tl.where(ok, s, 0.0)  # finite everywhere: p is 0 where masked, so p * s is 0 there (never -inf * 0)
         m_new = tl.maximum(m, tl.max(tl.where(ok, s, float("-inf")), 1))
@@ -210,8 +210,8 @@ def stats_forward(
                 if WEIGHTED:
                     w_sink_window += tl.sum(tl.where(in_sink_window, pw, 0.0), 1)
         if NEED_OUT:
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :],
-                        other=0.0)
+            v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                        mask=key_ok[:, None] & d_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m = m_new
 
@@ -224,9 +224,10 @@ def stats_forward(
     tl.store(Lse + bh * n + offs_m, lse, mask=row_ok)
     if NEED_OUT:
         out = acc / whole_safe[:, None]
-        tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+        tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     rows = Stats + bh * n + offs_m  # `plane` apart: one statistic's [batch, head, q]
+    plane = bh * 0 + plane  # int64: STAT_ROWS planes of batch x head x q pass 2**31 elements before one plane does
     tl.store(rows + ENTROPY * plane, (lse * total - plogit) / whole_safe, mask=row_ok)  # -sum p ln p
     tl.store(rows + FIRST * plane, first / whole_safe, mask=row_ok)
     tl.store(rows + PREVIOUS * plane, previous / whole_safe, mask=row_ok)
@@ -272,7 +273,7 @@ def received_pass(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
     key_ok = offs_n < length
-    k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
+    k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None]
     k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N], read once
     lo = length * 0
     hi = length  # real rows only
@@ -289,7 +290,7 @@ def received_pass(
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < length
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         lse = tl.load(Lse + bh * n + offs_m, mask=row_ok, other=0.0)
         s = _dot(q, k, PRECISION, UPCAST) * scale

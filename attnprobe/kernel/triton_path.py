@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from attnprobe import values
+from attnprobe.errors import AttnprobeError
 from attnprobe.kernel.batch import Batch
 from attnprobe.kernel.features import LayerFeatures
 from attnprobe.kernel.fused import ReceivedOnRead
@@ -119,11 +122,13 @@ def _masses(found: dict[str, Tensor], prefix: str, causal: bool, info: Batch) ->
 
 
 def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
-    """(rows, keys) of a block: 64 x 64, or 32 x 32 where float32 rows are wider than 64 channels (compiled offline
-    for sm_90 with triton 3.9, 64 x 64 float32 blocks of 128 channels take 176 KiB of shared memory, of 256 channels
-    336 KiB: above an H100's 227 KiB; 32 x 32 take 84 and 164 KiB). BLOCK_M / BLOCK_N, when set, win."""
+    """(rows, keys) of a block: 64 x 64; 32 x 32 where float32 rows are wider than 64 channels, 16 x 32 where they
+    are wider than 128 (tests/triton_compile.py, offline for sm_90 and sm_80 with triton 3.9: 64 x 64 float32 blocks
+    of 128 channels take 176 KiB of shared memory, of 256 channels 336 KiB, above an H100's 227 KiB; 32 x 32 of 256
+    channels 164 KiB, above an A100's 163 KiB). BLOCK_M / BLOCK_N, when set, win."""
     wide = dtype == torch.float32 and block_d > 64
-    return BLOCK_M or (32 if wide else 64), BLOCK_N or (32 if wide else 64)
+    rows = 16 if wide and block_d > 128 else 32 if wide else 64
+    return BLOCK_M or rows, BLOCK_N or (32 if wide else 64)
 
 
 def _block_d(dim: int) -> int:
@@ -161,18 +166,34 @@ def _forward(
     sink_logits = lse if sinks is None else sinks.float().contiguous()  # [head]
     rows, keys = _blocks(query.dtype, _block_d(dim))
     grid = (triton_cdiv(n, rows), batch * heads)
-    kernels.stats_forward[grid](
-        query, key, value, out, lse, stats, lengths.to(torch.int32).contiguous(), norm_rows, special, punct, ids,
-        sink_logits, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
-        *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)), n,
-        heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0), int(span or 0),
-        info.sink, info.window,
-        CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-        WEIGHTED=norms is not None, HAS_SPECIAL=info.special is not None, HAS_TOKENS=info.tokens is not None,
-        NEED_OUT=wanted, PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows,
-        BLOCK_N=keys, BLOCK_D=_block_d(dim),
-    )
+    with _launching("statistics", query.dtype, dim):
+        kernels.stats_forward[grid](
+            query, key, value, out, lse, stats, lengths.to(torch.int32).contiguous(), norm_rows, special, punct, ids,
+            sink_logits, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
+            *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)), n,
+            heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0), int(span or 0),
+            info.sink, info.window,
+            CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+            WEIGHTED=norms is not None, HAS_SPECIAL=info.special is not None, HAS_TOKENS=info.tokens is not None,
+            NEED_OUT=wanted, PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows,
+            BLOCK_N=keys, BLOCK_D=_block_d(dim),
+        )
     return lse, stats, out if wanted else None
+
+
+@contextmanager
+def _launching(which: str, dtype: torch.dtype, dim: int) -> Iterator[None]:
+    """A kernel that Triton cannot compile or launch on this GPU (out of shared memory or registers on a smaller
+    card, an older triton) is one line naming the fix, never a Triton traceback."""
+    try:
+        yield
+    except Exception as err:
+        if not type(err).__module__.startswith("triton"):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise AttnprobeError(
+            f"the Triton {which} kernel could not run here ({type(err).__name__}: {first[:200]}; "
+            f"{str(dtype).removeprefix('torch.')}, head size {dim}): use --attention fused or blocked") from err
 
 
 def _token_inputs(info: Batch, batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -196,13 +217,14 @@ def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: fl
     found = torch.zeros(batch, heads, n, device=query.device)  # [batch, head, key]
     rows, keys = _blocks(query.dtype, _block_d(dim))
     grid = (triton_cdiv(n, keys), batch * heads)
-    kernels.received_pass[grid](
-        query, key, lse.contiguous(), found, lengths.to(torch.int32).contiguous(), *query.stride()[:3],
-        *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0), int(span or 0),
-        CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
-        PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
-        BLOCK_D=_block_d(dim),
-    )
+    with _launching("received-mass", query.dtype, dim):
+        kernels.received_pass[grid](
+            query, key, lse.contiguous(), found, lengths.to(torch.int32).contiguous(), *query.stride()[:3],
+            *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0), int(span or 0),
+            CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
+            PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
+            BLOCK_D=_block_d(dim),
+        )
     return found
 
 
