@@ -519,6 +519,11 @@ def qkv_slices(parts: Parts, layer: int, via: str, head: int) -> tuple[nn.Module
     head's (a key or value: its key/value head's, shared under grouped-query attention)."""
     maps = parts.qkv[layer]
     d, q_width, kv_width = parts.head_dim, parts.heads * parts.head_dim, parts.kv_heads * parts.head_dim
+    norm = getattr(parts.attentions[layer], f"{via}_norm", None) if via in ("q", "k") else None
+    if isinstance(norm, nn.Module) and getattr(getattr(norm, "weight", None), "shape", (0,))[0] > d:
+        raise AttnprobeError(f"--via {via}: {type(parts.attentions[layer]).__name__}'s {via}_norm normalises every "
+                             f"head's {'queries' if via == 'q' else 'keys'} together, so one head's cannot be patched "
+                             "alone; use --via v or out")
     group = parts.heads // parts.kv_heads
     own = {"q": slice(head * d, (head + 1) * d),
            "k": slice((head // group) * d, (head // group + 1) * d),

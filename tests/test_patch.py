@@ -273,6 +273,19 @@ def hand_path(model, ids, prompts, k, sender, receivers, via, corrupt_out, clean
     return float(value)
 
 
+def test_a_query_or_key_norm_over_every_head_refuses_via_q_and_k(tmp_path):
+    """OLMo2's q_norm and k_norm normalise all heads' queries (keys) together: a receiver's pre-norm slice patched
+    alone would move every head's normalised query, so --via q and k are refused there in one line; per-head norms
+    (Qwen3's, one head wide) and --via v are fine."""
+    loaded, parts, _ = setup(zoo.make("olmo2", tmp_path / "olmo2", lm_head=True))
+    for via in ("q", "k"):
+        with pytest.raises(pt.AttnprobeError, match=f"--via {via}: .*{via}_norm normalises every head's"):
+            pt.qkv_slices(parts, 1, via, 0)
+    pt.qkv_slices(parts, 1, "v", 0)
+    loaded, parts, _ = setup(zoo.make("qwen3", tmp_path / "qwen3", lm_head=True))
+    pt.qkv_slices(parts, 1, "q", 0)
+
+
 def test_a_planted_head_is_the_answers_only_route(tmp_path):
     """A model whose answer reaches the logits only through one head: patching that head restores the clean metric
     exactly (effect 1) and every other head changes nothing (effect 0)."""
@@ -449,6 +462,22 @@ def test_cli_writes_the_files_and_refuses_unequal_lengths(tmp_path):
                                "wrong": " cat"}) + "\n", encoding="utf-8")
     result = run("patch", "--model", folder, "--pairs", bad, "--out", tmp_path / "o2")
     assert_one_line_error(result, "pair 1: the clean prompt is")
+
+
+@pytest.mark.parametrize("extra, word", [(["--pairs", "PAIRS", "--n", "8"], "--n"),
+                                         (["--pairs", "PAIRS", "--corruption", "s2"], "--corruption"),
+                                         (["--task", "ioi", "--method", "path", "--senders", "L0H0", "--receivers",
+                                           "all", "--heads", "L1H0"], "--heads"),
+                                         (["--task", "ioi", "--method", "path", "--senders", "L0H0", "--receivers",
+                                           "all", "--positions", "last"], "--positions")])
+def test_options_the_run_would_not_use_are_refused(tmp_path, extra, word):
+    """--n and --corruption build --task's pairs, --heads and --positions choose what path patching does not: given
+    where they do nothing they are refused in one line (the record would otherwise hide that they were asked for)."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p.__dict__) + "\n" for p in PAIRS), encoding="utf-8")
+    args = [str(pairs) if a == "PAIRS" else a for a in extra]
+    result = run("patch", "--model", tmp_path / "no-model", *args, "--out", tmp_path / "out")
+    assert_one_line_error(result, f"{word} does nothing here")
 
 
 

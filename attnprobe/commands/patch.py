@@ -146,6 +146,7 @@ def patch(
     from attnprobe.naming import parse_heads
 
     check_inputs(pairs, task, method, senders, receivers, via)
+    check_unused(pairs, method, n, corruption, heads, positions)
     chosen = None if heads.strip().lower() == "all" else parse_heads(heads)
     sent = parse_heads(senders, "--senders") if senders else None
     received = None if receivers is None or receivers.strip().lower() == "all" else parse_heads(receivers,
@@ -198,6 +199,21 @@ def check_inputs(pairs, task, method, senders, receivers, via) -> None:
                                  f"{misplaced[0]}")
     elif senders is None or receivers is None:
         raise AttnprobeError("--method path needs --senders and --receivers, e.g. --senders L9H6 --receivers all")
+
+
+def check_unused(pairs, method, n, corruption, heads, positions) -> None:
+    """Options this run would not use are refused, never silently dropped from what the record says: --n and
+    --corruption build --task's pairs (not --pairs'), --heads and --positions choose what --method path does not."""
+    unused = []
+    if pairs is not None:
+        unused += [name for name, moved in (("--n", n != 64), ("--corruption", corruption is not CorruptionChoice.abc))
+                   if moved]
+    if method is MethodChoice.path:
+        unused += [name for name, moved in (("--heads", heads != "all"),
+                                            ("--positions", positions is not PositionsChoice.all)) if moved]
+    if unused:
+        what = "--task" if unused[0] in ("--n", "--corruption") else "--method activation, attribution or both"
+        raise AttnprobeError(f"{unused[0]} does nothing here: it applies to {what}; drop it")
 
 
 def patch_table(frame, run: dict) -> Table:
