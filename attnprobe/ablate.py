@@ -239,8 +239,13 @@ def projection_of(block: nn.Module, loaded: LoadedModel) -> nn.Module:
 
 @contextmanager
 def fast_attention(model: nn.Module) -> Iterator[None]:
-    """SDPA for the duration (no attention maps are read here), where the model allows it."""
+    """SDPA for the duration (no attention maps are read here), where the model allows it and SDPA computes what the
+    model does: not under attention-logit soft-capping (Gemma 2), which SDPA cannot apply and some transformers
+    releases (5.17) still accept SDPA for, silently dropping the soft-capping (logits off by 0.67 on a tiny Gemma 2)."""
     before = model.config._attn_implementation
+    if getattr(model.config, "attn_logit_softcapping", None):
+        yield
+        return
     try:
         with quiet_transformers():
             model.set_attn_implementation("sdpa")

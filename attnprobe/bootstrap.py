@@ -132,10 +132,12 @@ class BlockResampler:
         keys = (np.arange(resamples)[:, None] * rows + starts[:, :full]).reshape(-1)  # [resample x full]
         keys, counts = np.unique(keys, return_counts=True)  # sorted (resample, row) pairs and their blocks
         index = torch.from_numpy(np.stack([keys // rows, keys % rows]))  # [2, pairs]
-        self.starting = torch.sparse_coo_tensor(  # [resample, row]: full-length blocks starting at each row
-            index, torch.from_numpy(counts.astype(np.float64)), (resamples, rows), is_coalesced=True,
-            check_invariants=False,
-        )
+        with warnings.catch_warnings():  # torch 2.11 warns that invariant checks are off even when told so
+            warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+            self.starting = torch.sparse_coo_tensor(  # [resample, row]: full-length blocks starting at each row
+                index, torch.from_numpy(counts.astype(np.float64)), (resamples, rows), is_coalesced=True,
+                check_invariants=False,
+            )
 
     @classmethod
     def draw(cls, index: int, rows: int, resamples: int, seed: int) -> BlockResampler:

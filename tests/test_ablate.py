@@ -405,3 +405,18 @@ def test_cli_ablate_bad_heads_is_one_line(heads, fragment, gpt2_dir, corpus_file
 def test_cli_ablate_bad_settings_are_one_line(gpt2_dir, corpus_file, tmp_path):
     result = run("ablate", "--model", gpt2_dir, "--corpus", corpus_file, "--out", tmp_path / "o", "--batch-size", 0)
     assert_one_line_error(result, "--batch-size 0")
+
+
+def test_fast_attention_keeps_a_soft_capping_models_own_attention(tmp_path):
+    """SDPA cannot apply attention-logit soft-capping; transformers 5.17 still let Gemma 2 switch to it and dropped the
+    soft-capping (its logits moved by 0.67 on this tiny model). Inside fast_attention the model's logits stay its
+    eager logits, whichever release is installed."""
+    from zoo import make
+
+    loaded = load_model(str(make("gemma2", tmp_path / "gemma2", lm_head=True)), "cpu", "float32", lm_head=True)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3]])
+    with torch.no_grad():
+        want = loaded.lm_head(loaded.model(input_ids=ids).last_hidden_state)  # [1, seq, vocab]
+        with ab.fast_attention(loaded.model):
+            got = loaded.lm_head(loaded.model(input_ids=ids).last_hidden_state)  # [1, seq, vocab]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -4,6 +4,7 @@ and the mass each key receives against a float64 map computed here and against t
 the kernel covers; and `--attention triton` end to end against `--attention blocked`."""
 
 import dataclasses
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -33,22 +34,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WIDTH = 24  # the output projection's width in the value-weighted cases
 runner = CliRunner()
 needs_triton = pytest.mark.skipif(triton_path.unavailable(torch.device(DEVICE)) is not None,
-                                  reason="no triton, or a CPU without TRITON_INTERPRET=1")
+                                  reason=str(triton_path.unavailable(torch.device(DEVICE))))
 
 
-def old_interpreter() -> bool:
-    """Whether the kernels would run in a Triton interpreter older than 3.9 (torch 2.11 pins triton 3.6): it cannot
-    loop over a range whose bounds are tensors (TypeError in its __index__), which the compiler can, and
-    test_the_kernels_compile_for_an_h100_without_one compiles them with whatever triton is installed."""
-    if DEVICE == "cuda" or importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-
-    return tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
-
-
-interpreted = pytest.mark.skipif(old_interpreter(), reason="Triton's interpreter before 3.9 cannot run the kernels "
-                                 "(they compile: the compile test checks this triton)")
+compilable = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")
 
 
 def heads_of(n, groups, dim, heads=4, seed=0, dtype=torch.float32):
@@ -104,7 +93,6 @@ CASES = {  # name -> (n, causal, query heads per KV head, head size, window span
 }
 
 
-@interpreted
 @needs_triton
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_statistics_equal_a_float64_map_and_the_blocked_path(case, monkeypatch):
@@ -156,7 +144,6 @@ def test_triton_statistics_equal_a_float64_map_and_the_blocked_path(case, monkey
     assert float((output - blocked_output)[real].abs().max()) < bound
 
 
-@interpreted
 @needs_triton
 def test_a_few_hundred_tokens_in_the_default_blocks():
     """The default block sizes over 301 tokens (odd, padded): the logsumexp and every statistic against the float64
@@ -178,7 +165,6 @@ def test_a_few_hundred_tokens_in_the_default_blocks():
         assert_close(value.cpu().double(), expected[name].cpu(), name)
 
 
-@interpreted
 @needs_triton
 def test_bfloat16_inputs_give_float32_statistics_within_bfloat16s_rounding():
     """bfloat16 queries, keys and values: the scores are exact float32 products of bfloat16 inputs and p is rounded
@@ -195,6 +181,20 @@ def test_bfloat16_inputs_give_float32_statistics_within_bfloat16s_rounding():
     reference = (p @ v.double().repeat_interleave(2, 1)).transpose(1, 2)  # [batch, query, head, dim]
     scale = float(reference.abs().max())
     assert float((output.double() - reference)[real].abs().max()) < 4 * 2**-8 * scale
+
+
+@needs_triton
+def test_an_interpreter_before_3_9_is_refused_in_one_line(monkeypatch):
+    """triton 3.6 (torch 2.11's) cannot run the kernels in its interpreter: --attention triton on a CPU is refused
+    there in one line, and the tests that run the kernels skip (needs_triton)."""
+    monkeypatch.setenv(triton_path.INTERPRET, "1")
+    fake = type(sys)("triton")
+    fake.__version__ = "3.6.0"
+    fake.__spec__ = importlib.machinery.ModuleSpec("triton", None)
+    monkeypatch.setitem(sys.modules, "triton", fake)
+    assert "before 3.9 cannot run" in triton_path.unavailable(torch.device("cpu"))
+    fake.__version__ = "3.9.0"
+    assert triton_path.unavailable(torch.device("cpu")) is None
 
 
 @needs_triton
@@ -230,7 +230,6 @@ def test_layers_the_triton_kernel_does_not_cover_are_named_by_reason():
     assert found["triton_layers"] == [0, 2] and list(found["not_triton"].values()) == [[1]]
 
 
-@interpreted
 @needs_triton
 def test_analyze_attention_triton_equals_attention_blocked(llama_dir, tmp_path):
     """`attnprobe analyze --attention triton` as a user runs it (under the interpreter here), a tiny grouped-query
@@ -256,7 +255,7 @@ def test_analyze_attention_triton_equals_attention_blocked(llama_dir, tmp_path):
         assert_close(got.select_dtypes("number"), expected.select_dtypes("number"), name)
 
 
-@needs_triton
+@compilable
 def test_the_kernels_compile_for_an_h100_without_one():
     """Triton's compiler (not the interpreter, which runs what the compiler refuses) builds the richest variants down
     to a cubin for sm_90, each within an H100's 227 KiB of shared memory (tests/triton_compile.py)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -55,11 +56,21 @@ def unavailable(device: torch.device) -> str | None:
             return f"--attention triton could not import triton ({type(err).__name__}: {err}): reinstall triton"
         return None
     if device.type == "cpu" and os.environ.get(INTERPRET) == "1":
-        return None
+        return _old_interpreter()
     if device.type == "cpu":
         return (f"--attention triton runs on a CUDA GPU; on a CPU only under Triton's interpreter ({INTERPRET}=1, "
                 "for tests): use --attention auto, fused or blocked, or --device cuda")
     return f"--attention triton runs on a CUDA GPU, not {device.type}: use --attention auto, fused or blocked"
+
+
+def _old_interpreter() -> str | None:
+    """Why Triton's interpreter cannot run the kernels, or None: before 3.9 (torch 2.11 pins triton 3.6) it cannot
+    loop over a range whose bounds are tensors, which the compiler can (tests/triton_compile.py compiles them)."""
+    version = importlib.import_module("triton").__version__
+    if tuple(int(part) for part in re.findall(r"\d+", version)[:2]) < (3, 9):
+        return (f"Triton's interpreter before 3.9 cannot run the Triton path's kernels (triton {version} here): use "
+                "--attention auto, fused or blocked")
+    return None
 
 
 def reason(features: LayerFeatures, dtype: torch.dtype) -> str | None:
