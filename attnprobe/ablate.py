@@ -355,13 +355,21 @@ def tile(value: Any, copies: int, batch: int) -> Any:
 
 def run_suffix(stack: Stack, prefix: Prefix, layer: int, copies: int) -> Tensor:
     """Blocks layer..L-1 on `copies` stacked copies of the batch; returns the last hidden state."""
-    batch = prefix.hidden[layer].shape[0]
-    hidden = tile(prefix.hidden[layer], copies, batch)  # [copies * batch, seq, hidden]
-    for index in range(layer, len(stack.layers)):
-        args, kwargs = tile(prefix.extras[index], copies, batch)
-        out = stack.layers[index](hidden, *args, **kwargs)
+    return run_blocks(stack.layers, stack.final, prefix.hidden, prefix.extras, layer, copies)
+
+
+def run_blocks(blocks: list[nn.Module], final: nn.Module | None, inputs: list[Tensor],
+               extras: list[tuple[tuple, dict]], layer: int, copies: int) -> Tensor:
+    """Blocks layer..L-1 restarted from a kept pass (each block's input and its other arguments), on `copies`
+    stacked copies of its batch, then the final norm: the last hidden state [copies * batch, seq, hidden]. ablate's
+    and patching's suffixes both run through it."""
+    batch = inputs[layer].shape[0]
+    hidden = tile(inputs[layer], copies, batch)  # [copies * batch, seq, hidden]
+    for index in range(layer, len(blocks)):
+        args, kwargs = tile(extras[index], copies, batch)
+        out = blocks[index](hidden, *args, **kwargs)
         hidden = out[0] if isinstance(out, (tuple, list)) else out  # [copies * batch, seq, hidden]
-    return stack.final(hidden) if stack.final is not None else hidden  # [copies * batch, seq, hidden]
+    return final(hidden) if final is not None else hidden  # [copies * batch, seq, hidden]
 
 
 def run_full(loaded: LoadedModel, batch: Batch, copies: int) -> Tensor:

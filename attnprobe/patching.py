@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from attnprobe import __version__
-from attnprobe.ablate import FINAL_NORMS, block_name, fast_attention, hooked, spearman, tile
+from attnprobe.ablate import FINAL_NORMS, block_name, fast_attention, hooked, run_blocks, spearman
 from attnprobe.bootstrap import CONFIDENCE, few_items_note, interval, poisson_weights
 from attnprobe.errors import AttnprobeError
 from attnprobe.ioi import Pair
@@ -301,13 +301,7 @@ def run_prefix(loaded: LoadedModel, parts: Parts, ids: Tensor, mask: Tensor) -> 
 
 def run_suffix(parts: Parts, prefix: Prefix, layer: int, copies: int) -> Tensor:
     """Blocks layer..L-1 on `copies` stacked copies of the pairs; returns the last hidden state."""
-    pairs = prefix.hidden[layer].shape[0]
-    hidden = tile(prefix.hidden[layer], copies, pairs)  # [copies * pairs, seq, hidden]
-    for index in range(layer, len(parts.blocks)):
-        args, kwargs = tile(prefix.extras[index], copies, pairs)
-        out = parts.blocks[index](hidden, *args, **kwargs)
-        hidden = out[0] if isinstance(out, (tuple, list)) else out  # [copies * pairs, seq, hidden]
-    return parts.final(hidden) if parts.final is not None else hidden  # [copies * pairs, seq, hidden]
+    return run_blocks(parts.blocks, parts.final, prefix.hidden, prefix.extras, layer, copies)
 
 
 def check_rerun(loaded: LoadedModel, parts: Parts, run: Prefix) -> None:
