@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnprobe import batching, distributed, kernel, layer_progress, planning, values
+from attnprobe import batching, distributed, headpages, kernel, layer_progress, planning, values
 from attnprobe import tokens as token_classes
 from attnprobe.accumulate import Accumulator, Shape, pending_after, resamples_within_budget
 from attnprobe.batching import Scan, Tokens, pad_batch
@@ -68,6 +68,7 @@ class Analysis:
     resamples: dict[str, np.ndarray] = field(default_factory=dict)  # per score [resample, layer, head], float32
     examples: list[dict[str, Any]] = field(default_factory=list)  # up to batching.EXAMPLES sentences' maps (report)
     top_tokens: pd.DataFrame | None = None  # per head, the key tokens with the highest lift (top_tokens.csv)
+    head_examples: dict[str, np.ndarray] | None = None  # each head's examples and top keys (head_examples.npz)
 
 
 def analyze(
@@ -132,11 +133,15 @@ def analyze_loaded(
     keep_per_sentence: bool = False,
     checkpointing: Checkpointing | None = None,
     on_batch: OnBatch | None = None,
+    head_examples: bool = False,
 ) -> Analysis:
     """Measure every head of a loaded model over a corpus.
 
     Statistics are folded into sums batch by batch, so memory does not grow with the corpus;
     `keep_per_sentence` also returns every sentence's values as `Analysis.per_sentence` (it does grow).
+    `head_examples`: also each head's highest, lowest and decile examples with their top keys
+    (`Analysis.head_examples`, headpages), the model run again over those sequences (not under torchrun, nor when
+    resuming: a note says so).
     """
     options = options or Options()
     check_options(batch_size, resamples, seed, options)
@@ -167,8 +172,11 @@ def analyze_loaded(
                                   weights=checkpointing is not None)
     if checkpointing is not None and checkpointing.resume_from is not None:
         check_fingerprint(checkpointing.resume_from.fingerprint, fingerprint)
+    resumed = checkpointing is not None and checkpointing.resume_from is not None
+    selection = headpages.Selection(shape.names, shape.layers, shape.heads, seed) \
+        if head_examples and world.size == 1 and not resumed else None
     measured = measure(loaded, corpus, scanned, batch_size, progress, plan, world, shape,
-                       keep_per_sentence, checkpointing, fingerprint, on_batch)
+                       keep_per_sentence, checkpointing, fingerprint, on_batch, selection)
     totals = measured.totals
     heads = totals.heads()
     layers = summarize_layers(heads)
@@ -185,7 +193,8 @@ def analyze_loaded(
     run["bootstrap"] = bootstrap_record(shape, scanned.lengths, resamples)
     run["example_sentence"] = {"index": scanned.example_index, "line": scanned.example.line}
     run["notes"] = [note for note in (few_sentences_note(scanned.sentences, run["bootstrap"].get("block_lengths")),
-                                      plan.weighted.get("note"), run["bootstrap"].get("note")) if note]
+                                      plan.weighted.get("note"), run["bootstrap"].get("note"),
+                                      head_examples_note(head_examples, world, resumed)) if note]
     example = {
         "sentence": scanned.example.text,
         "tokens": token_labels(loaded, scanned.example_ids[:EXAMPLE_MAX_TOKENS], scanned.example.text),
@@ -204,8 +213,17 @@ def analyze_loaded(
         top = token_classes.top_tokens(totals.sums["tokmass"], totals.sums["tokuniform"], totals.sums["tokcount"],
                                        token_classes.readable(loaded.tokenizer), min_occurrences=options.top_tokens_min)
         run["top_tokens"] = {"per_head": token_classes.TOP_TOKENS, "min_occurrences": options.top_tokens_min}
+    pages = headpages.head_examples(loaded, corpus, selection, batch_size) if selection is not None else None
     return Analysis(heads, layers, per_sentence, run, example, totals.categories(), positions, resampled, examples,
-                    top)
+                    top, pages)
+
+
+def head_examples_note(wanted: bool, world: distributed.World, resumed: bool) -> str | None:
+    """Why a run that asked for head_examples.npz writes none, or None."""
+    if wanted and (world.size > 1 or resumed):
+        why = "under torchrun" if world.size > 1 else "when a run is resumed from its checkpoint"
+        return f"no head_examples.npz {why}: run analyze again in one process, from the start, for the head pages"
+    return None
 
 
 def more_examples(
@@ -255,13 +273,14 @@ def measure(
     loaded: LoadedModel, corpus: Corpus, scanned: Scan, batch_size: int, progress: Progress | None,
     plan: Plan, world: distributed.World, shape: Shape, keep_per_sentence: bool = False,
     checkpointing: Checkpointing | None = None, fingerprint: dict[str, Any] | None = None,
-    on_batch: OnBatch | None = None,
+    on_batch: OnBatch | None = None, selection: headpages.Selection | None = None,
 ) -> Measured:
     """Run every batch of this rank's sentences and fold its statistics into an Accumulator.
 
     The corpus streams past in windows of WINDOW_SENTENCES: each is tokenized, sorted by length and
     batched, and dropped when done. Under torchrun each rank measures its shard, and the sums are merged.
     `plan` (planning.plan): the path every batch runs, and the output projections of the value-weighted scores.
+    `selection`: offered every batch's sentences (and windows of the longer ones, from their rows) for the head pages.
     """
     totals = Accumulator(shape)
     kept = {name: np.full((scanned.sentences, shape.layers, shape.heads), np.nan) for name in shape.names} \
@@ -320,18 +339,23 @@ def measure(
         resamplers = [BlockResampler.draw(index, len(t), shape.resamples, shape.seed) for index, t in zip(batch, ids)] \
             if shape.method == BLOCK else None
         taken: dict[str, torch.Tensor] = {}
+        lengths = [len(t) for t in ids]
+        windows = WindowValues(selection, lengths, shape) if selection is not None else None
         with layer_progress.watching(loaded.model, input_ids.shape[1], within, rows=len(batch)):  # layer by layer
             stats, bins = measure_batch(loaded, plan, input_ids, mask, special, shape, wanted,
                                         on_layer=(lambda: progress(share)) if progress else None,
                                         resamplers=resamplers, tokens=classes,
                                         received_by=taken if shape.vocab else None, paths=paths,
-                                        on_resampled=lambda layer, means: totals.add_resampled(layer, means, labels))
+                                        on_resampled=lambda layer, means: totals.add_resampled(layer, means, labels),
+                                        on_rows=windows.add if windows is not None and windows.wanted else None)
         if shape.vocab:
             real = mask.bool()  # [batch, seq]
             totals.add_tokens(input_ids[real], taken["mass"][:, :, real], taken["uniform"][:, real])
         check_finite(loaded, stats, sentences, [len(t) for t in ids])
         check_values_finite(loaded, stats, sentences, [len(t) for t in ids])
         totals.add(batch, stats, bins, [len(t) for t in ids], labels)
+        if windows is not None:
+            windows.offer(batch, stats)
         if on_batch is not None:
             on_batch(batch, stats, sentences)
         if kept is not None:
@@ -444,7 +468,7 @@ def measure_batch(
     resamplers: list[BlockResampler] | None = None,
     on_resampled: Callable[[int, dict[str, np.ndarray]], None] | None = None,
     tokens: TokenClasses | None = None, received_by: dict[str, torch.Tensor] | None = None,
-    paths: dict[str, int] | None = None,
+    paths: dict[str, int] | None = None, on_rows: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-sentence statistics [sentence, layer, head] and position bins [sentence, layer, head, bin] of one batch.
 
@@ -457,7 +481,8 @@ def measure_batch(
     `tokens`: the batch's ids and punctuation flags (punctuation, duplicate); `received_by`, when given, gets
     "mass" [layer, head, batch, seq], the mass each key position received, and "uniform" [layer, batch, seq], what
     uniform rows would have given it. `paths`, when given, counts the batch's sentences under the path that ran
-    them ("fused", "blocked" or "eager").
+    them ("fused", "blocked" or "eager"). `on_rows(layer, per score [sentence, head, query])`, when given, gets
+    every row's values of each layer (headpages' windows of long sequences).
     """
     options, projections = plan.options, plan.projections
     b, sink, window = input_ids.shape[0], options.sink, options.window
@@ -485,6 +510,8 @@ def measure_batch(
             bins[rows_of.bins(sums.binned), :, layer] = sums.stacked_bin_means()  # [binned score, batch, head, bin]
         if resamplers and on_resampled is not None:
             on_resampled(layer, resample_rows(sums.rows, shape.names, resamplers))
+        if on_rows is not None and sums.rows is not None:
+            on_rows(layer, sums.rows)
         if on_layer is not None:
             on_layer()
 
@@ -497,14 +524,15 @@ def measure_batch(
         ran = kernel.run_batch(loaded, input_ids, mask, on_sums, special=special, sink=sink, window=window, bins=k,
                          budget_mib=options.budget_mib, block_rows=options.block_rows,
                          example=examples[0][:2] if examples else None, fused=plan.fused,
-                         projections=projections, keep_rows=bool(resamplers), tokens=tokens, triton=plan.triton)
+                         projections=projections, keep_rows=bool(resamplers) or on_rows is not None, tokens=tokens,
+                         triton=plan.triton)
     else:
         modules = plan.modules
 
         def on_map(layer: int, p: torch.Tensor) -> None:
             weighted = None if projections is None else (values.take_values(modules[layer]), projections[layer])
             store(layer, map_sums(p, lengths, loaded.causal, special, sink, window, k, spans[layer], weighted, tokens,
-                                  keep_rows=bool(resamplers)))
+                                  keep_rows=bool(resamplers) or on_rows is not None))
             for row, q, maps in examples:
                 maps[layer] = p[row, :, :q, :q].float()  # [head, query, key]
 
@@ -513,6 +541,38 @@ def measure_batch(
     if paths is not None:
         paths[ran] = paths.get(ran, 0) + b
     return _to_numpy(shape.names, stats), _to_numpy(shape.bin_names, bins)
+
+
+class WindowValues:
+    """The head pages' units of one batch: a sentence of up to headpages.SEGMENT_TOKENS tokens is one unit (its
+    per-sentence values); a longer one is one unit per window of that many query rows, whose values `add` takes from
+    each layer's rows as they arrive (O(windows) kept, never the rows)."""
+
+    def __init__(self, selection: headpages.Selection, lengths: list[int], shape: Shape) -> None:
+        self.selection, self.lengths, self.shape = selection, lengths, shape
+        self.long = [k for k, n in enumerate(lengths) if n > headpages.SEGMENT_TOKENS]
+        self.wanted = bool(self.long and selection.names)
+        self.values = {k: {name: np.full((-(-lengths[k] // headpages.SEGMENT_TOKENS), shape.layers, shape.heads),
+                                         np.nan) for name in selection.names} for k in self.long}  # [window, l, h]
+
+    def add(self, layer: int, rows: dict[str, torch.Tensor]) -> None:
+        """One layer's rows, per score [sentence, head, query]: the long sentences' window means."""
+        for k in self.long:
+            for name in self.selection.names:
+                if name in rows:
+                    means = headpages.window_means(rows[name][k], self.lengths[k])  # [window, head]
+                    self.values[k][name][:, layer] = means.cpu().numpy()
+
+    def offer(self, batch: list[int], stats: dict[str, np.ndarray]) -> None:
+        """The batch's units and their values (`stats` per score [sentence, layer, head]) to the selection."""
+        short = [k for k in range(len(batch)) if k not in self.values]
+        names = self.selection.names
+        self.selection.offer(np.array([headpages.unit_id(batch[k]) for k in short], dtype=np.int64),
+                             {name: stats[name][short] for name in names})
+        for k, windows in self.values.items():
+            count = windows[names[0]].shape[0] if names else 0
+            self.selection.offer(np.array([headpages.unit_id(batch[k], w) for w in range(count)], dtype=np.int64),
+                                 windows)
 
 
 class Rows:

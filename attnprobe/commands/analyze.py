@@ -143,6 +143,13 @@ def analyze(
         bool, typer.Option("--per-sentence", help="Also write sentences.parquet: every (sentence, layer, head).",
                            rich_help_panel=OUTPUT)
     ] = False,
+    head_examples: Annotated[
+        bool, typer.Option("--head-examples/--no-head-examples",
+                           help="Also write head_examples.npz, each head's page in report.html: per head, the "
+                                "sentences (windows of long ones) where entropy, first_token, previous_token, diagonal "
+                                "and duplicate_token are highest, lowest and in every decile, with each query's top 3 "
+                                "keys (the model runs again over those sentences only).", rich_help_panel=OUTPUT)
+    ] = True,
     device_map: AnalyzeDeviceMap = None,
     max_memory: AnalyzeMaxMemory = None,
     limit: AnalyzeLimit = None,
@@ -210,7 +217,7 @@ def analyze(
                 on_start=lambda total: bar.update(task, total=total),
                 progress=lambda done, within=None: shown.advance(bar, task, done, within),
                 checkpointing=checkpointing,
-                on_batch=rows.write if rows else None,
+                on_batch=rows.write if rows else None, head_examples=head_examples,
             )
             parquet = [rows.commit()] if rows else []
             if rows and world.size > 1:
@@ -244,6 +251,8 @@ def analyze(
         files[io.CATEGORIES_FILE] = io.csv_writer(result.categories)
     if result.top_tokens is not None:
         files[io.TOP_TOKENS_FILE] = io.csv_writer(result.top_tokens)
+    if result.head_examples is not None:
+        files[io.HEAD_EXAMPLES_FILE] = io.head_examples_writer(result.head_examples)
     # run.json last, with the sha256 of every other file (plot, report, ... refuse one from another run); the earlier
     # run's files that no longer match go
     written, stale = folder.finish(files, result.run, parquet, kept=(io.SENTENCES_FILE,) if per_sentence else ())

@@ -10,6 +10,7 @@ RUN_FILE = "run.json"
 EXAMPLE_FILE = "example_attention.npz"
 EXAMPLES_FILE = "examples.npz"  # up to MAX_EXAMPLES example sentences' maps, for report.html (examples_writer)
 MAX_EXAMPLES = 8
+HEAD_EXAMPLES_FILE = "head_examples.npz"  # analyze: each head's top, bottom and decile examples with their top keys
 REPORT_FILE = "report.html"  # report: the run as one self-contained page
 TYPES_FILE = "head_types.csv"
 # Head types renamed after results folders were written with them: old label -> today's. Until 2026-11-29 classify
@@ -73,7 +74,7 @@ FIGURE_FORMATS = ("png", "svg", "pdf")
 
 # analyze's result files: run.json's `files` records the sha256 of each it wrote, and the readers check it
 RUN_FILES = (HEADS_FILE, LAYERS_FILE, EXAMPLE_FILE, EXAMPLES_FILE, RESAMPLES_FILE, POSITIONS_FILE, CATEGORIES_FILE,
-             TOP_TOKENS_FILE, SENTENCES_FILE)
+             TOP_TOKENS_FILE, SENTENCES_FILE, HEAD_EXAMPLES_FILE)
 RUN_FILES_KEY = "files"
 
 
@@ -119,7 +120,7 @@ def is_result_name(name: str) -> bool:
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
              IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE, RETRIEVAL_FILE,
              RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE, STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE,
-             *TRAINED_FILES, *PATCH_FILES, *COMPOSITION_FILES}
+             HEAD_EXAMPLES_FILE, *TRAINED_FILES, *PATCH_FILES, *COMPOSITION_FILES}
     fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,

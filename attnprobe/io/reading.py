@@ -20,6 +20,7 @@ from attnprobe.io.names import (
     COMPARE_TYPES_FILE,
     EXAMPLE_FILE,
     EXAMPLES_FILE,
+    HEAD_EXAMPLES_FILE,
     RENAMED_TYPES,
     RESAMPLES_FILE,
     RUN_FILE,
@@ -184,6 +185,26 @@ def read_examples(out: str | Path) -> list[dict[str, Any]]:
         raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze` again") from err
     check_written_by_run(out, EXAMPLES_FILE)
     return examples
+
+
+def read_head_examples(out: str | Path) -> dict[str, np.ndarray] | None:
+    """head_examples.npz as `analyze` wrote it (io.writers.HEAD_EXAMPLE_ARRAYS), checked; None when there is none."""
+    from attnprobe.io.writers import HEAD_EXAMPLE_ARRAYS, head_examples_problem
+
+    path = Path(out) / HEAD_EXAMPLES_FILE
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in HEAD_EXAMPLE_ARRAYS if name in data.files}
+    except (OSError, KeyError, ValueError, EOFError) as err:
+        raise AttnprobeError(f"{path} is unreadable ({err}); run `attnprobe analyze --out {out}` again") from err
+    problem = head_examples_problem(arrays)
+    if problem is not None:
+        raise AttnprobeError(f"{path} is not a head_examples file ({problem}); run `attnprobe analyze --out {out}` "
+                             "again")
+    check_written_by_run(out, HEAD_EXAMPLES_FILE)
+    return arrays
 
 
 def read_resamples(out: str | Path) -> dict[str, np.ndarray]:

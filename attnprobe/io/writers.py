@@ -109,5 +109,86 @@ def examples_writer(examples: list[dict[str, Any]]) -> Writer:
     return io.npz_writer(**arrays)  # through the package, as every writer is reached (see writing.py)
 
 
+# head_examples.npz's arrays (headpages.head_examples makes them): what each holds, per segment, entry, row or pick
+HEAD_EXAMPLE_ARRAYS = {
+    "scores": "[score] the statistics the examples were chosen by (heads.csv's names)",
+    "top_keys": "k, the keys kept per query row",
+    "segment_sentence": "[segment] 0-based index of the sequence in the corpus",
+    "segment_line": "[segment] its line in the corpus file",
+    "segment_start": "[segment] first query row of the window (0 for a whole sentence)",
+    "segment_stop": "[segment] one past its last query row",
+    "segment_tokens": "[segment] tokens of the whole sequence",
+    "segment_text": "[segment] the sentence's text (empty for a window of a long sequence)",
+    "segment_category": "[segment] its category (empty: none)",
+    "label_offsets": "[segment + 1] where each segment's labels start in label_positions and labels",
+    "label_positions": "[label] token positions whose labels are kept: the window's and every top key's",
+    "labels": "[label] those tokens' text",
+    "entry_segment": "[entry] the segment one head's top keys are of",
+    "entry_layer": "[entry] its layer",
+    "entry_head": "[entry] its head",
+    "row_offsets": "[entry + 1] where each entry's rows start in keys and weights",
+    "keys": "[row, k] per query row of the window, the positions of its k largest weights (-1: none)",
+    "weights": "[row, k] those weights (0 where no key)",
+    "pick_score": "[pick] index into scores",
+    "pick_entry": "[pick] the entry (head and segment) picked",
+    "pick_value": "[pick] the head's statistic on that segment",
+    "pick_decile": "[pick] its tenth of the head's values, 0 = lowest",
+    "pick_extreme": "[pick] +1: among the highest, -1: among the lowest, 0: a decile's example",
+}
+
+
+def head_examples_problem(arrays: dict[str, np.ndarray]) -> str | None:
+    """What makes `arrays` no head_examples.npz (a missing array, lengths or indices that do not fit, weights
+    outside [0, 1], keys outside their sequence), or None."""
+    missing = [name for name in HEAD_EXAMPLE_ARRAYS if name not in arrays]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    a = {name: np.asarray(arrays[name]) for name in HEAD_EXAMPLE_ARRAYS}
+    segments, entries, picks = len(a["segment_sentence"]), len(a["entry_segment"]), len(a["pick_entry"])
+    k = int(a["top_keys"])
+    sizes = {"segment": [n for n in HEAD_EXAMPLE_ARRAYS if n.startswith("segment_")],
+             "entry": ["entry_layer", "entry_head"], "pick": [n for n in HEAD_EXAMPLE_ARRAYS if n.startswith("pick_")]}
+    for unit, names in sizes.items():
+        count = {"segment": segments, "entry": entries, "pick": picks}[unit]
+        if any(a[n].ndim != 1 or len(a[n]) != count for n in names):
+            return f"its {unit} arrays differ in length"
+    for name, count, total in (("label_offsets", segments, len(a["labels"])), ("row_offsets", entries, len(a["keys"]))):
+        offsets = a[name]
+        if len(offsets) != count + 1 or offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
+            return f"{name} does not fit"
+    if len(a["label_positions"]) != len(a["labels"]) or a["keys"].shape != (len(a["keys"]), k) or \
+            a["weights"].shape != a["keys"].shape:
+        return "its labels, keys or weights do not fit"
+    rows = np.diff(a["row_offsets"])
+    if entries and (a["entry_segment"].min() < 0 or a["entry_segment"].max() >= segments):
+        return "an entry names no segment"
+    if entries and (rows != (a["segment_stop"] - a["segment_start"])[a["entry_segment"]]).any():
+        return "an entry's rows do not fit its window"
+    weights = a["weights"]
+    if not (np.isfinite(weights).all() and (weights >= 0).all() and (weights <= 1 + 1e-6).all()):
+        return "a weight is not a probability"
+    if entries:
+        tokens = np.repeat(a["segment_tokens"][a["entry_segment"]], rows)  # [row]
+        keys = a["keys"]
+        if (keys < -1).any() or (keys >= tokens[:, None]).any():
+            return "a key lies outside its sequence"
+    if picks and (a["pick_entry"].min() < 0 or a["pick_entry"].max() >= entries or a["pick_score"].min() < 0
+                  or a["pick_score"].max() >= len(a["scores"]) or (np.abs(a["pick_extreme"]) > 1).any()
+                  or a["pick_decile"].min() < 0 or a["pick_decile"].max() > 9):
+        return "a pick names no entry, score or decile"
+    return None
+
+
+def head_examples_writer(arrays: dict[str, np.ndarray]) -> Writer:
+    """head_examples.npz: the arrays HEAD_EXAMPLE_ARRAYS lists (headpages.head_examples), checked first; strings as
+    unicode arrays, so `np.load(..., allow_pickle=False)` reads it."""
+    from attnprobe import io
+
+    problem = head_examples_problem(arrays)
+    if problem is not None:
+        raise ValueError(f"head_examples.npz: {problem}")
+    return io.npz_writer(**{name: np.asarray(arrays[name]) for name in HEAD_EXAMPLE_ARRAYS})
+
+
 def text_writer(text: str) -> Writer:
     return lambda path: path.write_text(text, encoding="utf-8")
