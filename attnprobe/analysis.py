@@ -86,19 +86,21 @@ def analyze(
     options: Options | None = None,
     keep_per_sentence: bool = False,
     limit: int | None = None,
+    head_examples: bool = False,
 ) -> Analysis:
     """Measure every head of `model` over every sentence (or paragraph, or file: `split`) of `corpus`.
 
     `model`: a name or path as for `--model` (loaded on `device` in `dtype`), a LoadedModel from
     `load_model`, or a (transformers model, tokenizer) pair. `corpus`: a corpus file (str or Path), a
     list of sentences (str), or a Corpus. `limit`: only the first `limit` sequences (as `--limit`).
+    `head_examples`: also each head's examples with their top keys (`Analysis.head_examples`, as `--head-examples`).
     """
     check_options(batch_size, resamples, seed, options)
     text = as_corpus(corpus, split=split).head(limit)
     loaded = as_loaded(model, distributed.device_for(distributed.current(), device), dtype)
     result = analyze_loaded(
         loaded, text, batch_size=batch_size, resamples=resamples, seed=seed, progress=progress, on_start=on_start,
-        options=options, keep_per_sentence=keep_per_sentence,
+        options=options, keep_per_sentence=keep_per_sentence, head_examples=head_examples,
     )
     if result.run["truncated_sentences"]:  # as the CLI prints it; also in run["truncated_lines"]
         warnings.warn(truncation_message(result.run), UserWarning, stacklevel=2)

@@ -284,7 +284,7 @@ def _(d: dict) -> str:
 
 
 @figure("report-size", runs=("demo", "report-sizes", "demo-extended"), images={
-    "demo-extended/report.png": "smollm2-135m-report.png"})
+    "demo-extended/report.png": "smollm2-135m-report.png", "demo-extended/head-page.png": "smollm2-135m-head-page.png"})
 def report_size(out: Outputs) -> dict:
     return {"demo_bytes": os.path.getsize(out.path("demo", "report.html")),
             **out.json("report-sizes", "sizes.json")}

@@ -93,7 +93,8 @@ RUNS: dict[str, Run] = {run.name: run for run in (
     Run("demo-extended", "results", (
         helper("copy-analysis", "{work}/demo", "{out}"),
         ap("classify", "--out", "{out}", "--scheme", "extended"), ap("plot", "--out", "{out}"),
-        ap("report", "--out", "{out}"), helper("screenshot", "{out}/report.html", "L16H0", "{out}/report.png")),
+        ap("report", "--out", "{out}"), helper("screenshot", "{out}/report.html", "L16H0", "{out}/report.png"),
+        helper("head-page-screenshot", "{out}/report.html", "L16H0", "{out}/head-page.png")),
         needs=("demo",), about="`make demo`, then `attnprobe classify --scheme extended`, plot, report",
         minutes=0.3),
     Run("related-smollm2", "results", (

@@ -52,6 +52,24 @@ def screenshot(page: str, head: str, target: str) -> None:
         browser.close()
 
 
+def head_page_screenshot(page: str, head: str, target: str) -> None:
+    """report.html's scatter and the head page of `head`, as a png of that section (1360 px wide)."""
+    from playwright.sync_api import sync_playwright
+
+    executable = os.environ.get("ATTNPROBE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not executable:
+        raise SystemExit("no Chromium: set ATTNPROBE_CHROMIUM or install chromium")
+    with sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=executable)
+        tab = browser.new_page(viewport={"width": 1360, "height": 1060})
+        tab.goto(Path(page).resolve().as_uri() + f"#{head}")
+        tab.wait_for_selector(f"#head-page[data-name='{head}']")
+        tab.eval_on_selector("#head-page-examples", "e => { e.style.maxHeight = '760px'; "
+                             "e.style.overflow = 'hidden'; }")  # the first examples: the highest and top tenths
+        tab.locator("#scatter-section").screenshot(path=target)
+        browser.close()
+
+
 def verify(model: str, target: str) -> None:
     """`attnprobe verify --model model`'s checks (4 built-in sentences, CPU), as JSON."""
     import torch
@@ -335,7 +353,8 @@ def gpu_result(target: str) -> None:
         raise SystemExit(str(err)) from None
 
 
-STEPS = {"copy-analysis": copy_analysis, "screenshot": screenshot, "verify": verify, "gpt2-small": gpt2_small,
+STEPS = {"copy-analysis": copy_analysis, "screenshot": screenshot, "head-page-screenshot": head_page_screenshot,
+         "verify": verify, "gpt2-small": gpt2_small,
          "sink-groups": sink_groups, "startup": startup, "threads": threads, "suite": suite,
          "report-sizes": report_sizes, "batch-sizes": batch_sizes, "coverage": coverage,
          "block-coverage": block_coverage, "zoo": zoo, "gpu-result": gpu_result, "kvpress-plot": kvpress_plot}
