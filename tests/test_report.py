@@ -795,3 +795,23 @@ def test_1024_heads_and_a_32k_token_document_stay_responsive(browser, run_dir, t
 # measured here (headless Chromium, 2 shared cores at load 9-10, a 5.9 MB page): built in 0.76-1.05 s, a click's
 # head page in 0.28-0.46 s; 5 s leaves about 5x the build and 10x a click for a slower or busier machine
 PAGE_SECONDS = 5.0
+
+
+def test_a_damaged_head_examples_file_is_one_line(copy_of):
+    """head_examples.npz is checked before the page uses it: a weight above 1, a key past its sequence or a missing
+    array is refused naming the file and the command that remakes it; an older run without one gets a note."""
+    found = io.read_head_examples(copy_of)
+    for damage in ({"weights": found["weights"] * 3}, {"keys": found["keys"] + 1000}):
+        np.savez(copy_of / io.HEAD_EXAMPLES_FILE, **{**found, **damage})
+        assert_one_line_error(run("report", "--out", copy_of), "head_examples.npz is not a head_examples file",
+                              "attnprobe analyze")
+    np.savez(copy_of / io.HEAD_EXAMPLES_FILE, **{k: v for k, v in found.items() if k != "labels"})
+    assert_one_line_error(run("report", "--out", copy_of), "lacks labels")
+    with pytest.raises(ValueError, match="not a probability"):
+        io.head_examples_writer({**found, "weights": -found["weights"] - 1})
+    np.savez(copy_of / io.HEAD_EXAMPLES_FILE, **found)  # intact, but not the file the run wrote
+    assert_one_line_error(run("report", "--out", copy_of), "head_examples.npz", "not written by the run")
+    (copy_of / io.HEAD_EXAMPLES_FILE).unlink()
+    page = build_report(copy_of)
+    assert page_data(page.html)["headPages"] is None
+    assert any("no head_examples.npz" in note and "attnprobe analyze" in note for note in page.notes)
