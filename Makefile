@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	touch $@
 
 demo: setup
-	$(BIN)/attnprobe analyze --model $(MODEL) --corpus $(CORPUS) --out $(OUT)
+	$(BIN)/attnprobe analyze --model $(MODEL) --corpus $(CORPUS) --out $(OUT) --head-examples
 	$(BIN)/attnprobe classify --out $(OUT)
 	$(BIN)/attnprobe related --out $(OUT)
 	$(BIN)/attnprobe plot --out $(OUT)

@@ -594,8 +594,8 @@ def head_pages(out: Path, n_layers: int, n_heads: int, notes: list[str]) -> dict
     picks by statistic [entry, value, decile, extreme]."""
     found = io.read_head_examples(out)
     if found is None:
-        notes.append(f"no {io.HEAD_EXAMPLES_FILE}: no head pages (`attnprobe analyze --out {out}` writes it, with "
-                     "--head-examples, its default)")
+        notes.append(f"no {io.HEAD_EXAMPLES_FILE}: no head pages (`attnprobe analyze --head-examples --out {out}` "
+                     "writes it)")
         return None
     layer, head = found["entry_layer"], found["entry_head"]
     if len(layer) and (layer.max() >= n_layers or head.max() >= n_heads or min(layer.min(), head.min()) < 0):

@@ -77,7 +77,7 @@ def bench(script: str, *args: str, key: str = "") -> Step:
 
 def demo(model: str) -> tuple[Step, ...]:
     """`make demo MODEL=model OUT={out}`: analyze, classify, related, plot and report."""
-    return (ap("analyze", "--model", model, "--corpus", CORPUS, "--out", "{out}", key="analyze"),
+    return (ap("analyze", "--model", model, "--corpus", CORPUS, "--out", "{out}", "--head-examples", key="analyze"),
             ap("classify", "--out", "{out}"), ap("related", "--out", "{out}", key="related"),
             ap("plot", "--out", "{out}"), ap("report", "--out", "{out}"))
 

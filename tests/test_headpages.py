@@ -138,7 +138,7 @@ def test_analyze_writes_each_heads_examples_with_their_values_and_top_keys(gpt2_
     corpus.write_text("\n".join([*SENTENCES, long_text]) + "\n", encoding="utf-8")
     out = tmp_path / "run"
     result = run("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", out, "--device", "cpu", "--resamples",
-                 "20", "--per-sentence")
+                 "20", "--per-sentence", "--head-examples")
     assert result.exit_code == 0, result.output
     found = io.read_head_examples(out)
     names = found["scores"].tolist()

@@ -44,7 +44,7 @@ def run_dir(tmp_path_factory, gpt2_dir) -> Path:
                       + "\n".join(SENTENCES[4:]) + "\n", encoding="utf-8")
     out = tmp_path_factory.mktemp("report") / "run"
     analyzed = run("analyze", "--model", gpt2_dir, "--corpus", corpus, "--out", out, "--device", "cpu",
-                   "--resamples", "200")
+                   "--resamples", "200", "--head-examples")
     assert analyzed.exit_code == 0, analyzed.output
     classified = run("classify", "--out", out, "--scheme", "extended")
     assert classified.exit_code == 0, classified.output
@@ -656,7 +656,7 @@ def test_head_pages_hold_the_files_top_keys(copy_of):
     from attnprobe.report import head_pages
 
     found = io.read_head_examples(copy_of)
-    assert found is not None  # analyze writes it by default
+    assert found is not None  # analyze --head-examples wrote it
     pages = head_pages(copy_of, 3, 4, [])
     keys = np.frombuffer(__import__("base64").b64decode(pages["keys"]), dtype=np.uint8).reshape(-1, pages["k"])
     weights = np.frombuffer(__import__("base64").b64decode(pages["weights"]), dtype=np.uint8).reshape(keys.shape)
@@ -814,4 +814,4 @@ def test_a_damaged_head_examples_file_is_one_line(copy_of):
     (copy_of / io.HEAD_EXAMPLES_FILE).unlink()
     page = build_report(copy_of)
     assert page_data(page.html)["headPages"] is None
-    assert any("no head_examples.npz" in note and "attnprobe analyze" in note for note in page.notes)
+    assert any("no head_examples.npz" in note and "attnprobe analyze --head-examples" in note for note in page.notes)

@@ -148,8 +148,9 @@ def analyze(
                            help="Also write head_examples.npz, each head's page in report.html: per head, the "
                                 "sentences (windows of long ones) where entropy, first_token, previous_token, diagonal "
                                 "and duplicate_token are highest, lowest and in every decile, with each query's top 3 "
-                                "keys (the model runs again over those sentences only).", rich_help_panel=OUTPUT)
-    ] = True,
+                                "keys. Costs one more forward pass over those sentences (on a corpus of a few hundred, "
+                                "nearly all of them).", rich_help_panel=OUTPUT)
+    ] = False,
     device_map: AnalyzeDeviceMap = None,
     max_memory: AnalyzeMaxMemory = None,
     limit: AnalyzeLimit = None,

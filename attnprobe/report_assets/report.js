@@ -824,8 +824,8 @@
     $("head-page").dataset.name = headName(l, h);
     $("head-page-title").textContent = "Head " + headName(l, h) + " across the corpus";
     if (!HP) {
-      box.appendChild(el("p", { class: "muted" }, "No head_examples.npz in this results folder: `attnprobe analyze` " +
-        "writes it (--head-examples, on by default)."));
+      box.appendChild(el("p", { class: "muted" }, "No head_examples.npz in this results folder: " +
+        "`attnprobe analyze --head-examples` writes it (`make demo` does)."));
       return;
     }
     const key = state.pageScore, info = scoreInfo[key];
