@@ -40,7 +40,7 @@ def test_analyze_help_groups_every_option_under_one_heading():
     assert found["Input:"][:2] == ["-m", "-c"] and "--split" in found["Input:"] and "--limit" in found["Input:"]
     assert {"--resamples", "--value-weighted", "--top-tokens", "--top-tokens-min"} <= set(found["Scores:"])
     assert {"--threads", "--resume", "--device", "-b"} <= set(found["Run control:"])
-    assert found["Output:"] == ["--out", "--per-sentence"]
+    assert found["Output:"] == ["--out", "--per-sentence", "--head-examples"]
     assert found["Options:"] == ["-h"]
     command = typer.main.get_command(app).commands["analyze"]
     options = [p for p in command.params if p.param_type_name == "option"]
