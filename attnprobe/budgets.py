@@ -1,9 +1,9 @@
 """Per-layer KV-cache budgets from attention entropy, written as a file NVIDIA kvpress's PerLayerCompressionPress takes.
 
-The idea of kvpress's entropy-based layer budgets (issue #237, ZigZagKV; PR #206, EntropyAdaptivePress): a layer
-whose heads attend diffusely (high entropy) spreads what it reads over many keys and gets more of the cache; a layer
-whose heads attend sharply (low entropy) gets less. Here the budget is fixed offline from a run of `attnprobe
-analyze`, not measured again at each prefill:
+The idea of entropy-based layer budgets proposed to NVIDIA kvpress (its issue #237, ZigZagKV, and pull request #206,
+EntropyAdaptivePress): a layer whose heads attend diffusely (high entropy) spreads what it reads over many keys and
+gets more of the cache; a layer whose heads attend sharply (low entropy) gets less. Here the budget is fixed offline
+from a run of `attnprobe analyze`, not measured again at each prefill:
 
     s_l    = the mean over layer l's query heads of heads.csv's `entropy` (nats)
     kept_l = clip(c x s_l, min_kept, 1), with the one c at which the mean of kept_l over the layers is 1 - ratio
