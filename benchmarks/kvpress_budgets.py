@@ -95,8 +95,8 @@ def main() -> None:
                   f"{n:5d}")
             rounded = n == 1 or -1e-6 <= row["kept"] * length - n < 1 + 1e-6  # kept x L rounded down (at least 1)
             if n != expected or not rounded:
-                failures.append(f"layer {layer} kept {n} entries, the budget says {expected} "
-                                f"({row['kept']:.4f} x {length})")
+                failures.append(f"layer {layer} kept {n} entries (the file's ratio gives {expected}, its kept "
+                                f"fraction {row['kept']:.4f} x {length} = {row['kept'] * length:.2f})")
         if kept_entries(full) != [length] * len(kept):
             failures.append(f"the prefill without the press kept {kept_entries(full)}, not {length} per layer")
         position = torch.tensor([[length]])
