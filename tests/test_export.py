@@ -272,7 +272,7 @@ def every_score(gqa_run, tmp_path_factory):
 
 FROM_CASES = [("duo-attention", []), ("duo-attention", ["--scores", "kv"]), ("duo-attention", ["--scores", "retrieval",
               "--sink-size", 3]), ("retrieval-head", ["--scores", "retrieval"]), ("retrieval-head", ["--scores", "kv"]),
-              ("layer-budgets", ["--compression-ratio", 0.3])]
+              ("layer-budgets", ["--compression-ratio", 0.3]), ("head-scores", [])]
 
 
 def test_export_from_the_parquet_equals_the_export_from_the_folder(every_score, tmp_path):
