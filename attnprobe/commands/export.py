@@ -91,24 +91,10 @@ def export(
     files = headscores.read_score_file(source_file) if source_file is not None else \
         exporting.as_files(DEFAULT_OUT if out is None else out)
     if format is ExportFormat.head_scores:
-        written, record = exporting.write_head_scores(to, files)
-        model = record["model"]
-        out_console.print(f"{model['spec']}: {model['layers']} layers x {model['heads']} heads, the scores of "
-                          f"{', '.join(f'`{part}`' for part in record['parts'])} in one file", markup=False,
-                          highlight=False, soft_wrap=True)
-        say_written(written)
-        return
+        return export_head_scores(to, files)
     if format is ExportFormat.layer_budgets:
-        ratio = DEFAULT_RATIO if compression_ratio is None else compression_ratio
-        floor = DEFAULT_MIN_KEPT if min_kept is None else min_kept
-        written, record = exporting.write_budgets(to, files, ratio, floor)
-        kept = record["kept"]
-        out_console.print(f"{record['model']['spec']}: {len(kept)} layers keep {min(kept):.3f} to {max(kept):.3f} "
-                          f"of their KV entries (mean {record['mean_kept']:.3f}: compression ratio {ratio:g}), from "
-                          "analyze's entropy, for kvpress's PerLayerCompressionPress", markup=False, highlight=False,
-                          soft_wrap=True)
-        say_written(written)
-        return
+        return export_budgets(to, files, DEFAULT_RATIO if compression_ratio is None else compression_ratio,
+                              DEFAULT_MIN_KEPT if min_kept is None else min_kept)
     head_scores = exporting.load_scores(files, scores.value, sink_size, recent_size)
     written = exporting.write_export(to, head_scores, format.value)
     model = head_scores.model
@@ -133,3 +119,28 @@ def check_options(format: ExportFormat, scores: ExportScores, sink_size: int | N
     if unused:
         raise AttnprobeError(f"{unused[0]} does nothing with --format {format.value}: drop it, or pick the format it "
                              "applies to (see `attnprobe export --help`)")
+
+
+def export_head_scores(to: Path, files) -> None:
+    """--format head-scores: write head_scores.parquet and say what it holds."""
+    from attnprobe import export as exporting
+
+    written, record = exporting.write_head_scores(to, files)
+    model = record["model"]
+    out_console.print(f"{model['spec']}: {model['layers']} layers x {model['heads']} heads, the scores of "
+                      f"{', '.join(f'`{part}`' for part in record['parts'])} in one file", markup=False,
+                      highlight=False, soft_wrap=True)
+    say_written(written)
+
+
+def export_budgets(to: Path, files, ratio: float, min_kept: float) -> None:
+    """--format layer-budgets: write layer_budgets.json and say the range of the budgets."""
+    from attnprobe import export as exporting
+
+    written, record = exporting.write_budgets(to, files, ratio, min_kept)
+    kept = record["kept"]
+    out_console.print(f"{record['model']['spec']}: {len(kept)} layers keep {min(kept):.3f} to {max(kept):.3f} of "
+                      f"their KV entries (mean {record['mean_kept']:.3f}: compression ratio {ratio:g}), from "
+                      "analyze's entropy, for kvpress's PerLayerCompressionPress", markup=False, highlight=False,
+                      soft_wrap=True)
+    say_written(written)
