@@ -118,12 +118,20 @@ class ScoreFile:
                 f"`{made_by}` ran")
 
     def read_run(self) -> dict[str, Any]:
-        return self.read_json(io.RUN_FILE, "attnprobe analyze")
+        """analyze's run.json as written, with the settings export reads checked as io.read_run checks them."""
+        run = self.read_json(io.RUN_FILE, "attnprobe analyze")
+        model, attention = run.get("model"), run.get("attention")
+        numbers = [model.get(k) for k in ("layers", "heads", "kv_heads")] if isinstance(model, dict) else [None]
+        numbers += [attention.get(k) for k in ("sink_tokens", "window")] if isinstance(attention, dict) else [None]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in numbers):
+            raise AttnprobeError(f"--from {self.file} holds a record of `attnprobe analyze` without its model's shape "
+                                 "or its sink and window: the file was edited; export it again")
+        return run
 
     def read_json(self, name: str, made_by: str) -> Any:
         if not self.has(name):
             raise AttnprobeError(self.lacking(name, made_by))
-        part, entry = self._part(name)
+        _, entry = self._part(name)
         if name == io.RETRIEVAL_SCORES_FILE:
             return {f"{row.layer}-{row.head}": [float(v) for v in row.trials]
                     for row in self.frame[["layer", "head", TRIALS_COLUMN]].rename(
