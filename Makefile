@@ -132,8 +132,10 @@ clean:
 # delete them to rerun) are exported, with the other analyze scores of benchmarks/kvpress_candidates.py, and
 # benchmarks/bench_kvpress.py scores them on a held-out needle and text (~50 min here with the training; the bench
 # alone ~12); it fails unless every default export of `analyze` and `retrieval`, and the trained pattern, keeps the
-# needle better than random heads at every ratio (benchmarks/kvpress_verdict.py). Not part of `make test`; CI runs it
-# after the suites.
+# needle better than random heads at every ratio (benchmarks/kvpress_verdict.py). Before the bench, the layer budgets
+# of the analyze run (`export --format layer-budgets`, the same from its head_scores.parquet) are loaded into kvpress's
+# PerLayerCompressionPress and each layer's kept KV entries compared with them (benchmarks/kvpress_budgets.py, seconds).
+# Not part of `make test`; CI runs it after the suites.
 KVPRESS_VENV ?= .venv-kvpress
 KVPRESS_OUT ?= outputs/kvpress
 KVPRESS_TEXT ?= /usr/share/common-licenses/GPL-3
@@ -166,6 +168,13 @@ kvpress-check: $(VENV)/.installed $(KVPRESS_VENV)/.installed $(KVPRESS_OUT)/retr
 	  --sink-size 4 --recent-size 256
 	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/analyze --format duo-attention --to $(KVPRESS_OUT)/duo-analyze
 	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/train --format duo-attention --to $(KVPRESS_OUT)/duo-trained
+	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/analyze --format layer-budgets --to $(KVPRESS_OUT)/budgets
+	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/analyze --format head-scores --to $(KVPRESS_OUT)/published
+	$(BIN)/attnprobe export --from $(KVPRESS_OUT)/published/head_scores.parquet --format layer-budgets \
+	  --to $(KVPRESS_OUT)/budgets-from-file
+	cmp $(KVPRESS_OUT)/budgets/layer_budgets.json $(KVPRESS_OUT)/budgets-from-file/layer_budgets.json
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(KVPRESS_THREADS) $(KVPRESS_VENV)/bin/python benchmarks/kvpress_budgets.py \
+	  --model-dir $(KVPRESS_OUT)/smollm2-hf --budgets $(KVPRESS_OUT)/budgets/layer_budgets.json --threads $(KVPRESS_THREADS)
 	$(BIN)/python benchmarks/kvpress_candidates.py --out $(KVPRESS_OUT)/analyze --to $(KVPRESS_OUT)/candidates
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(KVPRESS_THREADS) $(KVPRESS_VENV)/bin/python benchmarks/bench_kvpress.py \
 	  --model-dir $(KVPRESS_OUT)/smollm2-hf --threads $(KVPRESS_THREADS) --pattern retrieval=$(KVPRESS_OUT)/duo-retrieval \

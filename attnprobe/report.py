@@ -364,7 +364,7 @@ def provenance(run: dict[str, Any], out: Path) -> list[list[str]]:
 
 def attention_ran(attention: dict[str, Any]) -> str:
     """What measured the sequences, from run.json's `attention`: its `sequences` count per kernel where it has them
-    (issue 34: "fused (asked: auto)" where every sequence was shorter than fused_min_tokens and ran blocked), then the
+    (not "fused (asked: auto)" where every sequence was shorter than fused_min_tokens and ran blocked), then the
     path chosen and what was asked."""
     from attnprobe.naming import counted
 
