@@ -1,0 +1,222 @@
+"""`circuit`'s figures: the circuit as a graph a person can read, and its faithfulness over circuit size.
+
+The graph: one row per layer, bottom to top, the input below the first and the logits above the last; a layer's
+heads across (a{layer}.h{head}) and its MLP beside them (m{layer}, a little above the heads, as it reads them).
+Only the edges in the circuit are drawn: width by |score|, red where the edge raises the metric and blue where it
+lowers it; an edge into a head's query, key or value ends at that input's own point below the head (left, middle,
+right) with its own line style. The `labelled` strongest edges carry a number, and a key beside the graph names
+them with their scores. Node names are EAP-IG's: "input", "a{layer}.h{head}", "m{layer}", "logits".
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.collections import LineCollection
+from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from attnprobe.errors import AttnprobeError
+from attnprobe.plotting.style import any_script_figure, plain_text
+
+EDGE_COLUMNS = ("sender", "receiver", "input", "score", "in_circuit")
+CURVE_COLUMNS = ("edges", "fraction", "faithfulness", "random_mean", "random_low", "random_high")
+NODE = re.compile(r"input|logits|a(\d+)\.h(\d+)|m(\d+)")
+RAISES, LOWERS = "#b2182b", "#2166ac"  # an edge's sign: it raises or lowers the metric (RdBu's ends)
+NODE_COLOR, IDLE_COLOR = "#252525", "#d0d0d0"  # a node an edge of the circuit touches, and one none does
+# an edge into a head's query, key or value: where it ends (x offset from the head, y below it) and its line style
+PORTS = {"q": (-0.22, -0.14, "solid"), "k": (0.0, -0.14, (0, (4, 2))), "v": (0.22, -0.14, (0, (1, 1.5))),
+         "": (0.0, 0.0, "solid")}
+MLP_GAP, MLP_RISE = 0.9, 0.4  # an MLP node: this far right of the last head, this far above its heads' row
+BOW, BOW_MAX, CURVE_POINTS = 0.1, 1.2, 21  # an edge's arc: its sideways bow (share of its length, at most
+# BOW_MAX node spacings at the control point: half that at the arc's middle) and the points drawn
+WIDTH = (0.4, 4.0)  # the thinnest and the widest edge, in points
+ALPHA = (0.35, 0.85)  # the weakest and the strongest edge's opacity
+RANDOM_COLOR, CIRCUIT_COLOR = "#7f7f7f", "#b2182b"
+
+
+def node_position(name: str, layers: int, heads: int) -> tuple[float, float]:
+    """Where a node sits: (head, layer) for a head, beside and a little above the heads for an MLP, the input one
+    row below layer 0 and the logits one row above the last layer, both centred."""
+    match = NODE.fullmatch(str(name))
+    if match is None:
+        raise AttnprobeError(f"circuit node {name!r}: expected input, logits, a<layer>.h<head> or m<layer>")
+    centre = (heads - 1) / 2
+    if name == "input":
+        return centre, -1.0
+    if name == "logits":
+        return centre, float(layers)
+    layer = int(match.group(1) or match.group(3))
+    if layer >= layers:
+        raise AttnprobeError(f"circuit node {name!r} lies beyond the model's {layers} layers")
+    if match.group(3) is not None:
+        return heads - 1 + MLP_GAP, layer + MLP_RISE
+    return float(match.group(2)), float(layer)
+
+
+def heads_of(edges: pd.DataFrame) -> int:
+    """The number of heads per layer: one more than the highest head any node of `edges` names (1 at least)."""
+    found = pd.concat([edges["sender"], edges["receiver"]]).astype(str).str.extract(r"^a\d+\.h(\d+)$")[0]
+    return int(found.dropna().astype(int).max()) + 1 if found.notna().any() else 1
+
+
+def check_columns(frame: pd.DataFrame, columns: tuple[str, ...], what: str) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise AttnprobeError(f"{what} lacks the column(s) {', '.join(missing)}: it needs {', '.join(columns)}")
+
+
+def draw_circuit(ax: Axes, edges: pd.DataFrame, layers: int, labelled: int = 10) -> None:
+    """The circuit's edges (the rows of `edges` whose in_circuit is true) on the model's nodes, as the module
+    docstring says; the edges are one LineCollection (gid "circuit-edges"), the strongest drawn last."""
+    check_columns(edges, EDGE_COLUMNS, "the circuit's edge table")
+    heads = heads_of(edges)
+    chosen = edges[edges["in_circuit"].astype(bool)]
+    chosen = chosen.assign(size=chosen["score"].abs()).sort_values("size", kind="stable")  # strongest last
+    draw_nodes(ax, layers, heads, set(chosen["sender"]) | set(chosen["receiver"]))
+    if chosen.empty:
+        ax.text(0.5, 0.5, "no edge in the circuit", transform=ax.transAxes, ha="center", va="center")
+    else:
+        draw_edges(ax, chosen, layers, heads)
+        label_edges(ax, chosen.iloc[::-1].head(max(labelled, 0)), layers, heads)
+    frame_graph(ax, layers, heads)
+
+
+def draw_nodes(ax: Axes, layers: int, heads: int, used: set[str]) -> None:
+    """Every head and MLP as a small grey mark, those the circuit uses dark and larger; input and logits named."""
+    names = [f"a{layer}.h{head}" for layer in range(layers) for head in range(heads)]
+    names += [f"m{layer}" for layer in range(layers)]
+    xy = np.array([node_position(n, layers, heads) for n in names])  # [node, 2]
+    marker = np.array(["s" if n.startswith("m") else "o" for n in names])  # [node]
+    active = np.array([n in used for n in names])  # [node]
+    for shape in ("o", "s"):
+        for on, color, size in ((False, IDLE_COLOR, 9), (True, NODE_COLOR, 22)):
+            pick = (marker == shape) & (active == on)  # [node]
+            ax.scatter(xy[pick, 0], xy[pick, 1], s=size, c=color, marker=shape, zorder=3 if on else 1,
+                       linewidths=0)
+    for name in ("input", "logits"):
+        x, y = node_position(name, layers, heads)
+        ax.scatter([x], [y], s=40, c=NODE_COLOR if name in used else IDLE_COLOR, marker="D", zorder=3)
+        ax.annotate(name, (x, y), xytext=(7, 0), textcoords="offset points", va="center", fontsize=8)
+
+
+def draw_edges(ax: Axes, chosen: pd.DataFrame, layers: int, heads: int) -> None:
+    """The chosen edges as one LineCollection: width by |score| (WIDTH), colour by sign, style by the input."""
+    ports = chosen["input"].fillna("")
+    segments = [edge_points(s, r, p, layers, heads) for s, r, p in zip(chosen["sender"], chosen["receiver"], ports)]
+    styles = [PORTS[p][2] for p in ports]
+    size = chosen["size"].to_numpy(dtype=float)  # [edge]
+    largest = float(size.max()) if size.size and size.max() > 0 else 1.0
+    widths = WIDTH[0] + (WIDTH[1] - WIDTH[0]) * size / largest  # [edge]
+    colors = [to_rgba(RAISES if s >= 0 else LOWERS, alpha) for s, alpha in  # weak edges fainter
+              zip(chosen["score"], ALPHA[0] + (ALPHA[1] - ALPHA[0]) * size / largest)]
+    lines = LineCollection(segments, linewidths=widths, colors=colors, linestyles=styles, zorder=2, capstyle="round")
+    lines.set_gid("circuit-edges")
+    ax.add_collection(lines)
+
+
+def edge_points(sender: str, receiver: str, port: str, layers: int, heads: int) -> np.ndarray:
+    """The edge as a gentle arc of CURVE_POINTS points [point, 2], from its sender to the receiver (or to its query,
+    key or value point), its middle moved sideways towards the graph's middle column by BOW of its length (at most
+    BOW_MAX): an edge along a column of heads does not run through the heads between its ends."""
+    if port not in PORTS:
+        raise AttnprobeError(f"edge {sender} -> {receiver}: input {port!r}, expected q, k, v or empty")
+    dx, dy, _ = PORTS[port]
+    x, y = node_position(receiver, layers, heads)
+    start, end = np.array(node_position(sender, layers, heads)), np.array([x + dx, y + dy])  # [2] each
+    along = end - start  # [2]
+    length = float(np.hypot(*along)) or 1.0
+    side = np.array([along[1], -along[0]]) / length  # [2]: unit normal
+    if side[0] * ((heads - 1) / 2 - (start[0] + end[0]) / 2) < 0:
+        side = -side  # towards the middle column: an MLP's arcs stay inside the axes
+    control = (start + end) / 2 + min(BOW * length, BOW_MAX) * side  # [2]
+    t = np.linspace(0.0, 1.0, CURVE_POINTS)[:, None]  # [point, 1]
+    return (1 - t) ** 2 * start + 2 * t * (1 - t) * control + t ** 2 * end  # [point, 2], a quadratic Bezier
+
+
+def label_edges(ax: Axes, top: pd.DataFrame, layers: int, heads: int) -> None:
+    """A number on each of the `top` edges (strongest first) and, beside the graph, a key naming each."""
+    key = []
+    for rank, (sender, receiver, port, score) in enumerate(
+            zip(top["sender"], top["receiver"], top["input"].fillna(""), top["score"]), start=1):
+        x, y = edge_points(sender, receiver, port, layers, heads)[CURVE_POINTS * 11 // 20]  # 55% of the way
+        ax.text(x, y, str(rank), fontsize=6, ha="center", va="center",
+                zorder=4, gid="circuit-edge-label",
+                bbox={"boxstyle": "circle,pad=0.2", "facecolor": "white", "edgecolor": "#737373", "linewidth": 0.5})
+        into = f"{receiver}.{port}" if port else receiver
+        key.append(f"{rank:>2}  {sender} \u2192 {into}  {score:+.3g}")
+    ax.text(1.02, 1.0, plain_text("strongest edges\n" + "\n".join(key)), transform=ax.transAxes, va="top",
+            ha="left", fontsize=7, family="monospace")
+
+
+def frame_graph(ax: Axes, layers: int, heads: int) -> None:
+    """Axis limits, layer and head ticks, and the legend of colours and line styles."""
+    ax.set_xlim(-0.8, heads - 1 + MLP_GAP + 0.8)
+    ax.set_ylim(-1.6, layers + 0.6)
+    step = 1 if layers <= 32 else int(np.ceil(layers / 32))
+    ax.set_yticks(range(0, layers, step))
+    ax.set_ylabel("layer")
+    ax.set_xticks([*range(heads), heads - 1 + MLP_GAP], [*map(str, range(heads)), "MLP"],
+                  fontsize=7 if heads > 16 else 8)
+    ax.set_xlabel("head")
+    ax.tick_params(axis="y", labelsize=7 if layers > 16 else 8)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    handles = [Line2D([], [], color=RAISES, lw=2, label="raises the metric"),
+               Line2D([], [], color=LOWERS, lw=2, label="lowers the metric"),
+               *(Line2D([], [], color="#525252", lw=1.2, linestyle=PORTS[p][2], label=f"into a head's {name}")
+                 for p, name in (("q", "query"), ("k", "key"), ("v", "value")))]
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(1.02, 0.0), fontsize=7, frameon=False)
+
+
+def draw_faithfulness(ax: Axes, curve: pd.DataFrame, log: bool | None = None) -> None:
+    """Faithfulness over circuit size (x: the fraction of the graph's edges kept, on a log scale when `log`, or by
+    default when the sizes span more than two decades), beside random circuits of the same sizes (their mean and
+    interval band), with the full model (1) and the corrupt run (0) as lines."""
+    check_columns(curve, CURVE_COLUMNS, "the faithfulness curve")
+    curve = curve.sort_values("fraction")
+    x = curve["fraction"].to_numpy(dtype=float)  # [size]
+    if log is None:
+        positive = x[x > 0]
+        log = bool(positive.size == x.size and positive.size and positive.max() / positive.min() > 100)
+    ax.axhline(1.0, color="#252525", lw=0.8, label="full model (1)")
+    ax.axhline(0.0, color="#969696", lw=0.8, linestyle=(0, (4, 2)), label="corrupt run (0)")
+    ax.fill_between(x, curve["random_low"].to_numpy(dtype=float), curve["random_high"].to_numpy(dtype=float),
+                    color=RANDOM_COLOR, alpha=0.25, linewidth=0, label="random circuits: interval", gid="random-band")
+    ax.plot(x, curve["random_mean"].to_numpy(dtype=float), color=RANDOM_COLOR, lw=1.2, marker=".",
+            label="random circuits: mean", gid="random-mean")
+    ax.plot(x, curve["faithfulness"].to_numpy(dtype=float), color=CIRCUIT_COLOR, lw=1.8, marker="o", ms=3.5,
+            label="circuit", gid="circuit-faithfulness")
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel("fraction of edges in the circuit" + (" (log scale)" if log else ""))
+    ax.set_ylabel("faithfulness (metric / full model's)")
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(alpha=0.3, linewidth=0.5)
+
+
+@any_script_figure
+def circuit_figure(edges: pd.DataFrame, layers: int, title: str | None = None, labelled: int = 10) -> Figure:
+    """draw_circuit on a figure sized to the model (a 30 x 9 model: about 10 x 10 inches)."""
+    heads = heads_of(edges)
+    figure = Figure(figsize=(max(6.0, 0.45 * heads + 5.0), max(4.5, 0.3 * layers + 1.5)), layout="constrained")
+    ax = figure.add_subplot()
+    draw_circuit(ax, edges, layers, labelled)
+    if title is not None:
+        ax.set_title(plain_text(title))
+    return figure
+
+
+@any_script_figure
+def faithfulness_figure(curve: pd.DataFrame, title: str | None = None, log: bool | None = None) -> Figure:
+    """draw_faithfulness on a figure of its own."""
+    figure = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = figure.add_subplot()
+    draw_faithfulness(ax, curve, log)
+    if title is not None:
+        ax.set_title(plain_text(title))
+    return figure
