@@ -16,9 +16,11 @@ disjoint sets of token ids read at the last position: `good` (what the clean pro
       earlier); D itself decides nothing yet and is in neither set. YY is drawn from 10..89 so that both sets hold
       a digit.
   A tokenizer that splits years in neither way is refused.
-- `arithmetic`: "12+35=" or "47-15=" (two-digit operands, a result of 0 or more); the corrupt prompt changes one
-  operand to another of the same token length; good = the first token of the clean answer as it follows "=", bad =
-  the first token of the corrupt prompt's answer; only pairs whose two tokens differ; logit difference.
+- `arithmetic`: "12+35=" or "47-15=" (two-digit operands, a positive result) after three solved problems of the
+  same kind ("61+20=81, 75-33=42, 18+40=58, 12+35="), which show a small model the format (without them SmolLM2-135M
+  hardly tells the answers apart); the corrupt prompt changes one operand of the last problem to another of the
+  same token length; good = the first token of the clean answer as it follows "=", bad = the first token of the
+  corrupt prompt's answer; only pairs whose two tokens differ; logit difference.
 - `multiple-choice`: "Question: What is the capital of France?\\nA. Berlin\\nB. Paris\\nC. Rome\\nD. Madrid\\nAnswer:"
   from a small built-in list of capitals, colours and opposites; the corrupt prompt holds the same options in an
   order where the right one has another letter; good = the right letter (" B"), bad = the three others (their mean
@@ -62,6 +64,7 @@ CORRUPT_YEAR = 1  # the paper's corruption: 17YY -> 1701
 
 OPERATIONS = ("+", "-")
 OPERANDS = range(10, 100)
+SHOTS, SHOT_SEPARATOR = 3, ", "  # solved problems before the question: "12+35=47, 63-15=48, 20+31=51, 44+12="
 
 LETTERS = ("A", "B", "C", "D")
 QUESTIONS = (  # (question, [(subject, answer)]): a subject's distractors are the other subjects' answers
@@ -145,19 +148,19 @@ def greater_than_task(loaded: Any, n: int, seed: int) -> list[TaskPair]:
 
 
 def arithmetic_task(loaded: Any, n: int, seed: int) -> list[TaskPair]:
-    """Two-operand addition and subtraction pairs whose clean and corrupt answers start with different tokens."""
+    """Two-operand addition and subtraction pairs after SHOTS solved problems (the same in both prompts), whose
+    clean and corrupt answers start with different tokens."""
     rng = random.Random(seed)
 
     def draw() -> TaskPair | None:
-        op = rng.choice(OPERATIONS)
-        a, b = rng.sample(OPERANDS, 2)
-        a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)  # a - b > 0
+        shots = "".join(f"{p}{solve(p)}{SHOT_SEPARATOR}" for p in (problem(rng)[0] for _ in range(SHOTS)))
+        task, a, op, b = problem(rng)
         which = rng.randrange(2)  # the operand the corrupt prompt changes: 0 the first, 1 the second
         others = [x for x in OPERANDS if x not in (a, b) and (op == "+" or (x < a if which else x > b))]
         if not others:
             return None
         c = rng.choice(others)
-        clean, corrupt = f"{a}{op}{b}=", (f"{a}{op}{c}=" if which else f"{c}{op}{b}=")
+        clean, corrupt = shots + task, shots + (f"{a}{op}{c}=" if which else f"{c}{op}{b}=")
         good = next_token(loaded, clean, str(solve(clean)))
         bad = next_token(loaded, clean, str(solve(corrupt)))
         if good is None or bad is None or good == bad or not same_length(loaded, clean, corrupt):
@@ -167,9 +170,17 @@ def arithmetic_task(loaded: Any, n: int, seed: int) -> list[TaskPair]:
     return drawn(loaded, "arithmetic", n, draw)
 
 
+def problem(rng: random.Random) -> tuple[str, int, str, int]:
+    """A random problem "a+b=" or "a-b=" (a > b) of two-digit operands: (text, a, operation, b)."""
+    op = rng.choice(OPERATIONS)
+    a, b = rng.sample(OPERANDS, 2)
+    a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)  # a - b > 0
+    return f"{a}{op}{b}=", a, op, b
+
+
 def solve(prompt: str) -> int:
-    """The result of an arithmetic prompt "a+b=" or "a-b="."""
-    body = prompt.rstrip("=")
+    """The result of an arithmetic prompt's last problem, "a+b=" or "a-b=" (after any solved ones)."""
+    body = prompt.rpartition(SHOT_SEPARATOR)[2].rstrip("=")
     op = "+" if "+" in body else "-"
     a, b = (int(x) for x in body.split(op))
     return a + b if op == "+" else a - b

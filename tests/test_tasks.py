@@ -135,15 +135,26 @@ def test_greater_than_sets_are_the_later_years(loaded):
         assert set(texts(loaded, pair.good)) == later and set(texts(loaded, pair.bad)) == earlier
 
 
+def calculated(a: str, op: str, b: str) -> int:
+    return int(a) + int(b) if op == "+" else int(a) - int(b)
+
+
 def test_arithmetic_answers_are_the_results(loaded):
-    """good = the first token of the clean result, bad = that of the corrupt result, as they follow "="; one
-    operand changed, of the same token length."""
+    """Three solved problems (right, the same in both prompts), then the question; good = the first token of the
+    clean result, bad = that of the corrupt result, as they follow "="; one operand changed, of the same token
+    length."""
+    problem = r"(\d\d)([+-])(\d\d)="
     for pair in tasks.task_pairs(loaded, "arithmetic", 16):
-        a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", pair.clean).groups()
-        c, op2, d = re.fullmatch(r"(\d+)([+-])(\d+)=", pair.corrupt).groups()
+        *shots, last = pair.clean.split(", ")
+        assert len(shots) == tasks.SHOTS and pair.corrupt.startswith(", ".join(shots) + ", ")
+        for shot in shots:
+            a, op, b, result = re.fullmatch(problem + r"(\d+)", shot).groups()
+            assert calculated(a, op, b) == int(result) > 0
+        a, op, b = re.fullmatch(problem, last).groups()
+        c, op2, d = re.fullmatch(problem, pair.corrupt.rpartition(", ")[2]).groups()
         assert op == op2 and (a == c) != (b == d)
-        clean, corrupt = eval(pair.clean[:-1]), eval(pair.corrupt[:-1])  # the prompts are digits and one sign
-        assert clean >= 0 and corrupt >= 0
+        clean, corrupt = calculated(a, op, b), calculated(c, op, d)
+        assert clean > 0 and corrupt > 0
         (good,), (bad,) = texts(loaded, pair.good), texts(loaded, pair.bad)
         assert str(clean).startswith(good) and str(corrupt).startswith(bad) and good != bad
         assert len(tasks.token_ids(loaded, c if a != c else d)) == len(tasks.token_ids(loaded, a if a != c else b))
