@@ -24,7 +24,8 @@ disjoint sets of token ids read at the last position: `good` (what the clean pro
 - `multiple-choice`: "Question: What is the capital of France?\\nA. Berlin\\nB. Paris\\nC. Rome\\nD. Madrid\\nAnswer:"
   from a small built-in list of capitals, colours and opposites; the corrupt prompt holds the same options in an
   order where the right one has another letter; good = the right letter (" B"), bad = the three others (their mean
-  logit).
+  logit). It needs a model that ties an answer to its letter: SmolLM2-135M scores the clean and the corrupt
+  prompts alike.
 
 Every word a template fills in is kept only where it is one token after a space (as ioi.single_tokens), every
 answer token is the one the tokenizer gives it after its prompt, and a candidate pair whose prompts tokenize to

@@ -199,10 +199,14 @@ def test_refusals(gpt2_bpe, tmp_path):
         tasks.task_pairs(gpt2_bpe, "arithmetic", 0)
     from transformers import AutoTokenizer
 
-    save_tokenizer(tmp_path, ["The war lasted from the year 1732 to the year 17 ."])
+    save_tokenizer(tmp_path, ["The war lasted from the year to the year ."])  # no number, no letter A-D
     words = loaded_of(AutoTokenizer.from_pretrained(tmp_path), "words")
     with pytest.raises(AttnprobeError, match="neither a token for every two-digit number nor one for every digit"):
         tasks.task_pairs(words, "greater-than", 4)
+    with pytest.raises(AttnprobeError, match="does not give the letters A, B, C, D one token each after 'Answer:'"):
+        tasks.task_pairs(words, "multiple-choice", 4)
+    with pytest.raises(AttnprobeError, match=r"made only 0 of 4 arithmetic pairs in 200 tries .* --pairs FILE"):
+        tasks.task_pairs(words, "arithmetic", 4)
     with pytest.raises(AttnprobeError, match="share none"):
         tasks.TaskPair("a", "b", (1, 2), (2,))
     with pytest.raises(AttnprobeError, match="metric 'logprob': use one of"):
