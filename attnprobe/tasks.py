@@ -92,6 +92,8 @@ class TaskPair:
     bad: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        for name in ("good", "bad"):  # ids as a tuple of ints (hashable: metric_value keeps one index per list)
+            object.__setattr__(self, name, tuple(int(token) for token in getattr(self, name)))
         if not self.good or not self.bad or set(self.good) & set(self.bad):
             raise AttnprobeError(f"the pair {self.clean!r}: good tokens {self.good} and bad tokens {self.bad} must "
                                  "both be given and share none")

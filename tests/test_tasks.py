@@ -209,6 +209,7 @@ def test_refusals(gpt2_bpe, tmp_path):
         tasks.task_pairs(words, "arithmetic", 4)
     with pytest.raises(AttnprobeError, match="share none"):
         tasks.TaskPair("a", "b", (1, 2), (2,))
+    assert tasks.TaskPair("a", "b", [1, torch.tensor(2)], range(3, 5)) == tasks.TaskPair("a", "b", (1, 2), (3, 4))
     with pytest.raises(AttnprobeError, match="metric 'logprob': use one of"):
         tasks.metric_value(torch.zeros(1, 3), [tasks.TaskPair("a", "b", (1,), (2,))], "logprob")
 
