@@ -32,6 +32,18 @@ def write_circuit(folder: Path, *, in_circuit: bool = True, curve: bool = True) 
     (folder / CIRCUIT_RECORD).write_text(json.dumps(record), encoding="utf-8")
 
 
+def write_command_record(folder: Path) -> None:
+    """circuit.json as `attnprobe circuit` lays it out: the scores and the curve under "faithfulness", the settings
+    as its own keys, the graph's shape under "graph", notes."""
+    record = {"model": {"spec": "tiny-model"}, "pairs": {"from": "task ioi", "count": 16}, "method": "eap-ig",
+              "steps": 5, "metric": "logit-diff", "graph": {"layers": 3, "heads": 2, "edges": 6},
+              "circuit": {"chosen_by": "top", "top": 4, "threshold": None, "edges": [{"sender": "a1.h0"}] * 4},
+              "faithfulness": {"ablation": "patch", "clean": 2.5, "corrupt": -0.25, "cpr": 0.71, "cmd": 0.3,
+                               "random_cpr": 0.12, "random_cmd": 0.88, "curve": CURVE},
+              "notes": ["the clean and corrupt metric differ by only +0.05"]}
+    (folder / CIRCUIT_RECORD).write_text(json.dumps(record), encoding="utf-8")
+
+
 def images(markup: str) -> list[bytes]:
     return [base64.b64decode(data) for data in re.findall(r'src="data:image/png;base64,([^"]+)"', markup)]
 
@@ -73,3 +85,27 @@ def test_an_edge_table_without_its_node_columns_is_refused_by_name(tmp_path):
     pd.read_csv(tmp_path / CIRCUIT_EDGES).drop(columns="receiver").to_csv(tmp_path / CIRCUIT_EDGES, index=False)
     with pytest.raises(AttnprobeError, match=r"edges\.csv lacks column\(s\) receiver: run `attnprobe circuit`"):
         circuit_sections(tmp_path)
+
+
+def test_the_circuit_commands_own_layout_is_read_too(tmp_path, monkeypatch):
+    """Scores and curve under "faithfulness", settings as the command's keys, the layer count from "graph" (3 rows
+    although the edges name only 2 layers), its notes shown."""
+    from attnprobe import plotting
+
+    drawn_layers = []
+    original = plotting.circuit_figure
+    monkeypatch.setattr(plotting, "circuit_figure", lambda edges, layers: drawn_layers.append(layers) or original(
+        edges, layers))
+    write_circuit(tmp_path)
+    write_command_record(tmp_path)
+    (section,) = circuit_sections(tmp_path)
+    assert drawn_layers == [3]
+    assert "CPR 0.7100" in section.html and "CMD 0.3000" in section.html
+    assert "random circuits of the same sizes: CPR 0.1200" in section.html
+    assert "clean +2.5000, corrupt -0.2500" in section.html
+    assert "<li>the clean and corrupt metric differ by only +0.05</li>" in section.html
+    for label, value in (("model", "tiny-model"), ("method", "eap-ig"), ("pairs", "16"), ("top", "4"),
+                         ("edges in the circuit", "4"), ("ablation", "patch")):
+        assert f'<th scope="row">{label}</th><td>{value}</td>' in section.html
+    assert "threshold" not in section.html  # None: not a setting that was used
+    assert len(images(section.html)) == 2
