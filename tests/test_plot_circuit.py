@@ -19,9 +19,11 @@ from attnprobe.plotting import circuit
 matplotlib.use("Agg")
 
 
-def random_edges(layers: int, heads: int, count: int, chosen: int, seed: int = 0) -> pd.DataFrame:
-    """`count` distinct edges from an upstream node to a downstream node's input (EAP-IG's names), random scores;
-    the `chosen` largest |score| in the circuit."""
+def random_edges(layers: int, heads: int, count: int, chosen: int, seed: int = 0, kv_heads: int | None = None
+                 ) -> pd.DataFrame:
+    """`count` distinct edges from an upstream node to a downstream node's input (EAP-IG's names; with `kv_heads`,
+    a key or value input goes to the grouped a{layer}.kv{group}), random scores; the `chosen` largest |score| in the
+    circuit."""
     rng = np.random.default_rng(seed)
     senders = ["input", *(f"a{layer}.h{head}" for layer in range(layers) for head in range(heads)),
                *(f"m{layer}" for layer in range(layers))]
@@ -35,7 +37,11 @@ def random_edges(layers: int, heads: int, count: int, chosen: int, seed: int = 0
     while len(rows) < count:
         sender, receiver = senders[rng.integers(len(senders))], receivers[rng.integers(len(receivers))]
         if depth(receiver) > depth(sender):
-            rows.add((sender, receiver, str(rng.choice(["q", "k", "v"])) if receiver[0] == "a" else ""))
+            port = str(rng.choice(["q", "k", "v"])) if receiver[0] == "a" else ""
+            if kv_heads and port in "kv" and port:
+                layer, head = receiver[1:].split(".h")
+                receiver = f"a{layer}.kv{int(head) * kv_heads // heads}"
+            rows.add((sender, receiver, port))
     edges = pd.DataFrame(sorted(rows), columns=["sender", "receiver", "input"])
     edges["score"] = rng.normal(size=len(edges))
     edges["in_circuit"] = edges["score"].abs().rank(ascending=False, method="first") <= chosen
@@ -52,9 +58,10 @@ def drawn(edges: pd.DataFrame, layers: int, labelled: int = 10):
 
 
 def test_a_smollm2_sized_circuit_of_500_edges_draws_quickly(tmp_path):
-    """30 layers x 9 heads, 500 of 3,000 edges in the circuit: one edge line each, ten numbered, saved in seconds
-    (1.7 s here; the bound leaves room for a loaded machine)."""
-    edges = random_edges(30, 9, 3000, 500)
+    """30 layers x 9 heads (3 key/value heads), 500 of 3,000 edges in the circuit: one edge line each, ten
+    numbered, saved in seconds (1.7 s here; the bound leaves room for a loaded machine)."""
+    edges = random_edges(30, 9, 3000, 500, kv_heads=3)
+    assert edges["receiver"].str.contains(".kv", regex=False).any()
     started = time.perf_counter()
     figure = plotting.circuit_figure(edges, 30, "a 30 x 9 circuit")
     figure.savefig(tmp_path / "circuit.png", dpi=120, bbox_inches="tight")
@@ -85,18 +92,41 @@ def test_only_circuit_edges_are_drawn_widest_for_the_largest_score():
 def test_nodes_sit_by_layer_and_head_and_edges_end_at_their_input():
     """Rows = layers bottom to top (input below, logits above), heads across, the MLP beside; an edge ends at its
     receiver's query, key or value point, an edge into an MLP or the logits at the node."""
-    assert circuit.node_position("a3.h2", 5, 4) == (2.0, 3.0)
-    x, y = circuit.node_position("m3", 5, 4)
+    shape = circuit.Shape(5, 4)
+    assert circuit.node_position("a3.h2", shape) == (2.0, 3.0)
+    x, y = circuit.node_position("m3", shape)
     assert x > 3 and 3 < y < 4
-    assert circuit.node_position("input", 5, 4) == (1.5, -1.0)
-    assert circuit.node_position("logits", 5, 4) == (1.5, 5.0)
-    ends = {port: tuple(circuit.edge_points("a0.h0", "a2.h1", port, 5, 4)[-1]) for port in "qkv"}
+    assert circuit.node_position("input", shape) == (1.5, -1.0)
+    assert circuit.node_position("logits", shape) == (1.5, 5.0)
+    ends = {port: tuple(circuit.edge_points("a0.h0", "a2.h1", port, shape)[-1]) for port in "qkv"}
     assert len(set(ends.values())) == 3
     for port, (dx, dy, _) in circuit.PORTS.items():
         if port:
             assert ends[port] == pytest.approx((1 + dx, 2 + dy))
-    arc = circuit.edge_points("a0.h1", "logits", "", 5, 4)
+    arc = circuit.edge_points("a0.h1", "logits", "", shape)
     assert tuple(arc[0]) == (1.0, 0.0) and tuple(arc[-1]) == (1.5, 5.0)
+
+
+def test_grouped_key_value_heads_sit_on_a_bar_under_the_heads_they_serve():
+    """SmolLM2's grouping (9 query heads, 3 key/value heads): a{layer}.kv{g} is centred under query heads 3g..3g+2,
+    below their row; its k and v edges end there; one bar per layer and group, dark where the circuit uses it."""
+    edges = pd.DataFrame({"sender": ["a0.h4", "m0", "a1.h8", "input"], "receiver": ["a1.kv1", "a1.kv1", "logits",
+                                                                                      "a0.kv2"],
+                          "input": ["k", "v", "", "v"], "score": [1.0, -0.5, 2.0, 0.1],
+                          "in_circuit": [True, True, True, False]})
+    shape = circuit.shape_of(edges, 2)
+    assert shape == circuit.Shape(2, 9, 3)
+    assert circuit.node_position("a1.kv1", shape) == (4.0, 1 - circuit.KV_DROP)
+    assert tuple(circuit.edge_points("a0.h4", "a1.kv1", "k", shape)[-1]) == (4.0, 1 - circuit.KV_DROP)
+    assert tuple(circuit.edge_points("m0", "a1.kv1", "v", shape)[-1]) == pytest.approx((4.22, 1 - circuit.KV_DROP))
+    _, ax, (lines,), _ = drawn(edges, 2)
+    assert len(lines.get_segments()) == 3
+    (bars,) = [c for c in ax.collections if c.get_gid() == "kv-groups"]
+    assert len(bars.get_segments()) == 2 * 3
+    dark = [k for k, colour in enumerate(bars.get_colors()) if to_rgb(colour) == to_rgb(circuit.NODE_COLOR)]
+    assert dark == [1 * 3 + 1]  # layer 1, group 1: a0.kv2's edge is not in the circuit
+    with pytest.raises(AttnprobeError, match="names 9 query heads and 4 key/value heads"):
+        drawn(edges.assign(receiver=["a1.kv3", "a1.kv1", "logits", "a0.kv2"]), 2)
 
 
 def test_an_empty_circuit_draws_its_nodes_and_says_so():
