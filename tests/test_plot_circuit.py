@@ -123,7 +123,7 @@ def test_grouped_key_value_heads_sit_on_a_bar_under_the_heads_they_serve():
     assert len(lines.get_segments()) == 3
     (bars,) = [c for c in ax.collections if c.get_gid() == "kv-groups"]
     assert len(bars.get_segments()) == 2 * 3
-    dark = [k for k, colour in enumerate(bars.get_colors()) if to_rgb(colour) == to_rgb(circuit.NODE_COLOR)]
+    dark = [k for k, colour in enumerate(bars.get_colors()) if to_rgb(colour) == to_rgb(circuit.USED_BAR)]
     assert dark == [1 * 3 + 1]  # layer 1, group 1: a0.kv2's edge is not in the circuit
     with pytest.raises(AttnprobeError, match="names 9 query heads and 4 key/value heads"):
         drawn(edges.assign(receiver=["a1.kv3", "a1.kv1", "logits", "a0.kv2"]), 2)

@@ -2,12 +2,13 @@
 
 The graph: one row per layer, bottom to top, the input below the first and the logits above the last; a layer's
 heads across (a{layer}.h{head}) and its MLP beside them (m{layer}, a little above the heads, as it reads them).
-Only the edges in the circuit are drawn: width by |score|, red where the edge raises the metric and blue where it
-lowers it; an edge into a head's query, key or value ends at that input's own point below the head (left, middle,
-right) with its own line style. The `labelled` strongest edges carry a number, and a key beside the graph names
-them with their scores. Node names are EAP-IG's: "input", "a{layer}.h{head}", "m{layer}", "logits"; under
-grouped-query attention an edge into a key/value head "a{layer}.kv{group}" ends on a bar under the query heads that
-share it.
+Only the edges in the circuit are drawn: width by |score|, red for a positive score and blue for a negative one
+(what the sign means is the score's: the circuit command's is the change of the metric when the edge is patched to
+the corrupt run); an edge into a head's query, key or value ends at that input's own point below the head (left,
+middle, right) with its own line style; an edge from one MLP to another bows out to the right of the MLP column.
+The `labelled` strongest edges carry a number, and a key beside the graph names them with their scores. Node names
+are EAP-IG's: "input", "a{layer}.h{head}", "m{layer}", "logits"; under grouped-query attention an edge into a
+key/value head "a{layer}.kv{group}" ends on a bar under the query heads that share it.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from attnprobe.plotting.style import any_script_figure, plain_text
 EDGE_COLUMNS = ("sender", "receiver", "input", "score", "in_circuit")
 CURVE_COLUMNS = ("edges", "fraction", "faithfulness", "random_mean", "random_low", "random_high")
 NODE = re.compile(r"input|logits|a(\d+)\.h(\d+)|a(\d+)\.kv(\d+)|m(\d+)")
-RAISES, LOWERS = "#b2182b", "#2166ac"  # an edge's sign: it raises or lowers the metric (RdBu's ends)
+RAISES, LOWERS = "#b2182b", "#2166ac"  # an edge's score above or below 0 (RdBu's ends)
 NODE_COLOR, IDLE_COLOR = "#252525", "#d0d0d0"  # a node an edge of the circuit touches, and one none does
-IDLE_BAR = "#ebebeb"  # a key/value head's bar that no edge of the circuit reaches
+IDLE_BAR, USED_BAR = "#ebebeb", "#737373"  # a key/value head's bar that no edge of the circuit reaches, and one reached
 # an edge into a head's query, key or value: where it ends (x offset from the head, y below it) and its line style
 PORTS = {"q": (-0.22, -0.14, "solid"), "k": (0.0, -0.14, (0, (4, 2))), "v": (0.22, -0.14, (0, (1, 1.5))),
          "": (0.0, 0.0, "solid")}
@@ -137,7 +138,7 @@ def draw_nodes(ax: Axes, shape: Shape, used: set[str]) -> None:
                 for g in range(shape.heads // shape.group)]
         segments = [[(g * shape.group - 0.3, layer - KV_DROP), ((g + 1) * shape.group - 0.7, layer - KV_DROP)]
                     for _, layer, g in bars]
-        colors = [NODE_COLOR if name in used else IDLE_BAR for name, _, _ in bars]
+        colors = [USED_BAR if name in used else IDLE_BAR for name, _, _ in bars]
         ax.add_collection(LineCollection(segments, colors=colors, linewidths=0.9, zorder=1, gid="kv-groups"))
     for name in ("input", "logits"):
         x, y = node_position(name, shape)
@@ -174,8 +175,11 @@ def edge_points(sender: str, receiver: str, port: str, shape: Shape) -> np.ndarr
     along = end - start  # [2]
     length = float(np.hypot(*along)) or 1.0
     side = np.array([along[1], -along[0]]) / length  # [2]: unit normal
+    mlps = str(sender).startswith("m") and str(receiver).startswith("m")
     if side[0] * (shape.centre - (start[0] + end[0]) / 2) < 0:
-        side = -side  # towards the middle column: an MLP's arcs stay inside the axes
+        side = -side  # towards the middle column: arcs stay inside the axes
+    if mlps:
+        side = np.array([1.0, 0.0])  # MLP to MLP: out to the right, clear of the heads
     control = (start + end) / 2 + min(BOW * length, BOW_MAX) * side  # [2]
     t = np.linspace(0.0, 1.0, CURVE_POINTS)[:, None]  # [point, 1]
     return (1 - t) ** 2 * start + 2 * t * (1 - t) * control + t ** 2 * end  # [point, 2], a quadratic Bezier
@@ -199,7 +203,7 @@ def label_edges(ax: Axes, top: pd.DataFrame, shape: Shape) -> None:
 def frame_graph(ax: Axes, shape: Shape) -> None:
     """Axis limits, layer and head ticks, and the legend of colours and line styles (and key/value bars)."""
     layers, heads = shape.layers, shape.heads
-    ax.set_xlim(-0.8, heads - 1 + MLP_GAP + 0.8)
+    ax.set_xlim(-0.8, heads - 1 + MLP_GAP + BOW_MAX / 2 + 0.3)  # room for MLP-to-MLP arcs
     ax.set_ylim(-1.6, layers + 0.6)
     step = 1 if layers <= 32 else int(np.ceil(layers / 32))
     ax.set_yticks(range(0, layers, step))
@@ -210,12 +214,12 @@ def frame_graph(ax: Axes, shape: Shape) -> None:
     ax.tick_params(axis="y", labelsize=7 if layers > 16 else 8)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    handles = [Line2D([], [], color=RAISES, lw=2, label="raises the metric"),
-               Line2D([], [], color=LOWERS, lw=2, label="lowers the metric"),
+    handles = [Line2D([], [], color=RAISES, lw=2, label="score > 0"),
+               Line2D([], [], color=LOWERS, lw=2, label="score < 0"),
                *(Line2D([], [], color="#525252", lw=1.2, linestyle=PORTS[p][2], label=f"into a head's {name}")
                  for p, name in (("q", "query"), ("k", "key"), ("v", "value")))]
     if shape.group > 1:
-        handles.append(Line2D([], [], color=NODE_COLOR, lw=1.0, label=f"a key/value head, shared by the {shape.group}"
+        handles.append(Line2D([], [], color=USED_BAR, lw=1.0, label=f"a key/value head, shared by the {shape.group}"
                                                                       "\nquery heads above its bar"))
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(1.02, 0.0), fontsize=7, frameon=False)
 
