@@ -245,7 +245,7 @@ def draw_faithfulness(ax: Axes, curve: pd.DataFrame, log: bool | None = None) ->
     if log:
         ax.set_xscale("log")
     ax.set_xlabel("fraction of edges in the circuit" + (" (log scale)" if log else ""))
-    ax.set_ylabel("faithfulness (metric / full model's)")
+    ax.set_ylabel("faithfulness (0: corrupt run, 1: full model)")
     ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3, linewidth=0.5)
 
