@@ -626,3 +626,15 @@ def test_provenance_says_which_kernel_measured_the_sequences(run_dir):
     page = build_report(run_dir).html
     ran = run["attention"]["sequences"]
     assert all(f"{name} for {n} sequence" in page for name, n in ran.items() if name != "from_checkpoint")
+
+
+def test_a_circuit_in_the_folder_adds_its_section(copy_of):
+    """The circuit command's edges.csv and circuit.json in a results folder: the page shows the Circuit section
+    (test_report_circuit.py checks what it holds)."""
+    from test_report_circuit import write_circuit
+
+    assert 'id="circuit"' not in build_report(copy_of).html
+    write_circuit(copy_of)
+    html = build_report(copy_of).html
+    assert '<section id="circuit" class="extra"><h2>Circuit</h2>' in html
+    assert html.index('id="circuit"') < html.index('id="provenance"')
