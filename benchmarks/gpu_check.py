@@ -427,16 +427,21 @@ def torchrun(report: Report, dry: bool, work: Path, left, env: dict[str, str]) -
     from zoo import make  # the tiny zoo Llama, saved like a user's checkpoint
 
     model = make("llama", work / "llama")
+    ends = time.perf_counter() + left("torchrun")  # the step's two processes share its limit
+
+    def remaining() -> float:
+        return ends - time.perf_counter()
+
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     checked = work / "group.json"
     step = {"group": run(report, "torchrun group", [*launch, __file__, "--child", "group", "--json", str(checked)],
-                         left("torchrun"), env)}
+                         remaining(), env)}
     step["group"].update(json.loads(checked.read_text(encoding="utf-8")) if checked.is_file() else {})
     out = work / "analyze"
     step["analyze"] = run(report, "torchrun analyze", [
         *launch, "-m", "attnprobe", "analyze", "--model", str(model), "--corpus", "corpora/sentences.txt", "--out",
         str(out), "--device", "cpu" if dry else "cuda", "--dtype", "float32" if dry else "bfloat16", "--resamples",
-        "20", *(["--limit", "16"] if dry else [])], left("torchrun"), env)
+        "20", *(["--limit", "16"] if dry else [])], remaining(), env)
     record = out / "run.json"
     if record.is_file():
         found = json.loads(record.read_text(encoding="utf-8"))
@@ -453,23 +458,32 @@ def end_to_end(report: Report, dry: bool, work: Path, left, env: dict[str, str])
     SDPA, one forward), each a process of its own, timed whole (start, imports, load, forward, what follows), in
     turn E2E_REPEAT times; `ratio`: analyze's fastest over the floor's fastest."""
     folder, document = work / E2E_MODEL, work / "e2e-document.txt"
+    ends = time.perf_counter() + left("e2e")  # the step's processes share its limit
+
+    def remaining() -> float:
+        return ends - time.perf_counter()
+
     step: dict = {"tokens": DRY_E2E_TOKENS if dry else E2E_TOKENS, "runs": {"floor": [], "analyze": []}}
     if not (folder / "config.json").is_file():  # the bench step saved it, unless it did not run
         step["save"] = run(report, "e2e save", [sys.executable, __file__, "--child", "save", "--json", str(folder),
-                                                *(["--dry"] if dry else [])], left("e2e"), env)
+                                                *(["--dry"] if dry else [])], remaining(), env)
         if step["save"]["returncode"] != 0:
             return {**step, "ok": False}
     device = "cpu" if dry else "cuda"
-    commands = {
-        "floor": [sys.executable, __file__, "--child", "floor", "--json", str(folder), *(["--dry"] if dry else [])],
-        "analyze": [sys.executable, "-m", "attnprobe", "analyze", "--model", str(folder), "--corpus", str(document),
-                    "--split", "file", "--out", str(work / "e2e-analyze"), "--device", device],
-    }
-    for _ in range(DRY_E2E_REPEAT if dry else E2E_REPEAT):
+    for turn in range(DRY_E2E_REPEAT if dry else E2E_REPEAT):
+        out = work / f"e2e-analyze-{turn}"  # a folder of its own: analyze would take a full one for a resume
+        commands = {
+            "floor": [sys.executable, __file__, "--child", "floor", "--json", str(folder), *(["--dry"] if dry else [])],
+            "analyze": [sys.executable, "-m", "attnprobe", "analyze", "--model", str(folder), "--corpus",
+                        str(document), "--split", "file", "--out", str(out), "--device", device],
+        }
         for way, command in commands.items():
-            done = run(report, f"e2e {way}", command, left("e2e"), env)
+            if remaining() < 5:
+                step["out_of_time"] = True
+                break
+            done = run(report, f"e2e {way}", command, remaining(), env)
             kept = {k: done[k] for k in ("seconds", "returncode", "timed_out")}
-            record = work / "e2e-analyze" / "run.json"
+            record = out / "run.json"
             if way == "analyze" and done["returncode"] == 0 and record.is_file():
                 found = json.loads(record.read_text(encoding="utf-8"))
                 kept.update(tokens=found.get("tokens"), path=found["attention"]["path"],

@@ -154,6 +154,35 @@ def test_a_step_that_no_longer_fits_the_budget_is_skipped_and_said(tmp_path, mon
     assert "skipped (out of budget): bench, e2e" in capsys.readouterr().out
 
 
+def test_the_end_to_end_step_takes_each_way_s_fastest_process_in_folders_of_their_own(tmp_path, monkeypatch):
+    """e2e on a GPU: E2E_REPEAT turns of the floor's process and analyze's, each analyze writing a folder of its own
+    (a second run into the first's would be taken for a resume); the ratio is the fastest over the fastest; the
+    processes share the step's limit, and those that no longer fit are not started."""
+    (tmp_path / gpu_check.E2E_MODEL).mkdir()
+    (tmp_path / gpu_check.E2E_MODEL / "config.json").write_text("{}", encoding="utf-8")  # as the bench saved it
+    seconds = iter([10.0, 16.0, 9.0, 12.0])
+    outs = []
+
+    def fake_run(report, title, argv, timeout, env):
+        if "analyze" in argv:
+            out = Path(argv[argv.index("--out") + 1])
+            outs.append(out)
+            out.mkdir()
+            (out / "run.json").write_text(json.dumps({"tokens": 32768, "attention": {"path": "triton", "sequences": {
+                "triton": 1}}}), encoding="utf-8")
+        return {"seconds": next(seconds), "returncode": 0, "timed_out": False, "tail": ""}
+
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    step = gpu_check.end_to_end(None, False, tmp_path, lambda name: 100.0, {})
+    assert gpu_check.E2E_REPEAT == 2 and len(set(outs)) == 2
+    assert [r["seconds"] for r in step["runs"]["floor"]] == [10.0, 9.0] and step["seconds"] == {"floor": 9.0,
+                                                                                               "analyze": 12.0}
+    assert step["ratio"] == round(12.0 / 9.0, 3) and step["ok"] is True and step["runs"]["analyze"][0]["path"] == \
+        "triton"
+    step = gpu_check.end_to_end(None, False, tmp_path, lambda name: 3.0, {})  # too little time for a process
+    assert step["out_of_time"] is True and step["ok"] is False and step["ratio"] is None
+
+
 def test_pytest_outcomes_are_read_from_the_summary():
     text = ("PASSED tests/test_gpu.py::test_a[x]\nFAILED tests/test_gpu.py::test_b - AssertionError\n"
             "SKIPPED [3] tests/test_gpu.py:12: needs a CUDA GPU\n1 failed, 1 passed, 3 skipped in 2.0s\n")
