@@ -274,6 +274,7 @@ def targets(report: dict) -> dict:
     found["fused_equals_eager_bfloat16"] = {"tests": len(bf16), "passed": sum(o == "PASSED" for o in bf16.values()),
                                             "met": (all(o == "PASSED" for o in bf16.values()) if bf16 else None)}
     found["triton"] = triton_targets(report)
+    found["ratios"] = ratios(report)
     if report.get("dry"):  # a tiny model on CPU says nothing of a GPU: the ratios are kept, nothing is judged
         found.update(time_met=None, memory_met=None, judged=False, note="dry run on CPU: not GPU figures")
         found["triton"].update({key: None for key in found["triton"] if key.endswith("_met")})
@@ -281,6 +282,21 @@ def targets(report: dict) -> dict:
             line["met"] = None
     else:
         found["judged"] = True
+    return found
+
+
+def ratios(report: dict) -> dict:
+    """Every way's time and peak GPU memory over the SDPA forward's, per length and on the short sentences
+    (None where either is missing)."""
+    bench = report.get("steps", {}).get("bench", {})
+    places = {**{f"{n} tokens": ways for n, ways in (bench.get("long") or {}).items()},
+              "short": (bench.get("short") or {}).get("runs") or {}}
+    found: dict = {}
+    for where, ways in places.items():
+        floor = ways.get("sdpa") or {}
+        found[where] = {way: {measure: round(run[key] / floor[key], 3) if run.get(key) and floor.get(key) else None
+                              for measure, key in (("time", "seconds"), ("memory", "peak_mib"))}
+                        for way, run in ways.items() if way != "sdpa"}
     return found
 
 

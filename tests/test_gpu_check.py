@@ -131,6 +131,9 @@ def test_the_triton_targets_are_each_way_over_the_floor_with_the_end_to_end_proc
     assert (found["memory_longest_ratio"], found["memory_longest_met"]) == (1.05, True)
     assert (found["time_short_ratio"], found["time_short_met"]) == (1.4, False)
     assert (found["end_to_end_ratio"], found["end_to_end_met"]) == (1.2, True)
+    every = gpu_check.targets(report)["ratios"]
+    assert every["32768 tokens"]["triton+vw"] == {"time": 1.9, "memory": 1.2}
+    assert every["short"]["triton"] == {"time": 1.4, "memory": None}  # no memory measured there
     lines = {line["name"]: line for line in found["summary"]}
     assert lines["time_longest"]["at_most"] == 1.5 and "32,768 tokens" in lines["time_longest"]["target"]
     assert "1024 in batches of 64" in lines["time_short"]["target"]
