@@ -75,11 +75,13 @@ figures: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m figures $(if $(RENDER),--render )$(if $(PART),--part $(PART) )$(if $(ONLY),--only $(ONLY))
 
 # The check a lent GPU machine runs in one command of at most 9 minutes (docs/development.md#gpu-check): the tests
-# marked cuda, the GPU benchmarks, a few train-pattern steps, torchrun with NCCL, and one JSON of results in $OUT
+# marked cuda and triton, what users run timed against the SDPA forward (analyze's default statistics at 4k and 32k
+# tokens and on 1,024 short sentences in batches of 64, one `attnprobe analyze --device cuda` process against a bare
+# forward's), a few train-pattern steps, torchrun with NCCL, and one JSON of results and targets in $OUT
 # (outputs/gpu-check/ when OUT is unset). It needs no setup: the machine has no internet, so it runs the python3
 # that holds torch there (.venv's python where there is one). DRY=1 runs the same script on CPU with tiny shapes
-# (tests/test_gpu_check.py runs it); STEPS=bench,torchrun reruns some steps (tests, bench, train, torchrun),
-# BUDGET=300 caps the seconds.
+# (tests/test_gpu_check.py runs it); STEPS=bench,e2e reruns some steps (tests, bench, e2e, train, torchrun),
+# BUDGET=300 caps the seconds (a step that no longer fits is skipped, and the JSON says so).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
 	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )$(if $(STEPS),--steps $(STEPS) )\
