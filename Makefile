@@ -75,11 +75,13 @@ figures: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m figures $(if $(RENDER),--render )$(if $(PART),--part $(PART) )$(if $(ONLY),--only $(ONLY))
 
 # The check a lent GPU machine runs in one command of at most 9 minutes (docs/development.md#gpu-check): the tests
-# marked cuda, the GPU benchmarks, a few train-pattern steps, torchrun with NCCL, and one JSON of results in $OUT
+# marked cuda and triton, what users run timed against the SDPA forward (analyze's default statistics at 4k and 32k
+# tokens and on 1,024 short sentences in batches of 64, one `attnprobe analyze --device cuda` process against a bare
+# forward's), a few train-pattern steps, torchrun with NCCL, and one JSON of results and targets in $OUT
 # (outputs/gpu-check/ when OUT is unset). It needs no setup: the machine has no internet, so it runs the python3
 # that holds torch there (.venv's python where there is one). DRY=1 runs the same script on CPU with tiny shapes
-# (tests/test_gpu_check.py runs it); STEPS=bench,torchrun reruns some steps (tests, bench, train, torchrun),
-# BUDGET=300 caps the seconds.
+# (tests/test_gpu_check.py runs it); STEPS=bench,e2e reruns some steps (tests, bench, e2e, train, torchrun),
+# BUDGET=300 caps the seconds (a step that no longer fits is skipped, and the JSON says so).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
 	HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY),--dry )$(if $(STEPS),--steps $(STEPS) )\
@@ -132,8 +134,10 @@ clean:
 # delete them to rerun) are exported, with the other analyze scores of benchmarks/kvpress_candidates.py, and
 # benchmarks/bench_kvpress.py scores them on a held-out needle and text (~50 min here with the training; the bench
 # alone ~12); it fails unless every default export of `analyze` and `retrieval`, and the trained pattern, keeps the
-# needle better than random heads at every ratio (benchmarks/kvpress_verdict.py). Not part of `make test`; CI runs it
-# after the suites.
+# needle better than random heads at every ratio (benchmarks/kvpress_verdict.py). Before the bench, the layer budgets
+# of the analyze run (`export --format layer-budgets`, the same from its head_scores.parquet) are loaded into kvpress's
+# PerLayerCompressionPress and each layer's kept KV entries compared with them (benchmarks/kvpress_budgets.py, seconds).
+# Not part of `make test`; CI runs it after the suites.
 KVPRESS_VENV ?= .venv-kvpress
 KVPRESS_OUT ?= outputs/kvpress
 KVPRESS_TEXT ?= /usr/share/common-licenses/GPL-3
@@ -166,6 +170,13 @@ kvpress-check: $(VENV)/.installed $(KVPRESS_VENV)/.installed $(KVPRESS_OUT)/retr
 	  --sink-size 4 --recent-size 256
 	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/analyze --format duo-attention --to $(KVPRESS_OUT)/duo-analyze
 	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/train --format duo-attention --to $(KVPRESS_OUT)/duo-trained
+	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/analyze --format layer-budgets --to $(KVPRESS_OUT)/budgets
+	$(BIN)/attnprobe export --out $(KVPRESS_OUT)/analyze --format head-scores --to $(KVPRESS_OUT)/published
+	$(BIN)/attnprobe export --from $(KVPRESS_OUT)/published/head_scores.parquet --format layer-budgets \
+	  --to $(KVPRESS_OUT)/budgets-from-file
+	cmp $(KVPRESS_OUT)/budgets/layer_budgets.json $(KVPRESS_OUT)/budgets-from-file/layer_budgets.json
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(KVPRESS_THREADS) $(KVPRESS_VENV)/bin/python benchmarks/kvpress_budgets.py \
+	  --model-dir $(KVPRESS_OUT)/smollm2-hf --budgets $(KVPRESS_OUT)/budgets/layer_budgets.json --threads $(KVPRESS_THREADS)
 	$(BIN)/python benchmarks/kvpress_candidates.py --out $(KVPRESS_OUT)/analyze --to $(KVPRESS_OUT)/candidates
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(KVPRESS_THREADS) $(KVPRESS_VENV)/bin/python benchmarks/bench_kvpress.py \
 	  --model-dir $(KVPRESS_OUT)/smollm2-hf --threads $(KVPRESS_THREADS) --pattern retrieval=$(KVPRESS_OUT)/duo-retrieval \

@@ -36,3 +36,7 @@ TRAIN_CHECKPOINT_EVERY = 10  # steps (DuoAttention saves every 50)
 COMPOSE_SAMPLES = 200  # pairs of random matrices for the composition baseline
 COMPOSE_SEED = 0
 COMPOSE_TOP = 30  # the strongest edges per mode composition.png draws
+
+# export --format layer-budgets
+BUDGET_RATIO = 0.5  # the overall compression ratio (kvpress's: the fraction of KV entries removed)
+BUDGET_MIN_KEPT = 0.1  # no layer keeps less than a tenth of its entries

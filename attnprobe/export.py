@@ -1,6 +1,6 @@
-"""KV-cache head files that compression tools load, from a results folder.
+"""KV-cache head files that compression tools load, from a results folder (or from its head_scores.parquet).
 
-Two formats:
+Four formats; the first two from one score per head (`load_scores`):
 
 - `duo-attention`: DuoAttention's folder (mit-han-lab/duo-attention `attn_patterns/<model>/`), which NVIDIA kvpress's
   `DuoAttentionPress.load_attention_pattern` reads too: `full_attention_heads.tsv`, one row per layer and one
@@ -12,6 +12,11 @@ Two formats:
   `{"L-H": [score per trial]}`, keyed per **query head**. It is named `<model>.json` unless that is the name of
   duo-attention's files or of export's record (a model folder named `config` or `attnprobe`): then
   `<model>.retrieval-head.json` (`retrieval_head_name`), so that no format's file replaces another's.
+
+- `head-scores`: head_scores.parquet, every head score of the run in one file (`headscores`), which `export --from`
+  reads back: each format from it equals the format from the folder (`headscores.ScoreFile` answers as a folder).
+- `layer-budgets`: layer_budgets.json, the fraction of the cache each layer keeps, from analyze's entropy, for
+  kvpress's PerLayerCompressionPress (`budgets`).
 
 The per-query-head score, in [0, 1], comes from `attnprobe train-pattern` where it ran into the folder (each query
 head gets its KV head's trained gate, `load_trained`: DuoAttention's gates are per KV head), else from `attnprobe
@@ -55,10 +60,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from attnprobe import defaults, io, limits
+from attnprobe import budgets, defaults, headscores, io, limits
 from attnprobe.errors import AttnprobeError, plain
 
-FORMATS = ("duo-attention", "retrieval-head")
+FORMATS = ("duo-attention", "retrieval-head", "head-scores", "layer-budgets")
+SCORE_FORMATS = FORMATS[:2]  # written from one score per head (load_scores); the others from every score of the run
 SOURCES = ("auto", "retrieval", "kv", "trained")  # --scores: where the per-head scores come from
 TRAINED_RUN_FILE, TRAINED_GATES_FILE = io.TRAINED_RUN_FILE, io.TRAINED_GATES_FILE  # `attnprobe train-pattern`'s
 TRAINED_BY = "attnprobe train-pattern"
@@ -173,40 +179,47 @@ def check_sizes(sink: int, recent: int, default_sink: object = defaults.SINK_TOK
     limits.check_whole("--recent-size", recent, 1, limits.MAX_POSITIONS, default_recent)
 
 
-def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
+Files = headscores.FolderFiles | headscores.ScoreFile  # a run's results: its folder, or its head_scores.parquet
+
+
+def as_files(out: str | Path | Files) -> Files:
+    """`out` as export reads it: a results folder (a path), or what is given already (a head-scores file)."""
+    return out if isinstance(out, (headscores.FolderFiles, headscores.ScoreFile)) else headscores.FolderFiles(out)
+
+
+def load_scores(out: str | Path | Files, scores: str = "auto", sink: int | None = None,
                 recent: int | None = None) -> HeadScores:
-    """The per-head scores of the results folder `out`: retrieval's where `attnprobe retrieval` wrote there (and
-    `scores` is auto or retrieval), else sink_window's from `analyze` (kv). `sink`/`recent` override the run's
-    S and W (run.json's attention.sink_tokens and window); without run.json (retrieval alone) analyze's defaults
-    defaults.SINK_TOKENS and defaults.WINDOW stand in, the S and W `analyze` would have measured with."""
+    """The per-head scores of the results folder `out` (or of a head-scores file, `headscores.read_score_file`):
+    retrieval's where `attnprobe retrieval` wrote there (and `scores` is auto or retrieval), else sink_window's from
+    `analyze` (kv). `sink`/`recent` override the run's S and W (run.json's attention.sink_tokens and window); without
+    run.json (retrieval alone) analyze's defaults defaults.SINK_TOKENS and defaults.WINDOW stand in, the S and W
+    `analyze` would have measured with."""
     if scores not in SOURCES:
         raise AttnprobeError(f"--scores {scores!r}: use one of {', '.join(SOURCES)}")
-    out = Path(out)
-    if not out.is_dir():
-        raise AttnprobeError(f"--out {out} is not a results folder: run `attnprobe analyze` or `attnprobe retrieval` "
-                             "with --out first")
-    has_run = (out / io.RUN_FILE).is_file()
-    has_retrieval = (out / io.RETRIEVAL_RUN_FILE).is_file()
-    trained = scores == "trained" or (scores == "auto" and (out / TRAINED_RUN_FILE).is_file())
-    run = io.read_run(out) if (has_run or scores == "kv") and not trained else None
-    has_trained = (out / TRAINED_RUN_FILE).is_file()
+    files = as_files(out)
+    has_run = files.has(io.RUN_FILE)
+    has_retrieval = files.has(io.RETRIEVAL_RUN_FILE)
+    trained = scores == "trained" or (scores == "auto" and files.has(TRAINED_RUN_FILE))
+    if (scores == "kv" or (has_run and not trained)) and not has_run:
+        raise AttnprobeError(files.lacking(io.RUN_FILE, "attnprobe analyze"))
+    run = files.read_run() if has_run and not trained else None
+    has_trained = files.has(TRAINED_RUN_FILE)
     source = scores if scores != "auto" else ("trained" if has_trained else "retrieval" if has_retrieval else "kv")
     if source == "trained":
-        return load_trained(out, sink, recent)
+        return load_trained(files, sink, recent)
     if source == "retrieval":
-        retrieval = io.read_json(out, io.RETRIEVAL_RUN_FILE, "attnprobe retrieval")
-        model = _shape(retrieval.get("model"), str(out / io.RETRIEVAL_RUN_FILE))
+        retrieval = files.read_json(io.RETRIEVAL_RUN_FILE, "attnprobe retrieval")
+        model = _shape(retrieval.get("model"), files.path(io.RETRIEVAL_RUN_FILE))
         if retrieval.get("trials_scored") == 0:
-            raise AttnprobeError(f"{out / io.RETRIEVAL_RUN_FILE} scored no trial (the model never copied the "
+            raise AttnprobeError(f"{files.path(io.RETRIEVAL_RUN_FILE)} scored no trial (the model never copied the "
                                  "needle): run `attnprobe retrieval --decode forced`, or export the sink_window "
                                  "scores with --scores kv")
         if run is not None:
-            _check_same_model(model, _shape(run["model"], str(out / io.RUN_FILE)))
+            _check_same_model(model, _shape(run["model"], files.path(io.RUN_FILE)))
     else:
         if run is None:
-            raise AttnprobeError(f"no {io.RUN_FILE} in {out}: run `attnprobe analyze --out {out}` (or "
-                                 "`attnprobe retrieval`) first")
-        model = _shape(run["model"], str(out / io.RUN_FILE))
+            raise AttnprobeError(f"{files.lacking(io.RUN_FILE, 'attnprobe analyze')} (or `attnprobe retrieval`)")
+        model = _shape(run["model"], files.path(io.RUN_FILE))
     given = [name for name, value in (("--sink-size", sink), ("--recent-size", recent)) if value is not None]
     if run is not None:
         own = int(run["attention"]["sink_tokens"]), int(run["attention"]["window"])
@@ -223,18 +236,18 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
     layers, heads = model["layers"], model["heads"]
     secondary, secondary_name = None, None
     if source == "retrieval":
-        table = io.read_table(out, io.RETRIEVAL_FILE, ["layer", "head", "mean"], "attnprobe retrieval")
+        table = files.read_table(io.RETRIEVAL_FILE, ["layer", "head", "mean"], "attnprobe retrieval")
         per_query = retrieval_scores(table, layers, heads)
         if not (per_query > 0).any():
-            raise AttnprobeError(f"every retrieval score in {out / io.RETRIEVAL_FILE} is 0 (the model never copied "
-                                 "the needle): run `attnprobe retrieval --decode forced`, or export the sink_window "
-                                 "scores with --scores kv")
-        trials = io.read_json(out, io.RETRIEVAL_SCORES_FILE, "attnprobe retrieval")
-        per_trial = _check_trials(trials, layers, heads, out / io.RETRIEVAL_SCORES_FILE)
-        if run is not None and (out / io.HEADS_FILE).is_file():
+            raise AttnprobeError(f"every retrieval score in {files.path(io.RETRIEVAL_FILE)} is 0 (the model never "
+                                 "copied the needle): run `attnprobe retrieval --decode forced`, or export the "
+                                 "sink_window scores with --scores kv")
+        trials = files.read_json(io.RETRIEVAL_SCORES_FILE, "attnprobe retrieval")
+        per_trial = _check_trials(trials, layers, heads, files.path(io.RETRIEVAL_SCORES_FILE))
+        if run is not None and files.has(io.HEADS_FILE):
             try:
-                heads_table = io.read_table(out, io.HEADS_FILE, ["layer", "head", "sink_window"],
-                                            "attnprobe analyze")
+                heads_table = files.read_table(io.HEADS_FILE, ["layer", "head", "sink_window"],
+                                               "attnprobe analyze")
                 secondary, secondary_name = kv_scores(heads_table, layers, heads), KV_SCORE
             except AttnprobeError:
                 secondary = None  # damaged or another run's: the needle mass, else layer, head order
@@ -244,46 +257,46 @@ def load_scores(out: str | Path, scores: str = "auto", sink: int | None = None,
             if np.isfinite(mass).all():
                 secondary, secondary_name = mass, "attention mass on the needle (retrieval)"
     else:
-        table = io.read_table(out, io.HEADS_FILE, ["layer", "head", "sink_window"], "attnprobe analyze")
+        table = files.read_table(io.HEADS_FILE, ["layer", "head", "sink_window"], "attnprobe analyze")
         per_query, per_trial = kv_scores(table, layers, heads), None
-        if has_retrieval and (out / io.RETRIEVAL_FILE).is_file():
+        if has_retrieval and files.has(io.RETRIEVAL_FILE):
             try:
-                retrieval = io.read_json(out, io.RETRIEVAL_RUN_FILE, "attnprobe retrieval")
-                _check_same_model(_shape(retrieval.get("model"), str(out / io.RETRIEVAL_RUN_FILE)), model)
-                means = io.read_table(out, io.RETRIEVAL_FILE, ["layer", "head", "mean"], "attnprobe retrieval")
+                retrieval = files.read_json(io.RETRIEVAL_RUN_FILE, "attnprobe retrieval")
+                _check_same_model(_shape(retrieval.get("model"), files.path(io.RETRIEVAL_RUN_FILE)), model)
+                means = files.read_table(io.RETRIEVAL_FILE, ["layer", "head", "mean"], "attnprobe retrieval")
                 secondary = retrieval_scores(means, layers, heads)
                 secondary_name = "retrieval scores (retrieval)"
             except AttnprobeError:
                 secondary = None  # another model's, or damaged: the layer, head order breaks the ties
     return HeadScores(per_query, source, model, int(sink), int(recent), per_trial, secondary, secondary_name,
-                      sizes_from, str(out))
+                      sizes_from, files.where)
 
 
-def load_trained(out: Path, sink: int | None, recent: int | None) -> HeadScores:
+def load_trained(files: Files, sink: int | None, recent: int | None) -> HeadScores:
     """`attnprobe train-pattern`'s gates as per-query-head scores: each query head gets its KV head's gate (the
     pooling of pool_kv_heads gives the gates back); S and W from its settings unless given."""
-    run = io.read_json(out, TRAINED_RUN_FILE, TRAINED_BY)
-    where = str(out / TRAINED_RUN_FILE)
+    run = files.read_json(TRAINED_RUN_FILE, TRAINED_BY)
+    where = files.path(TRAINED_RUN_FILE)
     settings = run.get("settings")
     if run.get("command") != TRAINED_BY or not isinstance(settings, dict):
         raise AttnprobeError(f"{where} is not a record of `{TRAINED_BY}`: run it again")
     model = _shape(run.get("model"), where)
-    files = run.get(io.RUN_FILES_KEY)
-    if not isinstance(files, dict) or not isinstance(files.get(TRAINED_GATES_FILE), str):
+    hashes = run.get(io.RUN_FILES_KEY)
+    if not isinstance(hashes, dict) or not isinstance(hashes.get(TRAINED_GATES_FILE), str):
         raise AttnprobeError(f"{where} lacks the sha256 of its {TRAINED_GATES_FILE} (every `{TRAINED_BY}` records "
                              "it; this record was edited): run it again")
-    check_recorded(out, run, TRAINED_GATES_FILE, where)
-    table = io.read_table(out, TRAINED_GATES_FILE, ["gate"], TRAINED_BY)  # per KV head: read_table keys heads
+    check_recorded(files, run, TRAINED_GATES_FILE, where)
+    table = files.read_table(TRAINED_GATES_FILE, ["gate"], TRAINED_BY)  # per KV head: read_table keys heads
     layers, kv_heads = model["layers"], model["kv_heads"]
     for column in ("layer", "kv_head"):
         values = pd.to_numeric(table[column], errors="coerce") if column in table.columns else None
         if values is None or not (np.isfinite(values) & (values >= 0) & (values == np.round(values))).all():
-            raise AttnprobeError(f"{out / TRAINED_GATES_FILE} has no {column} column or one that is not whole "
+            raise AttnprobeError(f"{files.path(TRAINED_GATES_FILE)} has no {column} column or one that is not whole "
                                  f"numbers of 0 or more: run `{TRAINED_BY}` again")
     renamed = table.astype({"layer": np.int64, "kv_head": np.int64}).rename(columns={"kv_head": "head"})
     gates = _grid(renamed, "gate", layers, kv_heads, TRAINED_GATES_FILE, TRAINED_BY)  # [layer, kv head]
     if not np.isfinite(gates).all() or ((gates < 0) | (gates > 1)).any():
-        raise AttnprobeError(f"{out / TRAINED_GATES_FILE} has a gate that is missing or outside [0, 1]: run "
+        raise AttnprobeError(f"{files.path(TRAINED_GATES_FILE)} has a gate that is missing or outside [0, 1]: run "
                              f"`{TRAINED_BY}` again")
     sizes = [settings.get(k) for k in ("sink", "recent")]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
@@ -295,18 +308,17 @@ def load_trained(out: Path, sink: int | None, recent: int | None) -> HeadScores:
     sizes_from = " and ".join(given) if len(given) == 2 else \
         f"{TRAINED_RUN_FILE}'s --sink-size and --recent-size" + (f", and {given[0]}" if given else "")
     per_query = np.repeat(gates, model["heads"] // kv_heads, axis=1)  # [layer, head]: query head h reads h // groups
-    return HeadScores(per_query, "trained", model, int(sink), int(recent), None, None, None, sizes_from, str(out))
+    return HeadScores(per_query, "trained", model, int(sink), int(recent), None, None, None, sizes_from,
+                      files.where)
 
 
-def check_recorded(out: Path, run: dict[str, Any], name: str, where: str) -> None:
-    """Refuse `name` in `out` when the record `run` lists the sha256 of the files its run wrote and this one's
+def check_recorded(files: Files, run: dict[str, Any], name: str, where: str) -> None:
+    """Refuse `name` of `files` when the record `run` lists the sha256 of the files its run wrote and this one's
     differs (a copy from another run)."""
-    files = run.get(io.RUN_FILES_KEY)
-    if not isinstance(files, dict) or not (out / name).is_file():
-        return
-    if files.get(name) != _sha256(out / name):
-        raise AttnprobeError(f"{name} in {out} was not written by the run that wrote {Path(where).name} (its sha256 "
-                             f"differs from the one recorded): run `{TRAINED_BY}` again, or copy the whole folder")
+    if not files.recorded(run, name):
+        raise AttnprobeError(f"{name} in {files.where} was not written by the run that wrote {Path(where).name} (its "
+                             f"sha256 differs from the one recorded): run `{TRAINED_BY}` again, or copy the whole "
+                             "folder")
 
 
 def source_words(scores: HeadScores) -> str:
@@ -398,9 +410,10 @@ def file_stem(spec: str) -> str:
     return stem.removesuffix(".gguf") or "model"
 
 
-# Names no format's file may take but its own: export's record and duo-attention's two files. A retrieval-head JSON
-# is named after the model, so a model folder named `attnprobe` or `config` would otherwise write over one of them
-FIXED_NAMES = (PROVENANCE_FILE, DUO_SCORES_FILE, DUO_CONFIG_FILE)
+# Names no format's file may take but its own: export's record, duo-attention's two files and layer-budgets' JSON. A
+# retrieval-head JSON is named after the model, so a model folder named `attnprobe`, `config` or `layer_budgets`
+# would otherwise write over one of them
+FIXED_NAMES = (PROVENANCE_FILE, DUO_SCORES_FILE, DUO_CONFIG_FILE, budgets.FILE_NAME)
 RETRIEVAL_HEAD_SUFFIX = ".retrieval-head.json"  # where <model>.json would take a fixed name
 
 
@@ -427,36 +440,80 @@ def write_export(to: str | Path, scores: HeadScores, fmt: str) -> list[Path]:
     """Write format `fmt`'s files into `to` and, last, attnprobe.json (`provenance`). Refused before anything is
     written where `to` holds a file of those names that attnprobe did not write (`check_targets`)."""
     to = io.check_out_dir(to, "--to")
-    files = export_files(scores, fmt)
+    return write_recorded(to, fmt, export_files(scores, fmt), scores_entry(scores, fmt))
+
+
+def write_head_scores(to: str | Path, files: Files) -> tuple[list[Path], dict[str, Any]]:
+    """head_scores.parquet (`headscores`: every head score of the run) into `to`, and attnprobe.json; returns the
+    paths written and the file's metadata record."""
+    to = io.check_out_dir(to, "--to")
+    frame, record = headscores.gather(files)
+    entry = {"attnprobe_version": record["attnprobe_version"], "model": record["model"],
+             "results": str(Path(files.where).resolve()), "commands": list(record["parts"])}
+    return write_recorded(to, "head-scores", {headscores.FILE_NAME: headscores.writer(frame, record)}, entry), record
+
+
+def write_budgets(to: str | Path, files: Files, ratio: float, min_kept: float) -> tuple[list[Path], dict[str, Any]]:
+    """layer_budgets.json (`budgets`: per-layer kept fractions from analyze's entropy, for kvpress's
+    PerLayerCompressionPress) into `to`, and attnprobe.json; returns the paths written and the budgets' record."""
+    budgets.check_settings(ratio, min_kept)
+    to = io.check_out_dir(to, "--to")
+    if not files.has(io.RUN_FILE):
+        raise AttnprobeError(f"{files.lacking(io.RUN_FILE, 'attnprobe analyze')}: the budgets follow its entropy")
+    run = files.read_run()
+    model = _shape(run["model"], files.path(io.RUN_FILE))
+    heads = files.read_table(io.HEADS_FILE, ["layer", "head", budgets.STATISTIC], "attnprobe analyze")
+    statistic = budgets.layer_statistic(heads, model["layers"], model["heads"])  # [layer]
+    kept = budgets.allocate(statistic, 1.0 - ratio, min_kept)  # [layer]
+    record = budgets.budget_record(statistic, kept, ratio, min_kept, model)
+    entry = {"attnprobe_version": record["attnprobe_version"], "model": model,
+             "results": str(Path(files.where).resolve()), "statistic": budgets.STATISTIC,
+             "compression_ratio": float(ratio), "min_kept": float(min_kept)}
+    return write_recorded(to, "layer-budgets", {budgets.FILE_NAME: io.json_writer(record)}, entry), record
+
+
+def write_recorded(to: Path, fmt: str, files: dict[str, io.Writer], entry: dict[str, Any]) -> list[Path]:
+    """`files` into `to`, then attnprobe.json with `entry` (and the files' sha256) as format `fmt`'s record."""
     earlier = check_targets(to, list(files))
 
     def record(hashes: dict[str, str]) -> io.Writer:
-        return io.json_writer(provenance(earlier, scores, fmt, hashes, to))
+        return io.json_writer(record_exports(earlier, fmt, entry, hashes, to))
 
     return io.write_files(to, files, last=(PROVENANCE_FILE, record), option="--to")
 
 
-def provenance(earlier: dict[str, Any], scores: HeadScores, fmt: str, hashes: dict[str, str],
-               to: Path) -> dict[str, Any]:
-    """attnprobe.json: the earlier record's other formats whose files are still there, unchanged, and which this
-    export does not replace (it is written before this export's files are renamed into place), and this export's."""
+def scores_entry(scores: HeadScores, fmt: str) -> dict[str, Any]:
+    """attnprobe.json's entry of a duo-attention or retrieval-head export (without the files' sha256)."""
     from attnprobe import __version__
 
-    replaced = {name.casefold() for name in hashes}
-    exports = {name: entry for name, entry in earlier.get("exports", {}).items() if name != fmt
-               and not replaced & {f.casefold() for f in entry.get("files", {})}
-               and all(_sha256(to / f) == sha for f, sha in entry.get("files", {}).items())}
     entry: dict[str, Any] = {
         "attnprobe_version": __version__,
         "model": scores.model,
         "results": None if scores.results is None else str(Path(scores.results).resolve()),
         "scores": scores.source,
         "ties": scores.secondary_name or "layer, head order",
-        "files": hashes,
     }
     if fmt == "duo-attention":
         entry |= {"sink_size": int(scores.sink), "recent_size": int(scores.recent), "sizes_from": scores.sizes_from}
-    return {"written_by": WRITTEN_BY, "exports": {**exports, fmt: entry}}
+    return entry
+
+
+def provenance(earlier: dict[str, Any], scores: HeadScores, fmt: str, hashes: dict[str, str],
+               to: Path) -> dict[str, Any]:
+    """attnprobe.json after a duo-attention or retrieval-head export (`record_exports`)."""
+    return record_exports(earlier, fmt, scores_entry(scores, fmt), hashes, to)
+
+
+def record_exports(earlier: dict[str, Any], fmt: str, entry: dict[str, Any], hashes: dict[str, str],
+                   to: Path) -> dict[str, Any]:
+    """attnprobe.json: the earlier record's other formats whose files are still there, unchanged, and which this
+    export does not replace (it is written before this export's files are renamed into place), and this export's
+    `entry` with the sha256 of its files."""
+    replaced = {name.casefold() for name in hashes}
+    exports = {name: other for name, other in earlier.get("exports", {}).items() if name != fmt
+               and not replaced & {f.casefold() for f in other.get("files", {})}
+               and all(_sha256(to / f) == sha for f, sha in other.get("files", {}).items())}
+    return {"written_by": WRITTEN_BY, "exports": {**exports, fmt: {**entry, "files": hashes}}}
 
 
 def read_provenance(folder: str | Path, option: str = "--to") -> dict[str, Any]:

@@ -419,7 +419,7 @@ def hub_reachable(timeout: float = HUB_TIMEOUT) -> bool:
     """Whether the hub (HF_ENDPOINT) answers an HTTP request within `timeout` seconds, all told.
 
     Behind a proxy the proxy decides, so this says True. Without the check, an unreachable hub costs
-    about a minute of the hub client's retries before any error. The `timeout` bounds every step (issue 34:
+    about a minute of the hub client's retries before any error. The `timeout` bounds every step (once,
     `analyze --model gpt2` took 22 s to fail without a network, where the docs say at once): the name lookup,
     which socket's own timeout does not cover (a resolver that gets no answer waits 5 s a try), the connection,
     and an answer to a HEAD request (a firewall that accepts connections and then says nothing left the hub

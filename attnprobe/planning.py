@@ -94,8 +94,8 @@ def sequence_paths(counted: dict[str, int], sentences: int) -> dict[str, int]:
 def attention_path(loaded: LoadedModel, attention: str) -> str:
     """`triton` (the statistics inside a Triton attention kernel), `fused` (the fused kernel's logsumexp), `blocked`
     (attnprobe's statistics attention, O(n) memory) or `eager` (hooks on eager maps). auto takes triton on a CUDA
-    device where triton imports once triton_path.AUTO_ON_CUDA says the GPU has proven it, else fused; --attention
-    triton elsewhere is refused (triton_path.unavailable).
+    device where triton imports (triton_path.AUTO_ON_CUDA), else fused (run.json's `why_not_triton` says why, see
+    Plan.record); --attention triton elsewhere is refused (triton_path.unavailable).
 
     `attention` is one of ATTENTION_CHOICES (check_options has checked it).
     """
@@ -114,6 +114,12 @@ def attention_path(loaded: LoadedModel, attention: str) -> str:
     if attention != "auto":
         raise AttnprobeError(f"--attention {attention} does not implement {reason}: use --attention eager or auto")
     return "eager"
+
+
+def auto_not_triton(device: torch.device) -> str:
+    """Why --attention auto left the Triton path on a CUDA `device` for the fused one (run.json's
+    `attention.why_not_triton`): triton missing or broken there (triton_path.unavailable), or AUTO_ON_CUDA off."""
+    return triton_path.unavailable(device) or "triton_path.AUTO_ON_CUDA is off"
 
 
 def score_names(special: bool, weighted: bool) -> tuple[str, ...]:
@@ -208,6 +214,8 @@ class Plan:
             record.update(triton_path.record(self.discovery.features, dtype))
             if record["not_triton"]:
                 record["fused_min_tokens"] = self.fused
+        if self.path == "fused" and options.attention == "auto" and device.type == "cuda":
+            record["why_not_triton"] = auto_not_triton(device)
         if self.path == "fused":  # the others (windows, soft-capping, sinks) ran blocked
             record["fused_layers"] = self.discovery.fused_layers(device)
             record["fused_min_tokens"] = self.fused

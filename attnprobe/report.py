@@ -116,10 +116,10 @@ class Report:
 def build_report(out: str | Path, sections: list[Section] | tuple[Section, ...] = ()) -> Report:
     """The page for the results folder `out`: heads.csv, layers.csv and run.json are needed, the rest is used
     when present (head_types.csv, categories.csv, positions.csv, examples.npz or example_attention.npz,
-    importance.csv, probe.csv, retrieval_heads.csv, patching.csv, head_similarity.npz, and a comparison `attnprobe
-    compare` wrote into `out` or `out/compare`)."""
+    importance.csv, probe.csv, retrieval_heads.csv, patching.csv, head_similarity.npz, a comparison `attnprobe
+    compare` wrote into `out` or `out/compare`, and a circuit: edges.csv with circuit.json)."""
     data, notes = report_data(out)
-    sections = [*sections, *compare_sections(Path(out))]
+    sections = [*sections, *compare_sections(Path(out)), *circuit_sections(Path(out))]
     return Report(render(data, sections), notes, len(data["examples"]))
 
 
@@ -164,6 +164,129 @@ def _fmt(value: Any, sign: bool = False) -> str:
     if not isinstance(value, (int, float)) or value != value:  # None, text, NaN
         return "-"
     return f"{value:+.4f}" if sign else f"{value:.4f}"
+
+
+# ---- the circuit section: `attnprobe circuit`'s files -------------------------------------------------------
+
+CIRCUIT_EDGES, CIRCUIT_RECORD = "edges.csv", "circuit.json"  # the circuit command's edge scores and its record
+CIRCUIT_TOP = 20  # edges in the section's table, strongest |score| first
+CIRCUIT_FALLBACK = 50  # edges drawn when edges.csv marks no circuit (no in_circuit column): the strongest
+
+
+def circuit_sections(out: Path) -> list[Section]:
+    """The Circuit section, when `out` holds the circuit command's edges.csv and circuit.json."""
+    present = all((out / name).is_file() for name in (CIRCUIT_EDGES, CIRCUIT_RECORD))
+    return [circuit_section(out)] if present else []
+
+
+def circuit_section(folder: Path) -> Section:
+    """The circuit in `folder`: its CPR and CMD, the settings, the graph and the faithfulness curve as images
+    (drawn here from the files), and the strongest edges as a table. circuit.json may hold cpr, cmd and curve at its
+    top or under "faithfulness", and its settings under "settings" or as the circuit command's own keys."""
+    made_by = "attnprobe circuit"
+    info = io.read_json(folder, CIRCUIT_RECORD, made_by)
+    edges = io.read_table(folder, CIRCUIT_EDGES, ["score"], made_by)
+    missing = [c for c in ("sender", "receiver", "input") if c not in edges.columns]
+    if missing:
+        raise AttnprobeError(f"{folder / CIRCUIT_EDGES} lacks column(s) {', '.join(missing)}: run `{made_by}` again")
+    edges = edges.assign(input=edges["input"].fillna("").astype(str))
+    faith = _part(info, "faithfulness") or info
+    parts = [f"<p>{html.escape(_circuit_scores(faith))}</p>"]
+    notes = [visible(str(note)) for note in info.get("notes") or [] if note]
+    if notes:
+        parts.append('<ul class="run-notes">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+    if "in_circuit" not in edges.columns:
+        strongest = edges["score"].abs().rank(ascending=False, method="first") <= CIRCUIT_FALLBACK
+        edges = edges.assign(in_circuit=strongest)
+        parts.append(f"<p>{CIRCUIT_EDGES} marks no circuit (no in_circuit column): the {CIRCUIT_FALLBACK} "
+                     "strongest edges are drawn.</p>")
+    settings = _circuit_settings(info)
+    parts.append(_settings_table(settings))
+    layers = next((v for v in (settings.get("layers"), _part(info, "graph").get("layers"))
+                   if isinstance(v, int) and not isinstance(v, bool)), None)
+    parts.append(_circuit_images(edges, faith.get("curve"), layers))
+    parts.append(_edges_table(edges))
+    return Section("circuit", "Circuit", "".join(parts))
+
+
+def _part(info: dict[str, Any], key: str) -> dict[str, Any]:
+    """info[key] where it is an object, else {}."""
+    value = info.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _circuit_scores(faith: dict[str, Any]) -> str:
+    """CPR and CMD as MIB defines them (and random circuits' CPR, the clean and corrupt metric where given)."""
+    text = (f"CPR {_fmt(faith.get('cpr'))} (the area under the faithfulness curve over circuit size: higher is "
+            f"better); CMD {_fmt(faith.get('cmd'))} (the area between that curve and 1: lower is better)")
+    if isinstance(faith.get("random_cpr"), (int, float)):
+        text += f"; random circuits of the same sizes: CPR {_fmt(faith['random_cpr'])}"
+    if isinstance(faith.get("clean"), (int, float)) and isinstance(faith.get("corrupt"), (int, float)):
+        text += f". The metric: clean {_fmt(faith['clean'], True)}, corrupt {_fmt(faith['corrupt'], True)}"
+    return text + "."
+
+
+def _circuit_settings(info: dict[str, Any]) -> dict[str, Any]:
+    """circuit.json's "settings", else the circuit command's own keys (model, pairs, method, circuit, graph)."""
+    if isinstance(info.get("settings"), dict):
+        return info["settings"]
+    pairs, circuit, graph = _part(info, "pairs"), _part(info, "circuit"), _part(info, "graph")
+    chosen = circuit.get("edges")
+    return {"model": _part(info, "model").get("spec"), "pairs": pairs.get("count"), "pairs from": pairs.get("from"),
+            "method": info.get("method"), "steps": info.get("steps"), "metric": info.get("metric"),
+            "circuit chosen by": circuit.get("chosen_by"), "top": circuit.get("top"),
+            "threshold": circuit.get("threshold"), "edges in the circuit": len(chosen) if isinstance(chosen, list)
+            else None, "edges in the graph": graph.get("edges"), "layers": graph.get("layers"),
+            "heads": graph.get("heads"), "ablation": _part(info, "faithfulness").get("ablation")}
+
+
+def _settings_table(settings: dict[str, Any]) -> str:
+    """The settings with a plain value (text, number, true/false) as label/value rows."""
+    rows = "".join(f'<tr><th scope="row">{html.escape(visible(str(key)))}</th>'
+                   f"<td>{html.escape(visible(str(value)))}</td></tr>"
+                   for key, value in settings.items() if isinstance(value, (str, int, float, bool)))
+    return f'<table class="provenance"><caption>Settings</caption><tbody>{rows}</tbody></table>' if rows else ""
+
+
+def _circuit_images(edges: pd.DataFrame, curve: Any, layers: int | None) -> str:
+    """The graph of the circuit (`layers` rows, else as many as the edges name) and, where a curve is given, its
+    faithfulness, as inline PNG images."""
+    from io import BytesIO
+
+    from attnprobe import plotting
+    from attnprobe.plotting.circuit import CURVE_COLUMNS
+
+    def png(figure: Any) -> str:
+        buffer = BytesIO()
+        figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+    if layers is None:
+        named = pd.concat([edges["sender"], edges["receiver"]]).astype(str).str.extract(r"^[am](\d+)")[0].dropna()
+        layers = int(named.astype(int).max()) + 1 if len(named) else 1
+    chosen = int(edges["in_circuit"].astype(bool).sum())
+    images = [f'<img src="{png(plotting.circuit_figure(edges, layers))}" alt="the circuit: {chosen} of '
+              f'{len(edges)} edges, by layer">']
+    table = pd.DataFrame(curve if isinstance(curve, list) else [])
+    if all(c in table.columns for c in CURVE_COLUMNS) and len(table):
+        images.append(f'<img src="{png(plotting.faithfulness_figure(table))}" alt="faithfulness over circuit '
+                      'size, beside random circuits">')
+    else:
+        images.append(f"<p>{CIRCUIT_RECORD} holds no faithfulness curve.</p>")
+    return "".join(images)
+
+
+def _edges_table(edges: pd.DataFrame) -> str:
+    """The CIRCUIT_TOP edges of largest |score|, with whether each is in the circuit."""
+    top = edges.assign(size=edges["score"].abs()).nlargest(CIRCUIT_TOP, "size")
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{cell}</td>" for cell in (
+            rank, html.escape(visible(str(row.sender))), html.escape(visible(str(row.receiver))),
+            html.escape(visible(str(row.input))) or "-", f"{row.score:+.4g}", "yes" if row.in_circuit else "no"))
+        + "</tr>" for rank, row in enumerate(top.itertuples(index=False), start=1))
+    return (f'<table class="types"><caption>The {len(top)} strongest edges of {len(edges)}</caption>'
+            "<tr><th>#</th><th>sender</th><th>receiver</th><th>input</th><th>score</th><th>in circuit</th></tr>"
+            f"{rows}</table>")
 
 
 def report_data(out: str | Path) -> tuple[dict[str, Any], list[str]]:
@@ -366,7 +489,7 @@ def provenance(run: dict[str, Any], out: Path) -> list[list[str]]:
 
 def attention_ran(attention: dict[str, Any]) -> str:
     """What measured the sequences, from run.json's `attention`: its `sequences` count per kernel where it has them
-    (issue 34: "fused (asked: auto)" where every sequence was shorter than fused_min_tokens and ran blocked), then the
+    (not "fused (asked: auto)" where every sequence was shorter than fused_min_tokens and ran blocked), then the
     path chosen and what was asked."""
     from attnprobe.naming import counted
 

@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TARGET_RATIO = 0.6  # attnprobe / naive, at most (issue 10)
+TARGET_RATIO = 0.6  # attnprobe / naive, at most
 
 
 def main() -> None:

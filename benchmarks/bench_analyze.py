@@ -12,8 +12,8 @@ its last statistic:
   2. naive  - the LM-head model, eager, output_attentions, one sentence at a time, and the
               statistics in a Python loop over heads (as the reference study's script does);
   3. attnprobe - `attnprobe analyze`, exactly as a user runs it;
-  4. lean   - `attnprobe analyze --no-value-weighted --no-top-tokens`: without the scores of issue 19 (value-weighted
-              scores, output_norm, top_tokens.csv), the statistics issue 18's target was set on.
+  4. lean   - `attnprobe analyze --no-value-weighted --no-top-tokens`: without the value-weighted scores, output_norm
+              and top_tokens.csv: the statistics the floor target (<= 1.05) was first set on.
 Every way runs with the same torch threads (--threads; default: attnprobe's `auto`, torch's own count less the CPUs
 busy at the start, decided once for the whole benchmark). Then, as a user runs them (--no-user skips these):
   5. floor-default - the floor with torch's default threads (no OMP_NUM_THREADS, no set_num_threads);
@@ -22,7 +22,7 @@ and the ratio 6/5 (target <= 1.05), which is what a user sees on an idle machine
 With --repeat N the ways run N times, interleaved, and the medians are compared. It prints wall time, CPU time,
 tokens/s and peak memory for each, the ratios 3/1 and 4/1 (target <= 1.05) and 2/3 (target >= 2.5), of wall and of
 CPU time. The floor and the naive way run with OMP_NUM_THREADS set to the thread count and OPENBLAS_NUM_THREADS=1
-(as attnprobe's CLI sets it), so that no way pays for threads that only spin. Then what the scores of issue 19 cost:
+(as attnprobe's CLI sets it), so that no way pays for threads that only spin. Then what the newer scores cost:
 `attnprobe analyze` on --new-scores-model (default smollm2-135m) over --new-scores-corpus (default the bundled
 corpora/sentences.txt), with them (the default) and with --no-value-weighted --no-top-tokens (which skips the value-
 weighted scores, output_norm and the per-token sums: the run before them; the punctuation and duplicate_token scores
@@ -47,10 +47,10 @@ from pathlib import Path
 
 VOCAB = 50257
 BATCH = 8
-TARGET_FLOOR_RATIO = 1.05  # attnprobe / floor, at most (issue 18: short sentences back at the floor)
+TARGET_FLOOR_RATIO = 1.05  # attnprobe / floor, at most (short sentences at the floor)
 TARGET_NAIVE_RATIO = 2.5  # naive / attnprobe, at least
 USER_WAYS = ("floor-default", "defaults")  # run as a user runs them: torch's and attnprobe's default threads
-TARGET_NEW_SCORES_RATIO = 1.15  # analyze with the new scores (value-weighted, top tokens) / without, at most (issue 19)
+TARGET_NEW_SCORES_RATIO = 1.15  # analyze with the new scores (value-weighted, top tokens) / without, at most
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -319,7 +319,8 @@ def speed(work: Path, tokens: int, repeat: int, user: bool = True) -> dict:
 
 
 def new_scores_cost(work: Path, model: str, corpus: str, repeat: int) -> dict:
-    """`attnprobe analyze` with the scores of issue 19 and without, interleaved `repeat` times: medians and ratios."""
+    """`attnprobe analyze` with the value-weighted and token scores and without, interleaved `repeat` times: medians
+    and ratios."""
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for _ in range(repeat):
         for new in (False, True):

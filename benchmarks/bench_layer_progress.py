@@ -1,10 +1,10 @@
-"""What progress inside a long sequence (attnprobe.layer_progress, issue 34) costs.
+"""What progress inside a long sequence (attnprobe.layer_progress) costs.
 
 Run:  .venv/bin/python benchmarks/bench_layer_progress.py [--sentences 300] [--repeat 5] [--threads 1]
 
 1. Short sentences: `analyze_loaded` over --sentences generated sentences (8-40 tokens) on a random GPT-2-shaped model
    (6 x 12, 384 wide: smaller than GPT-2 small, so a fixed cost per batch weighs more), three ways, interleaved,
-   --repeat times: `before` (layer_progress.watching replaced by a bare nullcontext: the code before issue 34),
+   --repeat times: `before` (layer_progress.watching replaced by a bare nullcontext: the code before layer progress),
    `plain` (a progress callback without `within`: no reporter), `cli` (a callback with `within`, as the CLI's: the
    reporter is made, and `watching` sees a short batch and registers nothing). Medians of the analysis's wall time.
 2. The `with watching(...)` of a short batch alone, in microseconds.

@@ -5,7 +5,7 @@ Run:  .venv/bin/python benchmarks/bench_tokens.py                      (SmolLM2-
 
 The model is loaded once; `analyze` then runs over the corpus with the token scores on and off, interleaved
 (on, off, on, off, ...), so that a loaded, shared machine slows both alike; the medians and their ratio are
-printed, of wall time and of the process's CPU time, which a loaded machine disturbs less (issue 19's target:
+printed, of wall time and of the process's CPU time, which a loaded machine disturbs less (the target:
 on / off <= 1.15). torch runs on --threads threads (default 1: steadier on a shared machine). "Off" is the code
 path before the scores existed: no token ids reach the kernels and no top-token sums are kept (only the two
 columns, empty, still pass through the bootstrap's sums). The punctuation table (the vocabulary decoded once per

@@ -2,11 +2,12 @@
 
 Run:  make gpu-check                    (on the lent machine; results in $OUT, else outputs/gpu-check/)
       make gpu-check DRY=1              (here, on CPU, in CI-sized time: proves the script itself works)
-      python3 benchmarks/gpu_check.py [--dry] [--out FOLDER] [--budget SECONDS] [--steps tests,bench,train,torchrun]
+      python3 benchmarks/gpu_check.py [--dry] [--out FOLDER] [--budget SECONDS] [--steps tests,bench,e2e,train,torchrun]
 
 Steps, each in a process of its own with a time limit (a step that fails or runs out of time is recorded and the
-next one runs), and one JSON of results, FOLDER/gpu-check.json, rewritten after every step (a stopped run keeps what
-it measured), with every step's output in FOLDER/gpu-check.log:
+next one runs; a step that no longer fits the --budget is skipped, and the JSON and the last line say so), and one
+JSON of results, FOLDER/gpu-check.json, rewritten after every step (a stopped run keeps what it measured), with
+every step's output in FOLDER/gpu-check.log:
   environment - the GPU (torch.cuda.get_device_name), torch, CUDA, transformers and Python versions;
   install     - the wheels carried in .whl/ (git-ignored: what the machine lacks) into a folder on PYTHONPATH, then
                 `pip install --no-deps --no-build-isolation --no-index -e .` (the machine has no internet; the dry
@@ -15,35 +16,52 @@ it measured), with every step's output in FOLDER/gpu-check.log:
   tests       - `pytest -m "cuda or triton" tests/test_gpu.py tests/test_train_pattern.py tests/test_triton.py`:
                 the real CUDA kernel against the stand-in and a float64 softmax, fused = blocked = eager on the zoo's
                 gpt2, llama, qwen2, mistral and bert in float32 and bfloat16, the compiled Triton kernel against a
-                float64 map and triton = blocked on the same families and gemma2, no [n, n] map, train-pattern on
-                the GPU in bfloat16 (all skipped on CPU; the dry run runs `-m cuda` only, the Triton tests run
-                under the interpreter in the ordinary suite);
-  bench       - a random model of Llama-3.2-1B's published shape (hidden 2048, 16 layers, 32 heads, 8 KV heads,
-                intermediate 8192, vocabulary 128256, RoPE theta 500000 with llama3 scaling) in bfloat16, base model
-                (no LM head): the short benchmark (64 sentences of 8-40 tokens in right-padded batches of 8) and the
-                long one (one sequence of 4k, 16k and 32k tokens), each way after a warm-up: `sdpa` (the model's SDPA
-                forward, the floor, restricted to the flash/efficient/cuDNN kernels so that a fallback to the math
-                kernel fails instead of timing it; `flash_attention_2` too where the flash_attn package is
-                installed), `triton` and `triton+vw` (kernel.run_batch on the Triton path, without and with the
-                value-weighted scores; at the first and last length and on the short sentences, where triton runs;
-                the dry run at its first length only, under Triton's interpreter), `fused` (kernel.run_batch on the
-                fused path), `fused+vw` (with the value-weighted scores, analyze's default) and `blocked` (block
-                budget BLOCKED_MIB); every way is
-                warmed up first on one sequence and on a padded batch; time (CUDA-synchronized) and peak GPU memory
-                (torch.cuda.max_memory_allocated, also above the loaded model);
+                float64 map and triton = blocked on the same families and gemma2, no [n, n] map, auto taking the
+                Triton path, train-pattern on the GPU in bfloat16 (all skipped on CPU; the dry run runs `-m cuda`
+                only, the Triton tests run under the interpreter in the ordinary suite);
+  bench       - what users run, on a random model of Llama-3.2-1B's published shape (hidden 2048, 16 layers, 32
+                heads, 8 KV heads, intermediate 8192, vocabulary 128256, RoPE theta 500000 with llama3 scaling) in
+                bfloat16, base model (no LM head): the short sentences at a GPU batch size (SHORT: 1,024 sentences of
+                8-40 tokens in right-padded batches of 64) and one sequence of each of LENGTHS (4,096 and 32,768
+                tokens). The ways: `sdpa` (the model's SDPA forward, the floor, restricted to the flash, efficient and
+                cuDNN kernels so that a fallback to the math kernel fails instead of being timed; `flash_attention_2`
+                too where the flash_attn package is installed), and attnprobe's statistics through its public entry
+                (kernel.run_batch) with what `attnprobe analyze` passes it by default (Ways: a special token first,
+                the token classes, the received mass read for top_tokens.csv, the position bins, the rows kept for
+                the block bootstrap of one document): `triton` and `triton+vw` (the Triton path, `auto`'s on CUDA,
+                without and with the value-weighted scores), `fused`, `fused+vw` and `blocked` (block budget
+                BLOCKED_MIB; at the shortest length and on the short sentences only). Each way is run once to warm it
+                at the same shape (every batch of the short sentences: each shape compiled, cuDNN's graphs built),
+                then timed REPS times (CUDA-synchronized): its time is the median; fused and fused+vw at the longest
+                length once after their warm-up at the shortest (context: they have no target). Peak GPU memory
+                (torch.cuda.max_memory_allocated) over the timed runs, the weights included and above them. The
+                bench also saves the model as a checkpoint for the next step. The dry run's Triton ways (Triton's
+                interpreter) run at its shortest length only;
+  e2e         - `attnprobe analyze --device cuda` with every default on one document of E2E_TOKENS tokens (words of
+                the benchmark's tokenizer, one token each, after a BOS) against the bare forward of the same tokens
+                (attnprobe's loader and tokenization, the model's SDPA forward), each a whole process timed from
+                start to exit, in turn E2E_REPEAT times: analyze's fastest over the floor's fastest;
   train       - `attnprobe train-pattern`'s optimization (trainpattern.train_pattern_loaded) on the same model in
                 bfloat16: TRAIN_STEPS steps on samples of TRAIN_LENGTH random tokens whose last TRAIN_TAIL repeat
                 tokens from a quarter of the way in (the loss is taken on them), sink 128 + recent 256, block
                 budget BLOCKED_MIB; seconds per step and peak GPU memory, the distillation loss and the gates;
   torchrun    - `torchrun --standalone --nproc-per-node 1` of a process-group check (NCCL on the GPU: all_reduce and
                 barrier) and of `attnprobe analyze` on a tiny zoo Llama on the GPU.
-The JSON's `targets` says whether the GPU targets were met: fused bfloat16 statistics within TARGET_TIME x the
-SDPA forward's time at the longest length, peak memory within TARGET_MEMORY x, fused = eager to bfloat16's
-tolerance on every family tested; `targets.triton`, the Triton path's (TRITON_TARGETS).
+The JSON's `targets.triton` says whether each target of the Triton path (TRITON_TARGETS, analyze's default
+statistics: within 1.5x of the SDPA forward's time at 32,768 tokens and 1.3x at 4,096, with the value-weighted scores
+2.0x at 32,768, short sentences 1.3x, peak memory 1.1x at 32,768, the end-to-end analyze 1.5x of the bare forward's
+process) was met: `<name>_ratio`, `_target`, `_met`, and `summary`, each in words with its number; `targets` also
+keeps the fused path's (TARGET_TIME, TARGET_MEMORY at the longest length, fused = eager to bfloat16's tolerance).
+
+Budget: BUDGET_S = 540 s (the device tool's 10 minutes less a margin). The H200 of 2026-12-04 took 5 s to install
+and 139 s for the tests; the rest is estimated from its timings (bench ~150 s with the kernel of then, e2e ~90 s,
+train and torchrun ~40 s each). STEP_S caps each step, STEP_MIN_S is what a step needs to be started. The bench
+measures the long lengths first, so that a bench out of time keeps the targets at 32k.
 
 The dry run (--dry): the same steps on CPU with a tiny model of the same kind (2 layers, 4 heads of 16), lengths
-of 128-512 tokens, 8 short sentences, DRY_TRAIN_LENGTH-token training samples, 16 corpus sentences under torchrun,
-gloo instead of NCCL; its numbers are not GPU figures (`dry: true`, and the targets are not judged).
+of 64 and 256 tokens, 8 short sentences, a 256-token document, DRY_TRAIN_LENGTH-token training samples, 16 corpus
+sentences under torchrun, gloo instead of NCCL; its numbers are not GPU figures (`dry: true`, and the targets are
+not judged).
 """
 
 from __future__ import annotations
@@ -55,6 +73,7 @@ import os
 import platform
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,27 +84,36 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl"  # git-ignored: wheels carried to a machine that lacks them
 SITE = Path(tempfile.gettempdir()) / "attnprobe-gpu-check-site"  # where carried wheels are unpacked
 BUDGET_S = 540  # the whole command, at most (the device tool allows 10 minutes a command)
-STEP_S = {"install": 60, "tests": 150, "bench": 200, "train": 60, "torchrun": 70}  # each step's limit, within what
-# remains
+STEP_S = {"install": 60, "tests": 170, "bench": 190, "e2e": 110, "train": 50, "torchrun": 60}  # each step's limit,
+# within what remains
+STEP_MIN_S = {"tests": 60, "bench": 60, "e2e": 45, "train": 25, "torchrun": 20}  # with less left, a step is skipped
 TARGET_TIME = 1.5  # fused bfloat16 statistics / SDPA forward, time at the longest length, at most
 TARGET_MEMORY = 1.1  # the same, peak GPU memory, at most
-LENGTHS = (4096, 16384, 32768)  # the Triton ways run at the first and last only
-# The Triton path's targets: name -> (where: shortest / longest length or short sentences, way, measure, at most)
+LENGTHS = (4096, 32768)
+# The Triton path's targets, analyze's default statistics: name -> (where: the shortest or longest length, the short
+# sentences or the end-to-end run; the way; the measure; at most)
 TRITON_TARGETS = {
     "time_longest": ("longest", "triton", "seconds", 1.5),
     "time_shortest": ("shortest", "triton", "seconds", 1.3),
     "time_vw_longest": ("longest", "triton+vw", "seconds", 2.0),
     "memory_longest": ("longest", "triton", "peak_mib", 1.1),
     "time_short": ("short", "triton", "seconds", 1.3),
+    "end_to_end": ("e2e", "analyze", "seconds", 1.5),
 }
-DRY_LENGTHS = (128, 256, 512)
-SHORT = (64, 8, 8, 40)  # sentences, batch size, shortest and longest (tokens)
+REPS = 3  # timed runs of each way after its warm-up at the same shape: the median is its time
+DRY_LENGTHS = (64, 256)
+SHORT = (1024, 64, 8, 40)  # sentences, batch size, shortest and longest (tokens)
 DRY_SHORT = (8, 4, 8, 40)
+E2E_TOKENS, DRY_E2E_TOKENS = 32768, 256  # the end-to-end document
+E2E_REPEAT, DRY_E2E_REPEAT = 2, 1  # floor and analyze processes, in turn
+E2E_MODEL = "e2e-model"  # the folder (in the check's work folder) of the end-to-end run's checkpoint
+BOS, WORDS = "<|begin_of_text|>", 61  # the benchmark tokenizer's BOS and its words (w0 ... w60)
 BLOCKED_MIB = 1024  # the blocked path's block budget on the GPU (the CPU default, 64 MiB, makes blocks of 2 rows)
 SINK, WINDOW = 4, 256  # attnprobe's defaults
 NEEDED = ("torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "accelerate", "numpy", "pandas",
           "pyarrow", "scipy", "matplotlib", "typer", "rich", "pytest")
-STEPS = ("tests", "bench", "train", "torchrun")  # after environment and install, which always run (--steps picks)
+STEPS = ("tests", "bench", "e2e", "train", "torchrun")  # after environment and install, which always run (--steps
+# picks)
 TRAIN_LENGTH, TRAIN_TAIL, TRAIN_STEPS = 8192, 256, 5  # train: tokens per sample, of them supervised, steps
 DRY_TRAIN_LENGTH = 512
 TRAIN_SINK, TRAIN_RECENT = 128, 256  # DuoAttention's
@@ -226,7 +254,8 @@ def pytest_outcomes(text: str) -> dict:
 
 
 def targets(report: dict) -> dict:
-    """Issue 29's targets from the results: met or missed, with the numbers (None where not measured)."""
+    """The targets from the results, met or missed, with the numbers (None where not measured): the fused path's
+    (TARGET_TIME, TARGET_MEMORY, fused = eager in bfloat16) and, under `triton`, the Triton path's (triton_targets)."""
     long_runs = report.get("steps", {}).get("bench", {}).get("long", {})
     lengths = sorted(int(n) for n, ways in long_runs.items() if "seconds" in ways.get("sdpa", {})
                      and "seconds" in ways.get("fused", {}))
@@ -245,30 +274,79 @@ def targets(report: dict) -> dict:
     found["fused_equals_eager_bfloat16"] = {"tests": len(bf16), "passed": sum(o == "PASSED" for o in bf16.values()),
                                             "met": (all(o == "PASSED" for o in bf16.values()) if bf16 else None)}
     found["triton"] = triton_targets(report)
+    found["ratios"] = ratios(report)
     if report.get("dry"):  # a tiny model on CPU says nothing of a GPU: the ratios are kept, nothing is judged
         found.update(time_met=None, memory_met=None, judged=False, note="dry run on CPU: not GPU figures")
         found["triton"].update({key: None for key in found["triton"] if key.endswith("_met")})
+        for line in found["triton"]["summary"]:
+            line["met"] = None
     else:
         found["judged"] = True
     return found
 
 
-def triton_targets(report: dict) -> dict:
-    """The Triton path's targets (TRITON_TARGETS: way / SDPA forward, time or peak memory, at most): per name its
-    `<name>_ratio`, `<name>_target` and `<name>_met` (None where not measured), at the shortest and longest length
-    and on the short sentences."""
+def ratios(report: dict) -> dict:
+    """Every way's time and peak GPU memory over the SDPA forward's, per length and on the short sentences
+    (None where either is missing)."""
     bench = report.get("steps", {}).get("bench", {})
+    places = {**{f"{n} tokens": ways for n, ways in (bench.get("long") or {}).items()},
+              "short": (bench.get("short") or {}).get("runs") or {}}
+    found: dict = {}
+    for where, ways in places.items():
+        floor = ways.get("sdpa") or {}
+        found[where] = {way: {measure: round(run[key] / floor[key], 3) if run.get(key) and floor.get(key) else None
+                              for measure, key in (("time", "seconds"), ("memory", "peak_mib"))}
+                        for way, run in ways.items() if way != "sdpa"}
+    return found
+
+
+DESCRIBED = {  # TRITON_TARGETS's names, as the summary says them
+    "time_longest": "analyze's default statistics (Triton path) / the SDPA forward, time at {longest} tokens",
+    "time_shortest": "analyze's default statistics (Triton path) / the SDPA forward, time at {shortest} tokens",
+    "time_vw_longest": "with the value-weighted scores / the SDPA forward, time at {longest} tokens",
+    "memory_longest": "analyze's default statistics (Triton path) / the SDPA forward, peak GPU memory at {longest} "
+                      "tokens",
+    "time_short": "short sentences ({sentences} in batches of {batch_size}), analyze's default statistics (Triton "
+                  "path) / the SDPA forward of the same batches, time",
+    "end_to_end": "`attnprobe analyze` process / the bare forward's process, {tokens} tokens, wall time",
+}
+
+
+def triton_targets(report: dict) -> dict:
+    """The Triton path's targets (TRITON_TARGETS: way / SDPA forward, time or peak memory, at most; analyze's process
+    / the floor's): per name its `<name>_ratio`, `<name>_target` and `<name>_met` (None where not measured), and
+    `summary`, the same as a list of {target, measured, at_most, met} in words."""
+    steps = report.get("steps", {})
+    bench = steps.get("bench", {})
     long_runs, short = bench.get("long", {}), (bench.get("short") or {}).get("runs", {})
     lengths = sorted(int(n) for n in long_runs)
-    found: dict = {}
+    e2e = steps.get("e2e") or {}
+    found: dict = {"summary": []}
     for key, (where, way, measure, target) in TRITON_TARGETS.items():
-        runs = short if where == "short" else long_runs.get(str(lengths[0 if where == "shortest" else -1]), {}) \
-            if lengths else {}
-        mine, floor = runs.get(way, {}).get(measure), runs.get("sdpa", {}).get(measure)
-        ratio = round(mine / floor, 3) if mine and floor else None
-        found.update({f"{key}_ratio": ratio, f"{key}_target": target,
-                      f"{key}_met": None if ratio is None else ratio <= target})
+        if where == "e2e":
+            ratio = e2e.get("ratio")
+        else:
+            runs = short if where == "short" else long_runs.get(str(lengths[0 if where == "shortest" else -1]), {}) \
+                if lengths else {}
+            mine, floor = runs.get(way, {}).get(measure), runs.get("sdpa", {}).get(measure)
+            ratio = round(mine / floor, 3) if mine and floor else None
+        met = None if ratio is None else ratio <= target
+        found.update({f"{key}_ratio": ratio, f"{key}_target": target, f"{key}_met": met})
+        said = DESCRIBED[key].format(longest=f"{lengths[-1]:,}" if lengths else "-",
+                                     shortest=f"{lengths[0]:,}" if lengths else "-",
+                                     sentences=(bench.get("short") or {}).get("sentences", "-"),
+                                     batch_size=(bench.get("short") or {}).get("batch_size", "-"),
+                                     tokens=f"{e2e['tokens']:,}" if e2e.get("tokens") else "-")
+        found["summary"].append({"name": key, "target": said, "measured": ratio, "at_most": target, "met": met})
     return found
+
+
+def skip_reason(step: str, seconds_left: float, budget: float) -> str | None:
+    """Why `step` is not started (one line), or None: fewer seconds left of the --budget than it needs."""
+    if seconds_left >= STEP_MIN_S[step]:
+        return None
+    return (f"skipped: {max(seconds_left, 0):.0f} s left of --budget {budget:.0f} s, and {step} needs at least "
+            f"{STEP_MIN_S[step]} s (rerun it alone: make gpu-check STEPS={step})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,18 +354,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry", action="store_true", help="the CPU dry run: tiny shapes, gloo, cuda tests skipped")
     parser.add_argument("--out", type=Path, default=None,
                         help="where gpu-check.json goes ($OUT, else outputs/gpu-check)")
-    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check")
+    parser.add_argument("--budget", type=float, default=BUDGET_S,
+                        help="seconds for the whole check: a step that no longer fits is skipped, and the JSON says so")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"comma-separated steps to run after install (a rerun of some): {', '.join(STEPS)}")
-    parser.add_argument("--child", choices=("bench", "group", "train"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("bench", "group", "train", "save", "floor"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child == "bench":
-        return bench(args.dry, args.json)
+    children = {"bench": bench, "train": train, "save": save_checkpoint, "floor": floor_process}
     if args.child == "group":
         return group(args.json)
-    if args.child == "train":
-        return train(args.dry, args.json)
+    if args.child:
+        return children[args.child](args.dry, args.json)
     chosen = [step for step in args.steps.split(",") if step]
     if not chosen or set(chosen) - set(STEPS):
         parser.error(f"--steps: choose among {', '.join(STEPS)}")
@@ -306,44 +384,50 @@ def main(argv: list[str] | None = None) -> int:
     env = child_env(extra)
     if args.dry:  # the Triton path's ways run in Triton's interpreter on a CPU
         env["TRITON_INTERPRET"] = "1"
-
-    if "tests" in chosen:
-        report.data["steps"]["tests"] = tests = run(
-            report, "tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda" if args.dry else "cuda or triton",
-                              "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py", "tests/test_train_pattern.py",
-                              "tests/test_triton.py"], left("tests"), env)
-        tests.update(pytest_outcomes(tests["tail"] if tests["timed_out"] else _full_log(report, "tests")))
-        tests["ok"] = tests["returncode"] == 0
-        report.save()
-
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-        if "bench" in chosen:
-            results = Path(work) / "bench.json"
-            bench_run = run(report, "bench", [sys.executable, __file__, "--child", "bench", "--json", str(results),
-                                              *(["--dry"] if args.dry else [])], left("bench"), env)
-            found = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
-            report.data["steps"]["bench"] = {**bench_run, **found, "ok": bench_run["returncode"] == 0}
+        for step in chosen:
+            why = skip_reason(step, deadline - time.perf_counter(), args.budget)
+            if why is not None:
+                print(f"gpu-check: {step} {why}", flush=True)
+                report.data["steps"][step] = {"skipped": why, "ok": None}
+                report.data.setdefault("skipped", []).append(step)
+            else:
+                report.data["steps"][step] = STEP_RUNS[step](report, args.dry, Path(work), left, env)
             report.data["targets"] = targets(report.data)
             report.save()
-        if "train" in chosen:
-            results = Path(work) / "train.json"
-            train_run = run(report, "train", [sys.executable, __file__, "--child", "train", "--json", str(results),
-                                              *(["--dry"] if args.dry else [])], left("train"), env)
-            found = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
-            report.data["steps"]["train"] = {**train_run, **found, "ok": train_run["returncode"] == 0
-                                             and found.get("steps_done") == found.get("steps")}
-            report.save()
-        if "torchrun" in chosen:
-            report.data["steps"]["torchrun"] = torchrun(report, args.dry, Path(work), left, env)
-            report.save()
-    report.data["targets"] = targets(report.data)
     report.data["seconds"] = round(args.budget - (deadline - time.perf_counter()), 1)
-    failed = [name for name, step in report.data["steps"].items() if not step.get("ok")]
+    failed = [name for name, step in report.data["steps"].items() if step.get("ok") is False]
     report.data["ok"] = not failed
     report.save()
-    print(f"gpu-check: {'every step passed' if not failed else 'failed: ' + ', '.join(failed)}; targets "
-          f"{json.dumps(report.data['targets'])}; {report.path}", flush=True)
+    skipped = report.data.get("skipped")
+    print(f"gpu-check: {'every step run passed' if not failed else 'failed: ' + ', '.join(failed)}"
+          f"{'; skipped (out of budget): ' + ', '.join(skipped) if skipped else ''}; targets "
+          f"{json.dumps(report.data['targets'].get('triton', {}).get('summary'))}; {report.path}", flush=True)
     return 0 if not failed else 1
+
+
+def run_tests(report: Report, dry: bool, work: Path, left, env: dict[str, str]) -> dict:
+    """The tests marked cuda and triton (the dry run: cuda, every one skipped on a CPU)."""
+    tests = run(report, "tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda" if dry else "cuda or triton",
+                                  "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py", "tests/test_train_pattern.py",
+                                  "tests/test_triton.py"], left("tests"), env)
+    tests.update(pytest_outcomes(tests["tail"] if tests["timed_out"] else _full_log(report, "tests")))
+    tests["ok"] = tests["returncode"] == 0
+    return tests
+
+
+def run_child(name: str):
+    """A step that is one child process of this script writing a JSON (bench, train): its run and its results."""
+
+    def step(report: Report, dry: bool, work: Path, left, env: dict[str, str]) -> dict:
+        results = work / f"{name}.json"
+        done = run(report, name, [sys.executable, __file__, "--child", name, "--json", str(results),
+                                  *(["--dry"] if dry else [])], left(name), env)
+        found = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
+        ok = done["returncode"] == 0 and (name != "train" or found.get("steps_done") == found.get("steps"))
+        return {**done, **found, "ok": ok}
+
+    return step
 
 
 def _full_log(report: Report, title: str) -> str:
@@ -359,16 +443,21 @@ def torchrun(report: Report, dry: bool, work: Path, left, env: dict[str, str]) -
     from zoo import make  # the tiny zoo Llama, saved like a user's checkpoint
 
     model = make("llama", work / "llama")
+    ends = time.perf_counter() + left("torchrun")  # the step's two processes share its limit
+
+    def remaining() -> float:
+        return ends - time.perf_counter()
+
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     checked = work / "group.json"
     step = {"group": run(report, "torchrun group", [*launch, __file__, "--child", "group", "--json", str(checked)],
-                         left("torchrun"), env)}
+                         remaining(), env)}
     step["group"].update(json.loads(checked.read_text(encoding="utf-8")) if checked.is_file() else {})
     out = work / "analyze"
     step["analyze"] = run(report, "torchrun analyze", [
         *launch, "-m", "attnprobe", "analyze", "--model", str(model), "--corpus", "corpora/sentences.txt", "--out",
         str(out), "--device", "cpu" if dry else "cuda", "--dtype", "float32" if dry else "bfloat16", "--resamples",
-        "20", *(["--limit", "16"] if dry else [])], left("torchrun"), env)
+        "20", *(["--limit", "16"] if dry else [])], remaining(), env)
     record = out / "run.json"
     if record.is_file():
         found = json.loads(record.read_text(encoding="utf-8"))
@@ -377,6 +466,91 @@ def torchrun(report: Report, dry: bool, work: Path, left, env: dict[str, str]) -
     step["ok"] = step["group"]["returncode"] == 0 and bool(step["group"].get("all_reduce_ok")) and \
         step["analyze"]["returncode"] == 0 and record.is_file()
     return step
+
+
+def end_to_end(report: Report, dry: bool, work: Path, left, env: dict[str, str]) -> dict:
+    """`attnprobe analyze` as a user runs it (every default, --device cuda) on one document of E2E_TOKENS tokens of
+    the benchmark's model saved as a checkpoint, against the bare forward of the same tokens (attnprobe's loader,
+    SDPA, one forward), each a process of its own, timed whole (start, imports, load, forward, what follows), in
+    turn E2E_REPEAT times; `ratio`: analyze's fastest over the floor's fastest."""
+    folder, document = work / E2E_MODEL, work / "e2e-document.txt"
+    ends = time.perf_counter() + left("e2e")  # the step's processes share its limit
+
+    def remaining() -> float:
+        return ends - time.perf_counter()
+
+    step: dict = {"tokens": DRY_E2E_TOKENS if dry else E2E_TOKENS, "runs": {"floor": [], "analyze": []}}
+    if not (folder / "config.json").is_file():  # the bench step saved it, unless it did not run
+        step["save"] = run(report, "e2e save", [sys.executable, __file__, "--child", "save", "--json", str(folder),
+                                                *(["--dry"] if dry else [])], remaining(), env)
+        if step["save"]["returncode"] != 0:
+            return {**step, "ok": False}
+    device = "cpu" if dry else "cuda"
+    for turn in range(DRY_E2E_REPEAT if dry else E2E_REPEAT):
+        out = work / f"e2e-analyze-{turn}"  # a folder of its own: analyze would take a full one for a resume
+        commands = {
+            "floor": [sys.executable, __file__, "--child", "floor", "--json", str(folder), *(["--dry"] if dry else [])],
+            "analyze": [sys.executable, "-m", "attnprobe", "analyze", "--model", str(folder), "--corpus",
+                        str(document), "--split", "file", "--out", str(out), "--device", device],
+        }
+        for way, command in commands.items():
+            if remaining() < 5:
+                step["out_of_time"] = True
+                break
+            done = run(report, f"e2e {way}", command, remaining(), env)
+            kept = {k: done[k] for k in ("seconds", "returncode", "timed_out")}
+            record = out / "run.json"
+            if way == "analyze" and done["returncode"] == 0 and record.is_file():
+                found = json.loads(record.read_text(encoding="utf-8"))
+                kept.update(tokens=found.get("tokens"), path=found["attention"]["path"],
+                            sequences=found["attention"].get("sequences"))
+            elif done["returncode"] != 0:
+                kept["tail"] = done["tail"][-600:]
+            step["runs"][way].append(kept)
+    fastest = {way: min((r["seconds"] for r in runs if r["returncode"] == 0), default=None)
+               for way, runs in step["runs"].items()}
+    step["seconds"] = fastest
+    step["ratio"] = round(fastest["analyze"] / fastest["floor"], 3) if all(fastest.values()) else None
+    step["ok"] = all(r["returncode"] == 0 for runs in step["runs"].values() for r in runs) and \
+        all(len(runs) > 0 for runs in step["runs"].values())
+    return step
+
+
+def save_checkpoint(dry: bool, folder: Path, loaded=None) -> int:
+    """The end-to-end run's inputs: the benchmark's model (`loaded`, else built) and tokenizer saved as a checkpoint
+    in `folder`, and its document beside it (random words of the tokenizer, one token each, after the BOS)."""
+    loaded = loaded or build_model(dry)[0]
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    rng = random.Random(0)
+    tokens = DRY_E2E_TOKENS if dry else E2E_TOKENS
+    words = " ".join(f"w{rng.randrange(WORDS)}" for _ in range(tokens - 1))  # and the BOS
+    (folder.parent / "e2e-document.txt").write_text(words + "\n", encoding="utf-8")
+    return 0
+
+
+def floor_process(dry: bool, folder: Path) -> int:
+    """The end-to-end run's floor, as a user would write it: attnprobe's loader, its tokenization of the document,
+    one SDPA forward of the base model, nothing kept."""
+    import torch
+
+    from attnprobe.model import load_model
+    from attnprobe.tokens import encode
+
+    loaded = load_model(str(folder), "cpu" if dry else "cuda")
+    loaded.model.set_attn_implementation("sdpa")
+    text = (folder.parent / "e2e-document.txt").read_text(encoding="utf-8")
+    ids = torch.tensor([encode(loaded, text)["input_ids"]], device=loaded.device)  # [1, seq]
+    with torch.inference_mode():
+        loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    if not dry:
+        torch.cuda.synchronize()
+    return 0
+
+
+
+STEP_RUNS = {"tests": run_tests, "bench": run_child("bench"), "e2e": end_to_end, "train": run_child("train"),
+             "torchrun": torchrun}
 
 
 # ---- the children --------------------------------------------------------------------------------------------------
@@ -407,10 +581,11 @@ def group(into: Path) -> int:
 
 def build_model(dry: bool):
     """The benchmark's model: Llama-3.2-1B's shape (TINY for the dry run), random weights, bfloat16, eager; as a
-    LoadedModel, with a word-level tokenizer (the benchmark feeds random ids)."""
+    LoadedModel, with a word-level tokenizer that adds a BOS as Llama's does (the benchmark feeds random ids; the
+    end-to-end run's document is words of it, one token each)."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     from attnprobe.model import from_transformers
@@ -424,9 +599,12 @@ def build_model(dry: bool):
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaModel._from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
-    words = ["<|endoftext|>", "<unk>", *(f"w{i}" for i in range(62))]
+    words = ["<|endoftext|>", "<unk>", BOS, *(f"w{i}" for i in range(WORDS))]
     core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<unk>")
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # one token per word of the end-to-end document
+    core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 2)])  # as Llama's
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<unk>",
+                                        bos_token=BOS)
     return from_transformers(model, tokenizer, spec="Llama-3.2-1B shape, random weights"), config
 
 
@@ -434,14 +612,12 @@ def bench(dry: bool, into: Path) -> int:
     """The short and long benchmarks (module docstring), written to `into` after every measurement."""
     import torch
 
-    from attnprobe import kernel, values
+    from attnprobe import planning
     from attnprobe.kernel import triton_path
-    from attnprobe.metrics import bin_count
-    from attnprobe.model import attention_modules
 
     cuda = not dry
-    found: dict = {"dtype": "bfloat16", "block_mib": BLOCKED_MIB if cuda else kernel.DEFAULT_BUDGET_MIB,
-                   "sink": SINK, "window": WINDOW, "short": {}, "long": {}}
+    found: dict = {"dtype": "bfloat16", "block_mib": BLOCKED_MIB if cuda else None, "sink": SINK, "window": WINDOW,
+                   "reps": REPS, "short": {}, "long": {}}
 
     def save() -> None:
         temporary = into.with_suffix(".tmp")
@@ -454,63 +630,59 @@ def bench(dry: bool, into: Path) -> int:
                       "rope": dict(getattr(config, "rope_parameters", None) or {}),
                       "parameters": sum(p.numel() for p in loaded.model.parameters()),
                       "built_seconds": round(time.perf_counter() - started, 1)}
+    found["auto_path"] = planning.attention_path(loaded, "auto")  # what analyze's --attention auto takes here
+    save_checkpoint(dry, into.parent / E2E_MODEL, loaded)  # the e2e step's, while the model is here
     save()
-    modules = [module for module, _ in attention_modules(loaded.model)]
-    projections = values.find_projections(loaded.model, modules, loaded.num_heads)[0]
-    backends = sdpa_backends(cuda)
-    found["sdpa_backends"] = [b.name for b in backends] if backends else "default"
-
-    def floor(x, mask) -> None:
-        """The SDPA forward on the fused kernels only; where none takes these inputs, torch's own choice (the math
-        kernel, whose n x n map the floor should not have), noted in `sdpa_fallback`."""
-        try:
-            with sdpa_only(backends):
-                loaded.model(input_ids=x, attention_mask=mask, use_cache=False)
-        except RuntimeError as err:
-            if backends is None or "kernel" not in str(err):
-                raise
-            found.setdefault("sdpa_fallback", {})[str(x.shape[1])] = str(err).strip().splitlines()[0][:300]
-            loaded.model(input_ids=x, attention_mask=mask, use_cache=False)
-
-    def way(name: str, x, mask) -> None:
-        with torch.inference_mode():
-            if name in ("sdpa", "flash_attention_2"):
-                loaded.model.set_attn_implementation(name)
-                try:
-                    floor(x, mask)
-                finally:
-                    loaded.model.set_attn_implementation("eager")
-                return
-            with kernel.statistics_attention(loaded):
-                kernel.run_batch(loaded, x, mask, lambda *_: None, sink=SINK, window=WINDOW, bins=bin_count(x.shape[1]),
-                                 budget_mib=found["block_mib"], fused=0 if name.startswith("fused") else None,
-                                 triton=name.startswith("triton"),
-                                 projections=projections if name.endswith("+vw") else None)
-
+    way = Ways(loaded, cuda, found)
+    found["features"] = way.features
     triton_ways = ["triton", "triton+vw"] if triton_path.unavailable(loaded.device) is None else []
     if not triton_ways:
         found["triton"] = triton_path.unavailable(loaded.device)
     ways = ["sdpa", *(["flash_attention_2"] if cuda and importlib.util.find_spec("flash_attn") else []), *triton_ways,
             "fused", "fused+vw", "blocked"]
     found["ways"] = ways
-    # the Triton ways: at the shortest and longest length and on the short sentences; in the dry run, where Triton's
-    # interpreter takes seconds for what a GPU does in microseconds, at the shortest length only
-    lengths_triton = {DRY_LENGTHS[0]} if dry else {LENGTHS[0], LENGTHS[-1]}
-    device = loaded.device
     generator = torch.Generator().manual_seed(0)
 
     def ids(batch: int, n: int):
-        return torch.randint(3, config.vocab_size, (batch, n), generator=generator).to(device)  # [batch, seq]
+        return torch.randint(3, config.vocab_size, (batch, n), generator=generator).to(loaded.device)  # [batch, seq]
 
-    for name in ways:  # warm-up: kernels chosen, compiled and loaded, memory pools grown; with padding too
-        x = ids(2, 128 if dry else 512)
-        padded = torch.ones_like(x)
-        padded[1, x.shape[1] // 2:] = 0  # right padding, as the short sentences have
-        way(name, x[:1], padded[:1])
-        way(name, x, padded)
-    sentences, batch_size, shortest, longest = DRY_SHORT if dry else SHORT
+    lengths = DRY_LENGTHS if dry else LENGTHS
+    for n in lengths:
+        x = ids(1, n)
+        mask = torch.ones_like(x)
+        found["long"][str(n)] = {}
+        for name in ways:
+            if name in triton_ways and dry and n != lengths[0]:
+                continue  # the interpreter: the shortest length only
+            if name == "blocked" and n != lengths[0]:
+                continue  # minutes at 32k on a GPU, and no target of its own
+            context = name.startswith(("fused", "blocked")) and n != lengths[0] and not dry  # a single run
+            found["long"][str(n)][name] = timed(lambda name=name, x=x, mask=mask: way(name, x, mask, True), cuda,
+                                                1 if context else REPS, warm=not context)
+            save()
+    short_batches = short_sentences(ids, loaded.device, DRY_SHORT if dry else SHORT)
+    sentences, batch_size, _, _ = DRY_SHORT if dry else SHORT
+    found["short"] = {"sentences": sentences, "batch_size": batch_size,
+                      "tokens": int(sum(int(m.sum()) for _, m in short_batches)), "runs": {}}
+    for name in ways:  # every way warmed on all the batches (each shape compiled, cuDNN's graphs built), then timed
+        if dry and name in triton_ways:
+            continue  # Triton's interpreter: seconds per batch on a CPU
+        found["short"]["runs"][name] = timed(lambda name=name: [way(name, x, m, False) for x, m in short_batches],
+                                             cuda, REPS)
+        save()
+    found["seconds"] = round(time.perf_counter() - started, 1)
+    save()
+    return 0
+
+
+def short_sentences(ids, device, short: tuple[int, int, int, int]) -> list:
+    """The short benchmark's right-padded batches [(ids [batch, seq], mask [batch, seq])], sorted by length as
+    analyze sorts them."""
+    import torch
+
+    sentences, batch_size, shortest, longest = short
     rng = random.Random(0)
-    lengths = sorted(rng.randint(shortest, longest) for _ in range(sentences))  # analyze sorts by length too
+    lengths = sorted(rng.randint(shortest, longest) for _ in range(sentences))
     batches = []
     for first in range(0, sentences, batch_size):
         chunk = lengths[first : first + batch_size]
@@ -518,24 +690,77 @@ def bench(dry: bool, into: Path) -> int:
         for row, n in enumerate(chunk):
             mask[row, :n] = 1  # right padding
         batches.append((x, mask))
-    found["short"] = {"sentences": sentences, "batch_size": batch_size, "tokens": sum(lengths), "runs": {}}
-    for name in ways:
-        if dry and name in triton_ways:
-            continue
-        found["short"]["runs"][name] = measured(lambda name=name: [way(name, x, m) for x, m in batches], cuda)
-        save()
-    for n in DRY_LENGTHS if dry else LENGTHS:
-        x = ids(1, n)
-        mask = torch.ones_like(x)
-        found["long"][str(n)] = {}
-        for name in ways:
-            if name in triton_ways and n not in lengths_triton:
-                continue
-            found["long"][str(n)][name] = measured(lambda name=name, x=x, mask=mask: way(name, x, mask), cuda)
-            save()
-    found["seconds"] = round(time.perf_counter() - started, 1)
-    save()
-    return 0
+    return batches
+
+
+class Ways:
+    """The benchmark's ways on one model: `sdpa` (and `flash_attention_2`), the model's own forward, the floor; and
+    triton, fused, blocked (+vw: with the value-weighted scores) through attnprobe's public entry, kernel.run_batch,
+    with what `attnprobe analyze` passes it by default: a special token first (a BOS), the token classes
+    (punctuation, same-token keys), the position bins, sink and window, the rows kept for the block bootstrap of a
+    single document (`keep_rows`), and a callback that reads what analyze's reads (the received mass for
+    top_tokens.csv, the means and binned means). The kernel, old or new, is reached only through run_batch."""
+
+    def __init__(self, loaded, cuda: bool, found: dict):
+        from attnprobe import kernel, values
+        from attnprobe.model import attention_modules
+
+        self.loaded, self.cuda, self.found = loaded, cuda, found
+        modules = [module for module, _ in attention_modules(loaded.model)]
+        self.projections = values.find_projections(loaded.model, modules, loaded.num_heads)[0]
+        self.backends = sdpa_backends(cuda)
+        found["sdpa_backends"] = [b.name for b in self.backends] if self.backends else "default"
+        self.budget = BLOCKED_MIB if cuda else kernel.DEFAULT_BUDGET_MIB
+        found["block_mib"] = self.budget
+        self.features = ["special token first", "punctuation (one id in ten)", "duplicate tokens",
+                         "received mass read (top_tokens.csv)", "position bins", f"sink {SINK}", f"window {WINDOW}",
+                         "rows kept for the block bootstrap (one document)"]
+
+    def __call__(self, name: str, x, mask, keep_rows: bool) -> None:
+        import torch
+
+        with torch.inference_mode():
+            if name in ("sdpa", "flash_attention_2"):
+                self.loaded.model.set_attn_implementation(name)
+                try:
+                    self.floor(x, mask)
+                finally:
+                    self.loaded.model.set_attn_implementation("eager")
+                return
+            self.statistics(name, x, mask, keep_rows)
+
+    def floor(self, x, mask) -> None:
+        """The SDPA forward on the fused kernels only; where none takes these inputs, torch's own choice (the math
+        kernel, whose n x n map the floor should not have), noted in `sdpa_fallback`."""
+        try:
+            with sdpa_only(self.backends):
+                self.loaded.model(input_ids=x, attention_mask=mask, use_cache=False)
+        except RuntimeError as err:
+            if self.backends is None or "kernel" not in str(err):
+                raise
+            self.found.setdefault("sdpa_fallback", {})[str(x.shape[1])] = str(err).strip().splitlines()[0][:300]
+            self.loaded.model(input_ids=x, attention_mask=mask, use_cache=False)
+
+    def statistics(self, name: str, x, mask, keep_rows: bool) -> None:
+        import torch
+
+        from attnprobe import kernel, planning
+        from attnprobe.metrics import TokenClasses, bin_count
+
+        path = name.split("+")[0]
+        special = torch.zeros_like(x, dtype=torch.bool)  # [batch, seq]
+        special[:, 0] = True  # a BOS, as Llama's tokenizer adds
+        punctuation = (x % 10 == 0) & ~special  # [batch, seq]
+
+        def read(_layer: int, sums, _maps) -> None:  # what analyze's store reads of each layer
+            _ = sums.received, sums.stacked_means(), sums.stacked_bin_means()
+
+        with kernel.statistics_attention(self.loaded):
+            kernel.run_batch(self.loaded, x, mask, read, special=special, sink=SINK, window=WINDOW,
+                             bins=bin_count(x.shape[1]), budget_mib=self.budget,
+                             fused=planning.fused_from(path, "auto" if path == "triton" else path),
+                             triton=path == "triton", projections=self.projections if name.endswith("+vw") else None,
+                             keep_rows=keep_rows, tokens=TokenClasses(x, punctuation))
 
 
 def train(dry: bool, into: Path) -> int:
@@ -620,24 +845,35 @@ def sdpa_only(backends: list | None):
     return sdpa_kernel(backends)
 
 
-def measured(fn, cuda: bool) -> dict:
-    """Seconds of `fn()` (after the GPU finished its work) and the peak GPU memory it reached, or its error."""
+def timed(fn, cuda: bool, reps: int, warm: bool = True) -> dict:
+    """`fn()` run once to warm it (at the same shape: kernels compiled and chosen, memory pools grown; `first_s`),
+    then `reps` times: the median seconds (after the GPU finished its work), every run's, and the peak GPU memory
+    the timed runs reached (the model's weights included, and above them); or the error, and the runs done."""
     import torch
 
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated() if cuda else 0
-    started = time.perf_counter()
+    found: dict = {"runs": []}
     try:
-        fn()
+        if warm:
+            started = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            found["first_s"] = round(time.perf_counter() - started, 4)
         if cuda:
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        for _ in range(reps):
+            started = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            found["runs"].append(round(time.perf_counter() - started, 4))
     except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError: recorded, the rest runs
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return {"error": f"{type(err).__name__}: {first[:300]}"}
-    found = {"seconds": round(time.perf_counter() - started, 4)}
+        return {**found, "error": f"{type(err).__name__}: {first[:300]}"}
+    found["seconds"] = round(statistics.median(found["runs"]), 4)
     if cuda:
         peak = torch.cuda.max_memory_allocated()
         found.update(peak_mib=round(peak / 2**20, 1), above_model_mib=round((peak - before) / 2**20, 1))

@@ -6,7 +6,7 @@ kvpress? Exit 1 if not (CI runs it after the bench).
 
 Reads only the bench's JSON (no attnprobe, no kvpress), prints each default export's needle and continuation NLL
 beside the mean of the random patterns, and fails where a default export's needle NLL is not below that mean. The
-continuation is printed, not required (the issue's target is the needle).
+continuation is printed, not required (the target is the needle).
 """
 
 from __future__ import annotations

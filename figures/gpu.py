@@ -150,9 +150,9 @@ TRITON_LINES = {  # gpu_check.TRITON_TARGETS's names (<name>_ratio, _met, _targe
 def _triton_line(found: dict | None, ran: bool) -> str:
     """The Triton path's targets, or that this run did not measure it (it predates the path, or triton did not run)."""
     if not found or not ran:
-        return ("The Triton path (`--attention triton`) is not in this run: its GPU figures are not measured yet, and "
-                "`auto` keeps the fused path on a GPU until they are. `make gpu-check` times it beside the other "
-                "ways, and checks it against the blocked path, on the next lent GPU.")
+        return ("The Triton path (`--attention triton`, which `auto` takes on CUDA) is not in this run: "
+                "`make gpu-check` times it beside the other ways, and checks it against the blocked path, on the "
+                "next lent GPU.")
     said = [f"{what} {fmt.ratio(found[key + '_ratio']) if found.get(key + '_ratio') else '-'} (at most "
             f"{found.get(key + '_target')}x: {_verdict(found.get(key + '_met'))})"
             for key, what in TRITON_LINES.items()]

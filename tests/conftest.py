@@ -32,7 +32,7 @@ VERSION_FREE = frozenset({
     "test_allocator.py", "test_block_bootstrap.py", "test_bootstrap.py", "test_classify.py", "test_classify_kv.py",
     "test_corpus.py", "test_docs.py", "test_export_kv_score.py", "test_figures.py", "test_import_layers.py",
     "test_io_package.py", "test_plot_options.py", "test_plots_at_scale.py", "test_plotting.py",
-    "test_position_plot.py", "test_report.py",
+    "test_plot_circuit.py", "test_position_plot.py", "test_report.py", "test_report_circuit.py",
 })
 
 

@@ -179,3 +179,159 @@ def test_results_without_the_needed_scores_are_refused(gqa_run, tmp_path):
     (folder / "run.json").write_text(json.dumps(run))
     with pytest.raises(AttnprobeError, match="is an encoder"):
         load_scores(folder)
+
+
+# ---- layer budgets (kvpress's PerLayerCompressionPress) ------------------------------------------------------------
+
+
+def test_layer_budgets_in_closed_form():
+    """kept_l = clip(c x s_l, floor, 1), mean = target: worked by hand."""
+    from attnprobe.budgets import allocate
+
+    # no clipping: c = 4 x 0.25 / 10
+    assert np.allclose(allocate(np.array([1.0, 2.0, 3.0, 4.0]), 0.25, 0.01), [0.1, 0.2, 0.3, 0.4])
+    # layer 3 would keep 10 x 0.125 = 1.25: it keeps 1, and the others share the rest, c = (4 x 0.5 - 1) / 6
+    assert np.allclose(allocate(np.array([1.0, 2.0, 3.0, 10.0]), 0.5, 0.1), [1 / 6, 2 / 6, 3 / 6, 1.0])
+    # layer 0 would keep 0.1 x 1.6 / 3.1 < 0.2: it keeps the floor, c = (4 x 0.4 - 0.2) / 3
+    assert np.allclose(allocate(np.array([0.1, 1.0, 1.0, 1.0]), 0.4, 0.2), [0.2, 1.4 / 3, 1.4 / 3, 1.4 / 3])
+    # both ends at once: c = (5 x 0.5 - 1 - 0.1) / (1 + 2 + 3)
+    c = (2.5 - 1.1) / 6
+    assert np.allclose(allocate(np.array([0.01, 1.0, 2.0, 3.0, 50.0]), 0.5, 0.1), [0.1, c, 2 * c, 3 * c, 1.0])
+    assert np.allclose(allocate(np.array([2.0, 2.0, 2.0]), 0.3, 0.1), [0.3, 0.3, 0.3])  # equal layers, equal shares
+    assert np.allclose(allocate(np.array([0.0, 1.0]), 0.1, 0.1), [0.1, 0.1])  # the target at the floor
+    with pytest.raises(AttnprobeError, match="at most 0.55"):
+        allocate(np.array([0.0, 1.0]), 0.6, 0.1)  # a layer at entropy 0 keeps only the floor
+
+
+def budgets_from_heads(heads, ratio, floor):
+    """The budgets from heads.csv, independently: the layers' mean entropy, then c by bisection on the mean."""
+    s = heads.groupby("layer")["entropy"].mean().to_numpy()
+    low, high = 0.0, 1e6
+    for _ in range(200):
+        c = (low + high) / 2
+        low, high = (c, high) if np.clip(c * s, floor, 1).mean() < 1 - ratio else (low, c)
+    return s, np.clip(high * s, floor, 1)
+
+
+def test_layer_budgets_file_says_what_it_means_and_kvpress_keeps_as_stated(gqa_run, tmp_path):
+    result = invoke("export", "--out", gqa_run, "--format", "layer-budgets", "--to", tmp_path / "b",
+                    "--compression-ratio", 0.4, "--min-kept", 0.2)
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "b" / "layer_budgets.json").read_text())
+    entropy, kept = budgets_from_heads(pd.read_csv(gqa_run / "heads.csv"), 0.4, 0.2)
+    assert np.allclose(record["kept"], kept, atol=1e-9) and np.isclose(np.mean(record["kept"]), 0.6)
+    assert np.allclose([row["entropy"] for row in record["layers"]], entropy)
+    assert np.allclose(record["compression_ratios"], 1 - kept) and record["press"]["name"] == "PerLayerCompressionPress"
+    assert record["compression_ratio"] == 0.4 and record["min_kept"] == 0.2 and record["statistic"]["name"] == "entropy"
+    assert {"meaning", "format_version", "model"} <= set(record)
+    # kvpress 0.5.5's PerLayerCompressionPress: layer l keeps compute_n_kept(L, ratio_l) = max(1, int(L (1 - ratio_l)))
+    for length in (17, 256, 4096):
+        entries = [max(1, int(length * (1 - r))) for r in record["compression_ratios"]]
+        assert all(0 <= k * length - n < 1 + 1e-9 for k, n in zip(kept, entries))  # the budget x L, rounded down
+
+
+def test_layer_budget_options_are_checked_in_one_line(gqa_run, tmp_path):
+    for extra, fragment in ((["--compression-ratio", 0.95], "below --min-kept 0.1"),
+                            (["--min-kept", 0], "--min-kept 0 is out of range"),
+                            (["--compression-ratio", -0.1], "--compression-ratio -0.1 is out of range")):
+        result = invoke("export", "--out", gqa_run, "--format", "layer-budgets", "--to", tmp_path / "b", *extra)
+        assert result.exit_code == 1 and fragment in result.output and len(result.output.splitlines()) == 1
+    result = invoke("export", "--out", gqa_run, "--to", tmp_path / "d", "--compression-ratio", 0.5)
+    assert result.exit_code == 1 and "--compression-ratio does nothing with --format duo-attention" in result.output
+    assert not (tmp_path / "b").exists() and not (tmp_path / "d").exists()
+
+
+# ---- every head score in one parquet file, and export --from it ----------------------------------------------------
+
+
+def write_trained(folder, layers=3, kv_heads=2, spec="m", heads=4):
+    """train-pattern's gates.csv and train_pattern.json (with the sha256 of gates.csv), as it writes them."""
+    from attnprobe.io import hash_file
+
+    rows = [{"layer": la, "kv_head": k, "gate": (la * kv_heads + k) / (layers * kv_heads)}
+            for la in range(layers) for k in range(kv_heads)]
+    pd.DataFrame(rows).to_csv(folder / "gates.csv", index=False)
+    record = {"command": "attnprobe train-pattern", "settings": {"sink": 2, "recent": 3}, "kv_heads": kv_heads,
+              "model": {"spec": spec, "source": spec, "layers": layers, "heads": heads, "kv_heads": kv_heads},
+              "files": {"gates.csv": hash_file(folder / "gates.csv")}}
+    (folder / "train_pattern.json").write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def every_score(gqa_run, tmp_path_factory):
+    """analyze, retrieval and train-pattern results of one model in one folder."""
+    folder = tmp_path_factory.mktemp("every") / "run"
+    shutil.copytree(gqa_run, folder)
+    run = json.loads((folder / "run.json").read_text())
+    spec = run["model"]["spec"]
+    write_retrieval(folder, spec=spec, layers=3, heads=4, kv_heads=2,
+                    means=np.array([[0.0, 0.5, 0.5, 0.25], [0.0, 0.0, 0.75, 1.0], [0.5, 0.0, 0.0, 0.25]]))
+    write_trained(folder, spec=spec)
+    return folder
+
+
+FROM_CASES = [("duo-attention", []), ("duo-attention", ["--scores", "kv"]), ("duo-attention", ["--scores", "retrieval",
+              "--sink-size", 3]), ("retrieval-head", ["--scores", "retrieval"]), ("retrieval-head", ["--scores", "kv"]),
+              ("layer-budgets", ["--compression-ratio", 0.3]), ("head-scores", [])]
+
+
+def test_export_from_the_parquet_equals_the_export_from_the_folder(every_score, tmp_path):
+    import pyarrow.parquet as pq
+
+    from attnprobe import __version__
+
+    result = invoke("export", "--out", every_score, "--format", "head-scores", "--to", tmp_path / "pub")
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "pub" / "head_scores.parquet"
+    table = pq.read_table(path)
+    meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
+    run = json.loads((every_score / "run.json").read_text())
+    assert meta["model.name"] == run["model"]["spec"] and meta["attnprobe.version"] == __version__
+    record = json.loads(meta["attnprobe"])
+    assert record["format_version"] == 1 and set(record["parts"]) == {"analyze", "retrieval", "train-pattern"}
+    assert record["parts"]["analyze"]["record"]["attention"] == run["attention"]  # the settings
+    frame = table.to_pandas()
+    heads = pd.read_csv(every_score / "heads.csv")
+    assert len(frame) == 12 and list(frame.columns[:3]) == ["layer", "head", "kv_head"]
+    merged = frame.merge(heads, on=["layer", "head"], suffixes=("", "_csv"))
+    assert np.allclose(merged["entropy"], merged["entropy_csv"]) and "retrieval_trials" in frame.columns
+    assert frame.loc[(frame["layer"] == 1) & (frame["head"] == 3), "trained_gate"].item() == pytest.approx(3 / 6)
+    for fmt, extra in FROM_CASES + [("duo-attention", ["--scores", "trained"])]:
+        folders = {}
+        for name, source in (("folder", ["--out", every_score]), ("file", ["--from", path])):
+            folders[name] = tmp_path / f"{fmt}-{len(extra)}-{name}"
+            result = invoke("export", *source, "--format", fmt, "--to", folders[name], *extra)
+            assert result.exit_code == 0, (fmt, extra, result.output)
+        names = sorted(p.name for p in folders["folder"].iterdir() if p.name != "attnprobe.json")
+        assert names == sorted(p.name for p in folders["file"].iterdir() if p.name != "attnprobe.json")
+        for name in names:  # byte for byte
+            assert (folders["folder"] / name).read_bytes() == (folders["file"] / name).read_bytes(), (fmt, name)
+
+
+def test_a_file_that_is_not_head_scores_is_one_line(every_score, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    assert invoke("export", "--out", every_score, "--format", "head-scores", "--to", tmp_path).exit_code == 0
+    good = pq.read_table(tmp_path / "head_scores.parquet")
+    text = tmp_path / "notes.parquet"
+    text.write_text("layer,head\n0,0\n")
+    bare = tmp_path / "bare.parquet"
+    pq.write_table(pa.table({"layer": [0], "head": [0]}), bare)
+    dropped = tmp_path / "dropped.parquet"
+    pq.write_table(good.drop(["sink_window"]), dropped)
+    record = json.loads(good.schema.metadata[b"attnprobe"])
+    newer = tmp_path / "newer.parquet"
+    pq.write_table(good.replace_schema_metadata({**good.schema.metadata, b"attnprobe": json.dumps(
+        record | {"format_version": 2}).encode()}), newer)
+    short = tmp_path / "short.parquet"
+    pq.write_table(good.slice(0, 11), short)
+    cases = [(tmp_path / "none.parquet", "is not a file"), (text, "is not a parquet file"),
+             (bare, "is a parquet file but not attnprobe's head scores"), (dropped, "lacks column(s) sink_window"),
+             (newer, "of format version 2"), (short, "does not hold one row for each of its model's 3 x 4 heads")]
+    for path, fragment in cases:
+        result = invoke("export", "--from", path, "--to", tmp_path / "duo")
+        assert result.exit_code == 1 and fragment in result.output, (path, result.output)
+        assert len(result.output.splitlines()) == 1 and not (tmp_path / "duo").exists()
+    result = invoke("export", "--from", tmp_path / "head_scores.parquet", "--out", every_score, "--to", tmp_path / "d")
+    assert result.exit_code == 1 and "--from and --out both" in result.output

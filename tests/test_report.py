@@ -815,3 +815,15 @@ def test_a_damaged_head_examples_file_is_one_line(copy_of):
     page = build_report(copy_of)
     assert page_data(page.html)["headPages"] is None
     assert any("no head_examples.npz" in note and "attnprobe analyze --head-examples" in note for note in page.notes)
+
+
+def test_a_circuit_in_the_folder_adds_its_section(copy_of):
+    """The circuit command's edges.csv and circuit.json in a results folder: the page shows the Circuit section
+    (test_report_circuit.py checks what it holds)."""
+    from test_report_circuit import write_circuit
+
+    assert 'id="circuit"' not in build_report(copy_of).html
+    write_circuit(copy_of)
+    html = build_report(copy_of).html
+    assert '<section id="circuit" class="extra"><h2>Circuit</h2>' in html
+    assert html.index('id="circuit"') < html.index('id="provenance"')

@@ -206,18 +206,38 @@ def test_triton_is_refused_on_a_cpu_without_the_interpreter(monkeypatch, llama_d
     assert attention_path(loaded, "auto") == "fused"  # auto takes triton on CUDA only
 
 
-@needs_triton
-def test_auto_takes_triton_on_cuda_only_once_the_gpu_has_proven_it(monkeypatch, llama_dir):
-    """auto on a CUDA device where triton imports: the fused path while AUTO_ON_CUDA is off (the compiled kernel has
-    not run on a GPU yet), the Triton path once it is on; `triton` asked for is taken either way."""
-    on_gpu = dataclasses.replace(load_model(str(llama_dir), "cpu"), device=torch.device("cuda"))
+def test_auto_takes_triton_on_cuda_and_falls_back_naming_why(monkeypatch, llama_dir):
+    """--attention auto on a (stubbed) CUDA device: the Triton path where triton imports, and `triton` asked for is
+    taken; where triton is missing, the fused path, run.json saying why and --attention triton refused in that line;
+    a layer the kernel does not cover (a head of 512) is named with its reason while the others stay on Triton."""
+    from attnprobe import planning
+
+    on_cpu = load_model(str(llama_dir), "cpu")
+    features = kernel.discover(on_cpu)  # learnt on the CPU (the stub's device cannot run a pass)
+    on_gpu = dataclasses.replace(on_cpu, device=torch.device("cuda"))
+    monkeypatch.setattr(kernel, "unsupported", lambda loaded: None)
+    monkeypatch.setattr(kernel, "discover", lambda loaded: features)
     monkeypatch.setattr(triton_path, "unavailable", lambda device: None)
-    monkeypatch.setattr(kernel, "unsupported", lambda loaded: None)  # it runs a pass on the device
-    assert triton_path.AUTO_ON_CUDA is False
+    assert triton_path.AUTO_ON_CUDA is True
+    assert attention_path(on_gpu, "auto") == attention_path(on_gpu, "triton") == "triton"
+    record = planning.plan(on_gpu, planning.Options()).record(on_gpu.device, {"triton": 3}, 3)
+    assert record["path"] == "triton" and record["triton_layers"] == [0, 1] and record["not_triton"] is None
+    assert "why_not_triton" not in record
+    wide = dataclasses.replace(features.features[1], head_size=512)
+    monkeypatch.setattr(kernel, "discover", lambda loaded: dataclasses.replace(
+        features, features=(features.features[0], wide)))
+    record = planning.plan(on_gpu, planning.Options()).record(on_gpu.device, {"triton": 3}, 3)
+    assert record["triton_layers"] == [0] and record["not_triton"] == {
+        "a head size of 512 (the Triton kernel takes up to 256)": [1]}
+    assert record["fused_min_tokens"] == kernel.FUSED_MIN_TOKENS  # that layer runs fused from there, else blocked
+    missing = "--attention triton needs the triton package (CUDA builds of torch bring it): pip install triton"
+    monkeypatch.setattr(triton_path, "unavailable", lambda device: missing)
     assert attention_path(on_gpu, "auto") == "fused"
-    assert attention_path(on_gpu, "triton") == "triton"
-    monkeypatch.setattr(triton_path, "AUTO_ON_CUDA", True)
-    assert attention_path(on_gpu, "auto") == "triton"
+    with pytest.raises(AttnprobeError, match="needs the triton package"):
+        attention_path(on_gpu, "triton")
+    record = planning.plan(on_gpu, planning.Options()).record(on_gpu.device, {"fused": 3}, 3)
+    assert record["path"] == "fused" and record["why_not_triton"] == missing
+    assert "why_not_triton" not in planning.plan(on_cpu, planning.Options()).record(on_cpu.device, {"fused": 3}, 3)
 
 
 def test_layers_the_triton_kernel_does_not_cover_are_named_by_reason():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import FLOAT32_TOLERANCE, SENTENCES, locked_transformers_only
 from test_blocked import assert_close, corpus_of
-from zoo import OWN_ATTENTION, WINDOW, ZOO, architecture_row, make
+from zoo import OWN_ATTENTION, OWN_MASK, WINDOW, ZOO, architecture_row, make
 
 from attnprobe import kernel
 from attnprobe.analysis import analyze_loaded
@@ -86,7 +86,7 @@ def test_the_eager_path_finds_the_model_s_own_eager_function(eager_of, name):
     assert eager.heads[["entropy_vw", "output_norm"]].notna().all().all()  # others are undefined for some models
 
 
-@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION))
+@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION - OWN_MASK))
 def test_blocked_statistics_equal_the_eager_maps(eager_of, name):
     loaded, eager = eager_of(name)
     found = kernel.discover(loaded)
@@ -101,7 +101,7 @@ def test_blocked_statistics_equal_the_eager_maps(eager_of, name):
     assert_same_statistics(blocked, eager, f"{name} blocked")
 
 
-@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION))
+@pytest.mark.parametrize("name", sorted(set(ZOO) - OWN_ATTENTION - OWN_MASK))
 def test_fused_statistics_equal_the_eager_maps(eager_of, name):
     """--attention fused: the fused kernel on every layer it computes exactly (the others run blocked)."""
     loaded, eager = eager_of(name)
@@ -110,6 +110,19 @@ def test_fused_statistics_equal_the_eager_maps(eager_of, name):
     layers = fused.run["attention"]["fused_layers"]
     assert layers == [k for k, f in enumerate(kernel.discover(loaded).features) if kernel.fusable(f)]
     assert_same_statistics(fused, eager, f"{name} fused")
+
+
+@pytest.mark.parametrize("name", sorted(OWN_MASK))
+def test_a_model_that_builds_its_own_mask_runs_on_the_hooks(zoo_dir, name):
+    """Falcon with ALiBi (transformers 5.25 on) adds its ALiBi to the mask it builds: the statistics paths refuse
+    that mask in one line, and auto runs the eager hooks, whose statistics equal the model's own maps."""
+    loaded = load_model(str(zoo_dir(name)), "cpu")
+    assert "did not come from attnprobe's mask function" in kernel.discover(loaded).reason
+    with pytest.raises(AttnprobeError, match="mask.*--attention eager or auto"):
+        analyzed(loaded, "fused")
+    result = analyzed(loaded, "auto")
+    assert result.run["attention"]["path"] == "eager", result.run["attention"]
+    assert_equals_model_maps(loaded, result, name)
 
 
 @pytest.mark.parametrize("name", sorted(OWN_ATTENTION))
@@ -124,7 +137,11 @@ def test_models_that_compute_attention_themselves_run_on_the_hooks(zoo_dir, name
     assert result.run["value_weighted"]["measured"] is False
     assert "cannot read the values" in result.run["value_weighted"]["why"]
     assert not set(VW_METRICS) & set(result.heads.columns)
-    # the oracle: the maps the model itself returns for the whole batch at once, with output_attentions=True
+    assert_equals_model_maps(loaded, result, name)
+
+
+def assert_equals_model_maps(loaded, result, name):
+    """The oracle: the maps the model itself returns for the whole batch at once, with output_attentions=True."""
     ids = [loaded.tokenizer(t)["input_ids"] for t in SENTENCES[:3]]
     input_ids, mask = pad_batch(ids, loaded.device)
     with torch.inference_mode():

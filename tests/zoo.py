@@ -94,6 +94,16 @@ def computes_own_attention(name: str) -> bool:
 OWN_ATTENTION = {name for name in ZOO if computes_own_attention(name)}
 
 
+def builds_own_mask(name: str) -> bool:
+    """Whether the zoo's `name` runs through AttentionInterface but adds a bias of its own to the mask it builds:
+    Falcon with ALiBi from transformers 5.25 on (before, it computed its attention itself). attnprobe's statistics
+    paths refuse such a mask and `auto` takes the eager hooks."""
+    return name == "falcon (alibi)" and name not in OWN_ATTENTION
+
+
+OWN_MASK = {name for name in ZOO if builds_own_mask(name)}
+
+
 def architecture_row(name: str, loaded) -> tuple[str, str]:
     """The row of the docs' architecture table (docs/long-documents.md) for the zoo's `name`: the path `auto`
     takes on long documents and the features `kernel.discover` reports."""
@@ -104,6 +114,6 @@ def architecture_row(name: str, loaded) -> tuple[str, str]:
     path = "eager (hooks)" if found.reason else "fused" if fused == loaded.num_layers else \
         "fused + blocked" if fused else "blocked"
     features = ", ".join(found.labels()) or "-"
-    if name in OWN_ATTENTION:
+    if name in OWN_ATTENTION or name in OWN_MASK:
         features = "ALiBi" if "alibi" in name or name in ("bloom", "mpt") else "-"
     return path, features

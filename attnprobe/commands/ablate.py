@@ -161,6 +161,7 @@ def ablate(
     or make KV heads streaming (sink + recent keys only) and measure the loss change."""
     from attnprobe import io, plotting
     from attnprobe.ablate import ablate_loaded, check_settings, parse_heads
+    from attnprobe.commands.folder import ResultsFolder
     from attnprobe.corpus import read_corpus
 
     streaming_options = (pattern, sparsity, sink_size, recent_size, shares, client, task, continuation,
@@ -181,9 +182,10 @@ def ablate(
     check_settings(method.value, batch_size, resamples, seed)
     check_placement(device_map, max_memory)
     chosen = parse_heads(heads)
-    io.check_out_dir(out)
-    io.check_inputs_apart(out, {"--corpus": corpus, "--model": model})
+    folder = ResultsFolder(out, "ablate", {"--corpus": corpus, "--model": model})
+    folder.check()
     sentences = read_corpus(corpus, split=split.value).head(limit)
+    folder.take()  # the lock until the command ends, and what a killed run left swept
     threads_used = apply_threads(threads)
     loaded = load(model, device.value, dtype.value, device_map, max_memory, lm_head=True)
     set_bos(loaded, bos.value)
@@ -199,6 +201,7 @@ def ablate(
     shape = (result.run["model"]["layers"], result.run["model"]["heads"])  # the model's, whatever --heads chose
     written = io.write_ablation(out, result, {io.IMPORTANCE_FIGURE: plotting.importance_heatmap_figure(
         result.heads, title, shape)})
+    folder.sweep()
     for note in result.run.get("notes", []):
         err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(importance_table(result.heads, result.run))

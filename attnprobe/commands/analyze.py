@@ -95,11 +95,11 @@ def analyze(
     ] = SplitChoice.lines,
     attention: Annotated[
         AttentionChoice,
-        typer.Option("--attention", help="triton: every statistic inside one Triton attention kernel "
-                     "(CUDA; not yet run on a GPU, so auto does not take it); "
+        typer.Option("--attention", help="triton: every statistic inside one Triton attention kernel (CUDA); "
                      "fused: statistics from the fused kernel's logsumexp; blocked: statistics inside attnprobe's "
-                     "attention, O(n) memory; eager: hooks on full maps; auto: fused from "
-                     "512 tokens and blocked below, where the architecture allows, else eager.",
+                     "attention, O(n) memory; eager: hooks on full maps; auto: triton on a CUDA GPU where triton "
+                     "imports, else fused from 512 tokens and blocked below (so too the layers triton does not "
+                     "cover), where the architecture allows, else eager.",
                      rich_help_panel=RUN),
     ] = AttentionChoice.auto,
     block_mib: Annotated[

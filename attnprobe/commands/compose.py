@@ -41,12 +41,14 @@ def compose(
     in different layers, from the weights alone, with a baseline of random matrices; write composition.csv,
     composition.json and composition.png."""
     from attnprobe import io, plotting
+    from attnprobe.commands.folder import ResultsFolder
     from attnprobe.composition import check_settings, compose_loaded, composition_record
 
     started = time.monotonic()
     check_settings(samples, top, seed)
-    io.check_out_dir(out)
-    io.check_inputs_apart(out, {"--model": model})
+    folder = ResultsFolder(out, "compose", {"--model": model})
+    folder.check()
+    folder.take()  # the lock until the command ends, and what a killed run left swept
     threads_used = apply_threads(threads)
     loaded = load(model, "cpu", dtype.value)
     with err_console.status(f"Scoring the pairs of {loaded.num_layers} x {loaded.num_heads} heads"):
@@ -57,6 +59,7 @@ def compose(
     figure = plotting.composition_figure(table, result.info["layers"], result.info["heads"],
                                          result.baseline["mean"], result.baseline["sd"], model, top=top)
     written = io.write_composition(out, table, record, figure)
+    folder.sweep()
     out_console.print(strongest_table(table, result.baseline), soft_wrap=True)
     out_console.print(f"{result.info['folded']}.", markup=False, highlight=False, soft_wrap=True)
     if result.info["gqa"]:

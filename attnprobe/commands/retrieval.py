@@ -87,6 +87,7 @@ def retrieval(
     head_score.json and retrieval.json. The method of Wu et al. 2024."""
     from attnprobe import io
     from attnprobe import retrieval as finding
+    from attnprobe.commands.folder import ResultsFolder
 
     length_list = number_list(lengths, int, "--lengths") if lengths is not None else None
     depth_list = number_list(depths, float, "--depths")
@@ -94,9 +95,10 @@ def retrieval(
     finding.check_text("--needle", needle)
     finding.check_text("--question", question)
     text = finding.read_haystack(haystack)
-    io.check_out_dir(out)
-    io.check_inputs_apart(out, {"--haystack": haystack, "--model": model})
+    folder = ResultsFolder(out, "retrieval", {"--haystack": haystack, "--model": model})
+    folder.check()
     check_placement(device_map, max_memory)
+    folder.take()  # the lock until the command ends, and what a killed run left swept
     threads_used = apply_threads(threads)
     loaded = load(model, device.value, dtype.value, device_map, max_memory, lm_head=True)
     set_bos(loaded, bos.value)
@@ -113,6 +115,7 @@ def retrieval(
     result.info.setdefault("dtype", loaded.dtype)
     result.info.setdefault("dtype_requested", loaded.dtype_requested)
     written = io.write_retrieval(out, result)
+    folder.sweep()
     info = result.info
     out_console.print(f"{model}: {counted(info['trials_total'], 'trial')} ({decode.value}), {copy_words(info)}",
                       markup=False, highlight=False, soft_wrap=True)

@@ -50,6 +50,7 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
                      threads: str) -> None:
     from attnprobe import io, kvtasks, naming, plotting, streamheads
     from attnprobe import retrieval as rt
+    from attnprobe.commands.folder import ResultsFolder
     from attnprobe.corpus import read_corpus
     from attnprobe.planning import check_options
 
@@ -105,15 +106,16 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
     length_list = None if o.lengths is None else tuple(number_list(o.lengths, int, "--lengths"))
     depth_list = rt.DEFAULT_DEPTHS if o.depths is None else tuple(number_list(o.depths, float, "--depths"))
     rt.check_settings(list(length_list or kvtasks.NEEDLE_LENGTHS), list(depth_list), "forced", resamples)
-    io.check_out_dir(out)
     inputs = {"--corpus": corpus, "--model": model} | ({"--haystack": o.haystack} if o.haystack else {})
-    io.check_inputs_apart(out, inputs)
+    folder = ResultsFolder(out, "ablate", inputs)
+    folder.check()
     documents = read_corpus(corpus, split=split).head(limit)
     needle = None
     if "needle" in wanted:
         text, name = kvtasks.read_haystack(o.haystack, corpus)
         needle = streamheads.Needle(text, name, o.needle or rt.DEFAULT_NEEDLE, o.question or rt.DEFAULT_QUESTION,
                                     length_list, depth_list)
+    folder.take()  # the lock until the command ends, and what a killed run left swept
     threads_used = apply_threads(threads)
     loaded = load(model, device, dtype, device_map, max_memory, lm_head=True)
     set_bos(loaded, bos)
@@ -132,6 +134,7 @@ def ablate_streaming(model: str, corpus: Path, out: Path, options: StreamingOpti
     title = (f"{model}, {client} client: streaming heads keep {run['sink_size']} sink + {run['recent_size']} "
              "recent keys")
     written = io.write_streaming(out, result, plotting.streaming_figure(result.curve, title))
+    folder.sweep()
     for note in run.get("notes", []):
         err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     for name in run["tasks"]:

@@ -3,7 +3,8 @@
 One module per figure or family of figures, over `style` (what they share: colours, fonts, literal text, layout,
 the layers x heads grid, `Undrawable`): `entropy` (entropy_heatmap, layer_gradient), `patterns` (head_patterns),
 `positions` (position_profile), `probes`, `comparison`, `ablation` (importance, pruning, layer_importance,
-importance_vs_type), `streaming`, `patching`, `rollout`, `related` (head_similarity, head_map) and `composition`.
+importance_vs_type), `streaming`, `patching`, `rollout`, `related` (head_similarity, head_map), `composition`
+and `circuit` (the circuit graph, faithfulness).
 The names callers use are here; the others are read from their module.
 """
 
@@ -14,6 +15,7 @@ from attnprobe.plotting.ablation import (
     layer_importance_figure,
     pruning_figure,
 )
+from attnprobe.plotting.circuit import circuit_figure, draw_circuit, draw_faithfulness, faithfulness_figure
 from attnprobe.plotting.comparison import compare_figure
 from attnprobe.plotting.composition import composition_figure
 from attnprobe.plotting.entropy import entropy_heatmap_figure, layer_gradient_figure
@@ -81,12 +83,16 @@ __all__ = [
     "Undrawable",
     "any_script",
     "choose_example",
+    "circuit_figure",
     "compare_figure",
     "composition_figure",
+    "draw_circuit",
+    "draw_faithfulness",
     "draw_pattern",
     "draw_position_profile",
     "entropy_heatmap_figure",
     "example_caption",
+    "faithfulness_figure",
     "fit_lines",
     "from_zero",
     "grid",

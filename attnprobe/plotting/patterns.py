@@ -125,7 +125,7 @@ def fit_lines(pieces: list[str], width: float, size: float, sep: str, balanced: 
     """`pieces` joined by `sep` into lines no wider than `width` inches at `size` pt (a piece wider than that
     alone gets a line of its own): a panel's title stays above its panel, clear of its neighbours and the colour
     bar (side by side, 70-character lines of scores ran into each other). `balanced`: as many lines, each as
-    short as that allows, so that a last line is not left with one word where the words allow (issue 34: "... like
+    short as that allows, so that a last line is not left with one word where the words allow (not "... like
     every copy head / here")."""
     def greedy(limit: float) -> list[str]:
         lines: list[str] = []
@@ -157,7 +157,7 @@ def panel_title(heading: str, scores: list[str], width: float) -> str:
 
 
 # A pattern panel's score names: the words report.html's score menu uses (its labels, "entropy, unforced", with the
-# qualifier in brackets, since ", " parts the scores), not heads.csv's column names (issue 34)
+# qualifier in brackets, since ", " parts the scores), not heads.csv's column names
 SCORE_WORDS = {
     "entropy": "entropy", "entropy_unforced": "entropy (unforced)", "entropy_norm": "normalized entropy",
     "diagonal": "diagonal", "diagonal_unforced": "diagonal (unforced)",

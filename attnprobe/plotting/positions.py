@@ -15,7 +15,7 @@ from matplotlib.ticker import MaxNLocator
 
 from attnprobe.plotting.style import any_script_figure, plain_text
 
-# layers coloured by depth: light = early, dark = deep, from report.js's drawPositions colours (issue 34: the PNG ran
+# layers coloured by depth: light = early, dark = deep, from report.js's drawPositions colours (the PNG once ran
 # viridis, dark = early, the report's chart the other way)
 DEPTH_LIGHT, DEPTH_DARK = "#bec8dc", "#14285a"  # rgb(190, 200, 220) and rgb(20, 40, 90), as report.js
 POSITION_CMAP = LinearSegmentedColormap.from_list("attnprobe_depth", [DEPTH_LIGHT, DEPTH_DARK])

@@ -86,7 +86,7 @@ def cluster_summary(js: np.ndarray, clusters: np.ndarray, order: np.ndarray, kin
 
 
 def names_caption(named: list[int], chosen: list[int], centres: list[int]) -> str:
-    """What the names on a matrix of many heads are, as counted (issue 34: the caption said every cluster's centre
+    """What the names on a matrix of many heads are, as counted (a caption once said every cluster's centre
     was named where three were left out, their names too close to others)."""
     shown = set(named)
     chosen_shown = len(shown & set(chosen))

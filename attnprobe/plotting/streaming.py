@@ -25,7 +25,7 @@ def streaming_figure(curve: pd.DataFrame, title: str | None = None) -> Figure:
 
     Without a curve (`--no-pruning`: only the chosen heads' row) each panel shows that one result as a star with its
     95% interval as an error bar, and no band or legend; an order measured at one share only (`--shares 0.5`) is a
-    point with an error bar too, not a one-point line (issue 34)."""
+    point with an error bar too, not a one-point line."""
     tasks = list(dict.fromkeys(curve["task"])) if "task" in curve.columns else [None]
     figure = Figure(figsize=(13.5, 4.6 * len(tasks)), layout="constrained")
     axes = np.atleast_2d(figure.subplots(len(tasks), len(STREAMING_LABELS)))  # [task, measure]

@@ -100,7 +100,7 @@ def settle_layout(figure: Figure, passes: int = 6) -> None:
 
     With fixed-aspect panels (attention maps) one pass of constrained layout does not converge: it placed the
     panels from extents measured before their aspect was applied, and the top row's "key (attended to)" label ran
-    into the bottom row's titles (issue 34); savefig draws once or twice, so what it saved depended on that. Kept
+    into the bottom row's titles; savefig draws once or twice, so what it saved depended on that. Kept
     fixed in figure fractions, the layout is the same at any dpi."""
     before: list[tuple[float, ...]] = []
     for _ in range(passes):
