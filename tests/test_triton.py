@@ -281,6 +281,32 @@ def test_a_kernel_triton_cannot_run_is_one_line_naming_the_fix():
             raise KeyError("not triton's")
 
 
+@needs_triton
+def test_the_layers_of_a_batch_share_its_inputs_and_bin_positions_once(monkeypatch):
+    """Every layer of a batch reuses the first's geometry, position bins (computed on the host: one sync per batch,
+    not per layer) and kernel inputs (Batch.shared)."""
+    from attnprobe import metrics
+    q, k, v, real = heads_of(20, 2, 16)
+    info = batch_info(20, tokens=token_classes(20))
+    calls = []
+    monkeypatch.setattr(metrics, "position_bin", lambda i: calls.append(i) or torch.zeros_like(i))
+    for _ in range(3):
+        triton_path.triton_attend(q, k, v, real, None, True, info, need_output=False)
+    assert len(calls) == 1
+    assert len([key for key in info.kept if key[0] == "triton inputs"]) == 1
+
+
+def test_the_grid_keeps_its_second_axis_within_cudas_limit():
+    """(sequence, head) pairs go on the grid's first axis (2**31 - 1 programs): 4,096 sentences x 64 heads (the
+    largest --batch-size) would pass the second axis' 65,535 there; the row blocks of 32,768 tokens in 16-row blocks
+    fit the second. The indexing itself is proven by the interpreter runs above (2 sentences x 2 to 8 heads)."""
+    assert triton_path.launch_grid(32_768, 16, 4096, 64) == (4096 * 64, 2048)
+    first, second = triton_path.launch_grid(32_768, 16, 4096, 64)
+    assert first <= 2**31 - 1 and second <= triton_path.MAX_GRID_Y < 4096 * 64
+    assert triton_path.launch_grid(1, 64, 1, 1) == (1, 1)
+    assert triton_path.launch_grid(65, 64, 3, 5) == (15, 2)
+
+
 def test_float32_blocks_fit_an_a100_at_every_head_size():
     """The block sizes _blocks picks are those tests/triton_compile.py compiles within an A100's 163 KiB of shared
     memory (--all --arch 80): 64 x 64 up to 64 channels, 32 x 32 up to 128, 16 x 32 above."""

@@ -22,6 +22,7 @@ import triton.language as tl
  VW_ENTROPY, VW_FIRST, VW_PREVIOUS, VW_SELF, VW_DIAGONAL, VW_DISTANCE, VW_SINK_WINDOW, VW_TOTAL) = (
     tl.constexpr(k) for k in range(19))
 STAT_ROWS = 19
+MAP_ROWS = 11  # the map's rows only (Stats holds no more without WEIGHTED)
 
 
 @triton.jit
@@ -86,7 +87,7 @@ def _key_range(q0, length, span, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, B
     return lo, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "stride_tok", "plane"])  # one compile for every sequence length
 def stats_forward(
     Q, K, V, Out, Lse, Stats, Lengths, Norms, Special, Punct, Ids, Sinks,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -100,8 +101,8 @@ def stats_forward(
     """One block of query rows of one (sequence, head): online softmax over its key blocks, with the statistics'
     running sums rescaled like the output's. Writes Out [batch, q, head, dim] (NEED_OUT), Lse [batch, head, q] and
     Stats [STAT_ROWS, batch, head, q] (sums over keys, divided by the row's total; entropy finished)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # offsets past 2**31 elements at long context
+    bh = tl.program_id(0).to(tl.int64)  # (sequence, head) on the grid's first axis (2**31 - 1; the second: 65,535)
+    pid_m = tl.program_id(1)
     b = bh // heads
     h = bh % heads
     kvh = h // groups  # the group's KV head, read in place (never repeated)
@@ -252,7 +253,7 @@ def stats_forward(
         tl.store(rows + VW_TOTAL * plane, w_total, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def received_pass(
     Q, K, Lse, Received, Lengths,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -262,8 +263,8 @@ def received_pass(
 ):
     """One block of keys of one (sequence, head): the mass each receives, sum_i p_ij over the real rows i, with p_ij
     recomputed from the saved logsumexp. Writes Received [batch, head, key] (0 on padded keys)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements at long context
+    pid_n = tl.program_id(1)
     b = bh // heads
     h = bh % heads
     kvh = h // groups

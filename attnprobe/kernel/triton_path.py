@@ -17,7 +17,7 @@ import importlib.util
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
@@ -37,6 +37,7 @@ BLOCK_N: int | None = None  # None: _blocks chooses by the inputs' width (the te
 AUTO_ON_CUDA = False  # whether --attention auto takes this path on a CUDA GPU: not until `make gpu-check` has run the
 # compiled kernel there and found it equal to the blocked path (it is proven under Triton's interpreter and compiled
 # offline for sm_90, never yet run on a GPU); until then --attention triton asks for it
+MAX_GRID_Y = 65_535  # CUDA's limit on a launch grid's second axis (the first takes 2**31 - 1): the row blocks go there
 MAX_HEAD_SIZE = 256  # larger heads fall back (a block of rows and keys no longer fits a GPU's registers)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRET = "TRITON_INTERPRET"  # Triton's switch to its interpreter (a CPU runs the kernels through it)
@@ -99,6 +100,7 @@ def triton_attend(
     batch, heads, n, dim = query.shape
     scale = dim**-0.5 if scaling is None else scaling
     real, lengths = info.padding(padding, batch, n, query.device)  # [batch, key], [batch]
+    geometry = info.geometry(lengths, n, causal, span)  # made once per batch: no host sync per layer
     norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]: |f_h(x_j)|
     wanted = need_output or factors is not None
     lse, stats, out = _forward(query, key, value, lengths, scale, causal, info, span, softcap, sinks, norms, wanted)
@@ -107,14 +109,15 @@ def triton_attend(
     if info.tokens is not None:
         masses.punctuation, masses.duplicate = found["punctuation"], found["duplicate"]
         masses.has_duplicate = found["has_duplicate"][:, :1] > 0  # [batch, 1, q]: the same for every head
-    per_row = row_stats(masses, 0, lengths, causal, span)
+    per_row = row_stats(masses, 0, lengths, causal, span, geometry)
     if norms is not None:
-        per_row.update(value_weighted(row_stats(_masses(found, "vw_", causal, info), 0, lengths, causal, span)))
+        per_row.update(value_weighted(row_stats(_masses(found, "vw_", causal, info), 0, lengths, causal, span,
+                                                geometry)))
         per_row[OUTPUT_NORM] = values.head_norms(out.transpose(1, 2), factors)  # [batch, head, q]
     keep = {} if info.keep_rows else None
     sums = SentenceSums(rows=keep) if info.tokens is None else ReceivedOnRead(
         lambda: received(query, key, lse, lengths, scale, causal, span, softcap), rows=keep)
-    sums.add(per_row, 0, lengths, info.bins)
+    sums.add(per_row, 0, lengths, info.bins, geometry)
     example = _example(info, query, key, lse, real, scale, causal, span, softcap)
     return sums, example, out if need_output else None
 
@@ -169,17 +172,16 @@ def _forward(
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))  # channels adjacent
     device = query.device
     lse = torch.empty(batch, heads, n, device=device)  # [batch, head, q]
-    stats = torch.zeros(kernels.STAT_ROWS, batch, heads, n, device=device)  # [stat, batch, head, q]
+    planes = kernels.STAT_ROWS if norms is not None else kernels.MAP_ROWS  # the kernel writes every element
+    stats = torch.empty(planes, batch, heads, n, device=device)  # [stat, batch, head, q]
     out = torch.empty(batch, n, heads, dim, dtype=query.dtype, device=device) if wanted else lse  # [b, q, h, dim]
-    flags = _token_inputs(info, batch, n, device)
-    special, punct, ids = flags
+    lengths32, special, punct, ids = _batch_inputs(info, lengths, n)
     norm_rows = lse if norms is None else norms.float().contiguous()  # [batch, head, key]
     sink_logits = lse if sinks is None else sinks.float().contiguous()  # [head]
     rows, keys = _blocks(query.dtype, _block_d(dim))
-    grid = (triton_cdiv(n, rows), batch * heads)
-    with _launching("statistics", query.dtype, dim):
-        kernels.stats_forward[grid](
-            query, key, value, out, lse, stats, lengths.to(torch.int32).contiguous(), norm_rows, special, punct, ids,
+    with _launching("statistics", query.dtype, dim), _on(device):
+        kernels.stats_forward[launch_grid(n, rows, batch, heads)](
+            query, key, value, out, lse, stats, lengths32, norm_rows, special, punct, ids,
             sink_logits, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
             *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)), n,
             heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0), int(span or 0),
@@ -207,16 +209,34 @@ def _launching(which: str, dtype: torch.dtype, dim: int) -> Iterator[None]:
             f"{str(dtype).removeprefix('torch.')}, head size {dim}): use --attention fused or blocked") from err
 
 
-def _token_inputs(info: Batch, batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """The per-key inputs [batch, n], contiguous: special-token flags and punctuation flags (float32), token ids
-    (int32); a placeholder where the batch has none (the kernel does not read it then)."""
-    empty = torch.zeros(batch, n, device=device)  # [batch, n]
-    special = empty if info.special is None else info.special[:, :n].float().contiguous()
+def _on(device: torch.device) -> AbstractContextManager:
+    """Launch on the tensors' own GPU (Triton launches on the current one: a model spread over several GPUs), a
+    no-op on a CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def launch_grid(n: int, block: int, batch: int, heads: int) -> tuple[int, int]:
+    """A kernel's grid: (sequence, head) pairs on the first axis, which takes 2**31 - 1 programs (4,096 sentences x
+    64 heads fit), and blocks of `block` rows or keys of the n on the second, which takes MAX_GRID_Y."""
+    return batch * heads, triton_cdiv(n, block)
+
+
+def _batch_inputs(info: Batch, lengths: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What every layer of the batch hands the kernel alike, made by the first and kept (Batch.shared): the lengths
+    (int32), the special-token and punctuation flags [batch, n] (float32) and the token ids [batch, n] (int32),
+    contiguous; a placeholder where the batch has none (the kernel does not read it then)."""
+    return info.shared("triton inputs", lengths, lambda: _make_inputs(info, lengths, n), n)
+
+
+def _make_inputs(info: Batch, lengths: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    empty = torch.zeros(lengths.shape[0], n, device=lengths.device)  # [batch, n]
+    special = empty if info.special is None else info.special[:, :n].float().contiguous()  # [batch, n]
+    lengths32 = lengths.to(torch.int32).contiguous()  # [batch]
     if info.tokens is None:
-        return special, empty, empty.to(torch.int32)
+        return lengths32, special, empty, empty.to(torch.int32)
     punct = info.tokens.punctuation[:, :n].float().contiguous()  # [batch, n]
     ids = info.tokens.ids[:, :n].to(torch.int32).contiguous()  # [batch, n]
-    return special, punct, ids
+    return lengths32, special, punct, ids
 
 
 def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: float, causal: bool,
@@ -225,11 +245,10 @@ def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: fl
     kernels = _kernels()
     batch, heads, n, dim = query.shape
     query, key = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key))
-    found = torch.zeros(batch, heads, n, device=query.device)  # [batch, head, key]
+    found = torch.empty(batch, heads, n, device=query.device)  # [batch, head, key]: every element written
     rows, keys = _blocks(query.dtype, _block_d(dim))
-    grid = (triton_cdiv(n, keys), batch * heads)
-    with _launching("received-mass", query.dtype, dim):
-        kernels.received_pass[grid](
+    with _launching("received-mass", query.dtype, dim), _on(query.device):
+        kernels.received_pass[launch_grid(n, keys, batch, heads)](
             query, key, lse.contiguous(), found, lengths.to(torch.int32).contiguous(), *query.stride()[:3],
             *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0), int(span or 0),
             CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
