@@ -27,6 +27,7 @@ from torch import Tensor
 from attnprobe import values
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel.batch import Batch
+from attnprobe.kernel.duplicates import has_duplicate, token_tiles
 from attnprobe.kernel.features import LayerFeatures
 from attnprobe.kernel.fused import ReceivedOnRead
 from attnprobe.metrics import RowMasses, SentenceSums, row_stats, value_weighted
@@ -42,8 +43,8 @@ MAX_HEAD_SIZE = 256  # larger heads fall back (a block of rows and keys no longe
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRET = "TRITON_INTERPRET"  # Triton's switch to its interpreter (a CPU runs the kernels through it)
 STATS = ("entropy", "first", "previous", "self", "diagonal", "distance", "sink_window", "special", "punctuation",
-         "duplicate", "has_duplicate", "vw_entropy", "vw_first", "vw_previous", "vw_self", "vw_diagonal",
-         "vw_distance", "vw_sink_window", "vw_total")  # the rows of the kernel's Stats, in its order
+         "vw_entropy", "vw_first", "vw_previous", "vw_self", "vw_diagonal", "vw_distance", "vw_sink_window",
+         "vw_total")  # the rows of the kernel's Stats, in its order
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -107,8 +108,9 @@ def triton_attend(
     found = dict(zip(STATS, stats))  # [batch, head, q] each
     masses = _masses(found, "", causal, info)
     if info.tokens is not None:
-        masses.punctuation, masses.duplicate = found["punctuation"], found["duplicate"]
-        masses.has_duplicate = found["has_duplicate"][:, :1] > 0  # [batch, 1, q]: the same for every head
+        masses.punctuation = found["punctuation"]
+        masses.duplicate, masses.has_duplicate = _duplicates(query, key, lse, info, lengths, scale, causal, span,
+                                                             softcap)
     per_row = row_stats(masses, 0, lengths, causal, span, geometry)
     if norms is not None:
         per_row.update(value_weighted(row_stats(_masses(found, "vw_", causal, info), 0, lengths, causal, span,
@@ -145,6 +147,13 @@ def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
     return BLOCK_M or rows, BLOCK_N or (32 if wide else 64)
 
 
+def stages(block_d: int) -> int:
+    """Software-pipeline stages of stats_forward's key tiles: 3 (Triton's default), 2 for heads over 128 channels
+    (tests/triton_compile.py: 16-bit heads of 256 with every feature take 235,520 B of shared memory in 3 stages,
+    above an H100's 227 KiB)."""
+    return 2 if block_d > 128 else 3
+
+
 def _block_d(dim: int) -> int:
     """The kernel's head-size block: a power of two of at least 16 (tl.dot); channels beyond `dim` are masked."""
     return max(16, 1 << (dim - 1).bit_length())
@@ -175,21 +184,22 @@ def _forward(
     planes = kernels.STAT_ROWS if norms is not None else kernels.MAP_ROWS  # the kernel writes every element
     stats = torch.empty(planes, batch, heads, n, device=device)  # [stat, batch, head, q]
     out = torch.empty(batch, n, heads, dim, dtype=query.dtype, device=device) if wanted else lse  # [b, q, h, dim]
-    lengths32, special, punct, ids = _batch_inputs(info, lengths, n)
+    lengths32, feats = _batch_inputs(info, lengths, n, query.dtype)  # [batch], [batch, n, FEATURES] or None
     norm_rows = lse if norms is None else norms.float().contiguous()  # [batch, head, key]
     sink_logits = lse if sinks is None else sinks.float().contiguous()  # [head]
     rows, keys = _blocks(query.dtype, _block_d(dim))
     with _launching("statistics", query.dtype, dim), _on(device):
         kernels.stats_forward[launch_grid(n, rows, batch, heads)](
-            query, key, value, out, lse, stats, lengths32, norm_rows, special, punct, ids,
-            sink_logits, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
-            *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)), n,
-            heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0), int(span or 0),
-            info.sink, info.window,
+            query, key, value, out, lse, stats, lengths32, norm_rows, lse if feats is None else feats, sink_logits,
+            *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
+            *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)),
+            0 if feats is None else feats.stride(0),
+            heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0),
+            int(span or 0), info.sink, info.window,
             CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-            WEIGHTED=norms is not None, HAS_SPECIAL=info.special is not None, HAS_TOKENS=info.tokens is not None,
-            NEED_OUT=wanted, PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows,
-            BLOCK_N=keys, BLOCK_D=_block_d(dim),
+            WEIGHTED=norms is not None, HAS_FEATS=feats is not None, NEED_OUT=wanted, EVEN_D=dim == _block_d(dim),
+            PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows, BLOCK_N=keys,
+            BLOCK_D=_block_d(dim), num_stages=stages(_block_d(dim)),
         )
     return lse, stats, out if wanted else None
 
@@ -221,22 +231,50 @@ def launch_grid(n: int, block: int, batch: int, heads: int) -> tuple[int, int]:
     return batch * heads, triton_cdiv(n, block)
 
 
-def _batch_inputs(info: Batch, lengths: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _batch_inputs(info: Batch, lengths: Tensor, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """What every layer of the batch hands the kernel alike, made by the first and kept (Batch.shared): the lengths
-    (int32), the special-token and punctuation flags [batch, n] (float32) and the token ids [batch, n] (int32),
-    contiguous; a placeholder where the batch has none (the kernel does not read it then)."""
-    return info.shared("triton inputs", lengths, lambda: _make_inputs(info, lengths, n), n)
+    (int32) and the feature matrix (_features, None without special tokens or token classes)."""
+    return info.shared("triton inputs", lengths, lambda: (lengths.to(torch.int32).contiguous(),
+                                                          _features(info, lengths, n, dtype)), n, dtype)
 
 
-def _make_inputs(info: Batch, lengths: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    empty = torch.zeros(lengths.shape[0], n, device=lengths.device)  # [batch, n]
-    special = empty if info.special is None else info.special[:, :n].float().contiguous()  # [batch, n]
-    lengths32 = lengths.to(torch.int32).contiguous()  # [batch]
-    if info.tokens is None:
-        return lengths32, special, empty, empty.to(torch.int32)
-    punct = info.tokens.punctuation[:, :n].float().contiguous()  # [batch, n]
-    ids = info.tokens.ids[:, :n].to(torch.int32).contiguous()  # [batch, n]
-    return lengths32, special, punct, ids
+def _features(info: Batch, lengths: Tensor, n: int, dtype: torch.dtype) -> Tensor | None:
+    """The per-key columns the kernel sums on the tensor cores, [batch, n, FEATURES] contiguous: all ones (the
+    normaliser), special tokens, punctuation, zeros; in the dtype p meets them in (the model's: exact for 0 and 1).
+    None where the batch has neither flag."""
+    if info.special is None and info.tokens is None:
+        return None
+    kernels = _kernels()
+    feats = torch.zeros(lengths.shape[0], n, int(kernels.FEATURES), dtype=dtype, device=lengths.device)  # [b, n, F]
+    feats[..., int(kernels.ONES)] = 1
+    if info.special is not None:
+        feats[..., int(kernels.SPECIAL_COLUMN)] = info.special[:, :n].to(dtype)
+    if info.tokens is not None:
+        feats[..., int(kernels.PUNCTUATION_COLUMN)] = info.tokens.punctuation[:, :n].to(dtype)
+    return feats
+
+
+def _duplicates(query: Tensor, key: Tensor, lse: Tensor, info: Batch, lengths: Tensor, scale: float, causal: bool,
+                span: int | None, softcap: float | None) -> tuple[Tensor, Tensor]:
+    """The mass on the other keys holding the row's token [batch, head, q] and whether the row has such a key
+    [batch, 1, q], from duplicate_pass over the batch's TokenTiles (planned once per batch, kept)."""
+    kernels = _kernels()
+    batch, heads, n, dim = query.shape
+    rows, keys = _blocks(query.dtype, _block_d(dim))
+    plan = info.shared("token tiles", lengths, lambda: token_tiles(info.tokens.ids[:, :n], lengths, causal, rows),
+                       n, causal, rows)
+    has = info.shared("has duplicate", lengths, lambda: has_duplicate(plan, causal, span), n, causal, span)
+    mass = torch.zeros(batch, heads, n, device=query.device)  # [batch, head, q]: rows of no tile stay 0
+    if len(plan.tiles):
+        with _launching("duplicate-token", query.dtype, dim), _on(query.device):
+            kernels.duplicate_pass[(len(plan.tiles), heads)](
+                query, key, lse, mass, plan.positions, plan.group, plan.tiles, *query.stride()[:3],
+                *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0),
+                int(span or 0), CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
+                PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
+                BLOCK_D=_block_d(dim),
+            )
+    return mass, has
 
 
 def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: float, causal: bool,
@@ -251,7 +289,7 @@ def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: fl
         kernels.received_pass[launch_grid(n, keys, batch, heads)](
             query, key, lse.contiguous(), found, lengths.to(torch.int32).contiguous(), *query.stride()[:3],
             *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0), int(span or 0),
-            CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
+            CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, EVEN_D=dim == _block_d(dim),
             PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
             BLOCK_D=_block_d(dim),
         )
