@@ -199,6 +199,37 @@ def test_bfloat16_inputs_give_float32_statistics_within_bfloat16s_rounding():
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_hold_every_statistic_to_its_rounding_bound(dtype, monkeypatch):
+    """bfloat16 and float16 queries, keys and values with special tokens, token classes and sinks, against the float64
+    map of the same rounded inputs. The scores are exact float32 products, so every statistic is held to float32's
+    bound except the flag masses (special_tokens, punctuation), which meet the feature columns through p rounded to
+    the model's dtype (unit roundoff u: 2^-9, 2^-11): each flag's share of the same rounded p is off by at most
+    2u M (1 - M) <= u / 2 for a row mass M, plus, in float16, 2^-25 per key for p below its normal range."""
+    monkeypatch.setattr(triton_path, "BLOCK_M", 32)
+    monkeypatch.setattr(triton_path, "BLOCK_N", 16)
+    n, heads = 40, 4
+    q, k, v, real = heads_of(n, 2, 64, heads=heads, seed=3, dtype=dtype)
+    sinks = torch.linspace(-1.0, 2.0, heads, device=DEVICE)
+    special = torch.zeros(2, n, dtype=torch.bool, device=DEVICE)
+    special[:, 0] = special[:, 7] = True
+    tokens = token_classes(n, seed=2)
+    info = batch_info(n, special, tokens)
+    sums, _, _ = triton_path.triton_attend(q, k, v, real, None, True, info, need_output=False, sinks=sinks)
+    p = oracle_map(q, k, real, True, None, None, sinks)
+    expected = sentence_stats(p, real.long(), True, special, sink=2, window=5, tokens=tokens)
+    u = 2**-9 if dtype == torch.bfloat16 else 2**-11
+    rounded = u / 2 + (n * 2**-25 if dtype == torch.float16 else 0.0) + FLOAT32_TOLERANCE
+    means = sums.means()
+    assert set(means) == set(expected)
+    for name, value in means.items():
+        flag = name in ("special_tokens", "punctuation")
+        assert_close(value.cpu().double(), expected[name].cpu(), name, rounded if flag else FLOAT32_TOLERANCE)
+    lengths = real.sum(dim=-1)
+    assert_close(sums.received.cpu().double(), received(p, 0, lengths).cpu(), "received")
+
+
+@needs_triton
 def test_an_interpreter_before_3_9_is_refused_in_one_line(monkeypatch):
     """triton 3.6 (torch 2.11's) cannot run the kernels in its interpreter: --attention triton on a CPU is refused
     there in one line, and the tests that run the kernels skip (needs_triton)."""
