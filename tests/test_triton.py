@@ -160,6 +160,24 @@ def test_triton_statistics_equal_a_float64_map_and_the_blocked_path(case, monkey
 
 
 @needs_triton
+def test_int64_tile_offsets_give_the_same_statistics(monkeypatch):
+    """Past 2**31 keys x stride the kernel offsets its tiles in int64 (WIDE) instead of int32: forced here on a short
+    sequence, every statistic and the output equal the int32 offsets' (the same arithmetic, other addresses)."""
+    monkeypatch.setattr(triton_path, "BLOCK_M", 32)
+    monkeypatch.setattr(triton_path, "BLOCK_N", 16)
+    q, k, v, real = heads_of(45, 2, 80)
+    tokens, special = token_classes(45), torch.zeros(2, 45, dtype=torch.bool, device=DEVICE)
+    runs = []
+    for wide in (2**31, 1):
+        monkeypatch.setattr(triton_path, "WIDE_OFFSETS", wide)
+        sums, _, out = triton_path.triton_attend(q, k, v, real, None, False, batch_info(45, special, tokens), span=9)
+        runs.append((sums.means(), out))
+    for name, value in runs[0][0].items():
+        assert torch.equal(value.nan_to_num(-1.0), runs[1][0][name].nan_to_num(-1.0)), name
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+@needs_triton
 def test_a_few_hundred_tokens_in_the_default_blocks():
     """The default block sizes over 301 tokens (odd, padded): the logsumexp and every statistic against the float64
     map; blocks far from the diagonal, the sink and the recent window skip those sums (the kernel's tile tests)."""

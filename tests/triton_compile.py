@@ -48,8 +48,9 @@ FLOATS = {"scale", "softcap"}
 DIVISIBLE = re.compile(r"stride_(?!tok)\w+|dim")  # integer arguments the JIT sees as multiples of 16 (benchmark)
 TARGET_VARIANT = "default features, bfloat16, head 64"
 TARGETS = {"registers": 168, "spills": 0, "loop": 500}  # TARGET_VARIANT's goal: the most of each
-REACHED = {"registers": 250, "spills": 0, "loop": 458}  # what the kernel reaches (tests/test_triton.py holds it)
+REACHED = {"registers": 243, "spills": 0, "loop": 460}  # what the kernel reaches (tests/test_triton.py holds it)
 MMA = re.compile(r"\b(HGMMA|HMMA)\b")
+LOCAL = re.compile(r"\b(LDL|STL)\b")
 
 
 def _source(fn, pointers: dict[str, str], constants: dict) -> ASTSource:
@@ -69,7 +70,7 @@ def forward(dtype: str, dim: int, rows: int, keys: int, features: bool, causal: 
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "Out": dtype, "Lse": "fp32", "Stats": "fp32", "Lengths": "i32",
                 "Norms": "fp32", "Feats": dtype, "Sinks": "fp32"}
     constants = dict(CAUSAL=causal, HAS_SPAN=features, HAS_SOFTCAP=features, HAS_SINKS=features, WEIGHTED=features,
-                     HAS_FEATS=features, NEED_OUT=need_out, EVEN_D=True,
+                     HAS_FEATS=features, NEED_OUT=need_out, EVEN_D=True, WIDE=False,
                      PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False, BLOCK_M=rows, BLOCK_N=keys,
                      BLOCK_D=dim)
     constants.update(chosen)
@@ -147,6 +148,7 @@ class Loop:
     body: int  # instructions from the loop's head label to its back branch, both included
     path: int  # the fewest of them from head to back branch (forward branches taken where they skip)
     mma: int  # tensor-core instructions in the body (HGMMA on sm_90, HMMA on sm_80; none for IEEE float32)
+    local: int  # local-memory loads and stores in the body (LDL, STL: spilled registers)
 
 
 def loops(sass: str) -> list[Loop]:
@@ -166,7 +168,8 @@ def loops(sass: str) -> list[Loop]:
         if target and labels.get(target.group(1), end + 1) <= end:
             start = labels[target.group(1)]
             found.append(Loop(end - start + 1, _shortest(code, labels, start, end),
-                              sum(1 for x in code[start:end + 1] if MMA.search(x))))
+                              sum(1 for x in code[start:end + 1] if MMA.search(x)),
+                              sum(1 for x in code[start:end + 1] if LOCAL.search(x))))
     return found
 
 
@@ -200,8 +203,9 @@ def measure(compiled, arch: int) -> str:
         sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     every = loops(sass)
     main = next((loop for loop in every if loop.body > 1), None)
-    loop, path, mma = (main.body, main.path, main.mma) if main else (0, 0, 0)
+    loop, path, mma, local = (main.body, main.path, main.mma, main.local) if main else (0, 0, 0, 0)
     return (f" registers={counts['registers']} spills={counts['spills']} loop={loop} path={path} mma={mma} "
+            f"loop_spills={local} "
             f"loops={[x.body for x in every]}")
 
 

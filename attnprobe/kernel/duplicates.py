@@ -1,5 +1,7 @@
-"""The fused path's `duplicate` statistic: the mass on earlier keys holding the row's own token, from tiles of the
-positions sorted by token (never an [n, n] mask)."""
+"""The `duplicate` statistic of the fused and Triton paths: the mass on the other keys holding the row's own token,
+from tiles of the positions sorted by token (never an [n, n] mask): `_fused_duplicate` (the fused path, in torch)
+and `token_tiles` (the Triton path's plan for every sentence of a batch at once, which kernel/triton_kernels.py's
+duplicate_pass reads)."""
 
 from __future__ import annotations
 

@@ -125,19 +125,23 @@ def _segments(q0, length, span, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, BL
 
 
 @triton.jit
-def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, f_offs, Norms, norm_base, stride_kn, stride_vn,
+def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, Norms, norm_base, stride_kn, stride_vn,
           offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
           m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist,
           MASKED: tl.constexpr, SIGN: tl.constexpr, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr,
           HAS_SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, HAS_FEATS: tl.constexpr, NEED_OUT: tl.constexpr,
-          EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+          EVEN_D: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One tile of keys start_n .. start_n + BLOCK_N - 1 of the online softmax: the running max (log2 domain) and
     sums rescaled and added to. MASKED: the mask built and applied (the diagonal, edge and tail tiles), the distance
     from |i - j|; else every key is seen by every row and the distance is SIGN (+1 left of the rows, -1 right) times
     i l_tile - sum p j."""
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + k_offs  # [BLOCK_D, BLOCK_N]
+    if WIDE:  # n x stride passes 2**31: the tile's start in int64, offsets within it from the hoisted k_offs
+        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + k_offs  # [BLOCK_D, BLOCK_N]
+    else:  # int32 offsets recomputed per tile: fewer registers than holding k_offs across the loop
+        k_ptrs = k_base + offs_n[None, :] * stride_kn + tl.arange(0, BLOCK_D)[:, None]
     if MASKED:
         key_ok = offs_n < length
         k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
@@ -172,13 +176,13 @@ def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, f_offs, Norms, norm
     l_tile = tl.sum(p, 1)
     total = total * alpha + l_tile
     plogit = plogit * alpha + tl.sum(p * logit, 1)
-    if MASKED:
+    if MASKED and not CAUSAL:  # an encoder's diagonal tile: keys on both sides of the row
         dist = dist * alpha + tl.sum(p * tl.abs(rows_f[:, None] - (cols[None, :] + start_n)), 1)
-    else:
+    else:  # every key with p > 0 on one side of the row (causal: masked keys have p = 0 exactly)
         placed = tl.sum(p * cols[None, :], 1) + l_tile * start_n  # sum_j p_ij j
         dist = dist * alpha + SIGN * (rows_f * l_tile - placed)
     if HAS_FEATS:
-        f_ptrs = Feats + start_n.to(tl.int64) * FEATURES + f_offs  # [BLOCK_N, FEATURES]
+        f_ptrs = Feats + offs_n[:, None] * FEATURES + tl.arange(0, FEATURES)[None, :]  # [BLOCK_N, FEATURES]
         if MASKED:
             f = tl.load(f_ptrs, mask=(offs_n < length)[:, None], other=0.0)
         else:
@@ -194,12 +198,15 @@ def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, f_offs, Norms, norm
         w_l = w_l * alpha + w_tile
         w_plogit = w_plogit * alpha + tl.sum(pw * logit, 1)
         w_log = w_log * alpha + tl.sum(pw * tl.log(tl.where(w > 0, w, 1.0))[None, :], 1)
-        if MASKED:
+        if MASKED and not CAUSAL:
             w_dist = w_dist * alpha + tl.sum(pw * tl.abs(rows_f[:, None] - (cols[None, :] + start_n)), 1)
         else:
             w_dist = w_dist * alpha + SIGN * (rows_f * w_tile - tl.sum(pw * cols[None, :], 1) - w_tile * start_n)
     if NEED_OUT:
-        v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + v_offs  # [BLOCK_N, BLOCK_D]
+        if WIDE:
+            v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + v_offs  # [BLOCK_N, BLOCK_D]
+        else:
+            v_ptrs = v_base + offs_n[:, None] * stride_vn + tl.arange(0, BLOCK_D)[None, :]
         if MASKED:
             v = tl.load(v_ptrs, mask=(offs_n < length)[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
@@ -214,14 +221,19 @@ def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, f_offs, Norms, norm
 def _positional(q, start_n, k_offs, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink, window,
                 qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first, w_previous, w_own,
                 w_diagonal, w_sink_window, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+                WEIGHTED: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The positional sums of one tile from the row's final max `top` (log2 domain): p_ij = exp2(t_ij - top) exactly,
     nothing to rescale. Key 0, the previous key, the key itself, the +-2 diagonal, and (causal) the first `sink`
     keys or the `window` most recent."""
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < length
-    k = tl.load(k_base + start_n.to(tl.int64) * stride_kn + k_offs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+    if WIDE:
+        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + k_offs  # [BLOCK_D, BLOCK_N]
+    else:
+        k_ptrs = k_base + offs_n[None, :] * stride_kn + tl.arange(0, BLOCK_D)[:, None]
+    k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
     t = _log2_scores(_dot(q, k, PRECISION, UPCAST), qk_scale, scale, softcap, HAS_SOFTCAP)
     ok = _allowed(offs_m, offs_n, length, span, CAUSAL, HAS_SPAN)
     p = tl.where(ok, tl.exp2(tl.where(ok, t, 0.0) - top[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
@@ -255,7 +267,7 @@ def stats_forward(
     heads, groups, n, dim, plane, scale, softcap, span, sink, window,
     CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     WEIGHTED: tl.constexpr, HAS_FEATS: tl.constexpr, NEED_OUT: tl.constexpr, EVEN_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """One block of query rows of one (sequence, head): online softmax over its key tiles, with the statistics'
@@ -276,10 +288,9 @@ def stats_forward(
                 mask=(offs_m[:, None] < n) & d_ok[None, :], other=0.0)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
-    k_offs = offs_t[None, :] * stride_kn + offs_d[:, None]  # [BLOCK_D, BLOCK_N] within a tile
+    k_offs = offs_t[None, :] * stride_kn + offs_d[:, None]  # [BLOCK_D, BLOCK_N] within a tile (WIDE)
     v_offs = offs_t[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     feats = Feats + b * stride_fb
-    f_offs = offs_t[:, None] * FEATURES + tl.arange(0, FEATURES)[None, :]  # [BLOCK_N, FEATURES]
     norm_base = bh * n
     qk_scale = scale * LOG2E
     rows_f = offs_m.to(tl.float32)
@@ -302,36 +313,36 @@ def stats_forward(
     lo, a, bl, ar, b_end, hi = _segments(q0, length, span, CAUSAL, HAS_SPAN, BLOCK_M, BLOCK_N)
     for start_n in range(a, bl, BLOCK_N):  # the main loop: tiles left of every row, seen whole
         m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-            q, start_n, k_offs, v_offs, k_base, v_base, feats, f_offs, Norms, norm_base, stride_kn, stride_vn,
+            q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
             offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, False, 1.0, CAUSAL, HAS_SPAN, HAS_SOFTCAP,
-            WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, PRECISION, UPCAST, BLOCK_N)
+            WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
     if not CAUSAL:  # tiles right of every row, seen whole
         for start_n in range(ar, b_end, BLOCK_N):
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_offs, v_offs, k_base, v_base, feats, f_offs, Norms, norm_base, stride_kn, stride_vn,
+                q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
                 offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
                 m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, False, -1.0, CAUSAL, HAS_SPAN,
-                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, PRECISION, UPCAST, BLOCK_N)
+                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
         for start_n in range(bl, ar, BLOCK_N):  # the diagonal tiles
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_offs, v_offs, k_base, v_base, feats, f_offs, Norms, norm_base, stride_kn, stride_vn,
+                q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
                 offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
                 m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
-                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, PRECISION, UPCAST, BLOCK_N)
+                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
     if HAS_SPAN:  # the window's far edge
         for start_n in range(lo, a, BLOCK_N):
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_offs, v_offs, k_base, v_base, feats, f_offs, Norms, norm_base, stride_kn, stride_vn,
+                q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
                 offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
                 m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
-                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, PRECISION, UPCAST, BLOCK_N)
+                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
     for start_n in range(b_end, hi, BLOCK_N):  # the diagonal (causal), the window's near edge, the padding tail
         m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-            q, start_n, k_offs, v_offs, k_base, v_base, feats, f_offs, Norms, norm_base, stride_kn, stride_vn,
+            q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
             offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN, HAS_SOFTCAP,
-            WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, PRECISION, UPCAST, BLOCK_N)
+            WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
 
     top = tl.where(m == float("-inf"), 0.0, m)
     if HAS_SINKS:
@@ -341,6 +352,30 @@ def stats_forward(
     whole_safe = tl.where(some, whole, 1.0)  # a row that sees no key (padding beyond a window): zeros, never NaN
     lse = (top + tl.log2(whole_safe)) * LN2
 
+    row_ok = offs_m < n  # the loop's results first: acc and acc_f are not live in the positional loops
+    tl.store(Lse + bh * n + offs_m, lse, mask=row_ok)
+    if NEED_OUT:
+        out = acc / whole_safe[:, None]
+        tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    logit_scale = scale
+    if HAS_SOFTCAP:
+        logit_scale = LN2
+    rows = Stats + bh * n + offs_m  # `plane` apart: one statistic's [batch, head, q]
+    plane = bh * 0 + plane  # int64: STAT_ROWS planes of batch x head x q pass 2**31 elements before one plane does
+    tl.store(rows + ENTROPY * plane, (total * lse - plogit * logit_scale) / whole_safe, mask=row_ok)  # -sum p ln p
+    tl.store(rows + DISTANCE * plane, dist / whole_safe, mask=row_ok)
+    if HAS_FEATS:  # each flag's share of the same rounded p (column ONES), times the keys' share of the whole
+        column = tl.arange(0, FEATURES)[None, :]
+        ones = tl.sum(tl.where(column == ONES, acc_f, 0.0), 1)
+        share = tl.where(ones > 0, total / (whole_safe * tl.where(ones > 0, ones, 1.0)), 0.0)
+        tl.store(rows + SPECIAL * plane, tl.sum(tl.where(column == SPECIAL_COLUMN, acc_f, 0.0), 1) * share,
+                 mask=row_ok)
+        tl.store(rows + PUNCTUATION * plane, tl.sum(tl.where(column == PUNCTUATION_COLUMN, acc_f, 0.0), 1) * share,
+                 mask=row_ok)
+    else:
+        tl.store(rows + SPECIAL * plane, total * 0.0, mask=row_ok)
+        tl.store(rows + PUNCTUATION * plane, total * 0.0, mask=row_ok)
     first = tl.zeros([BLOCK_M], tl.float32)
     previous = tl.zeros([BLOCK_M], tl.float32)
     own = tl.zeros([BLOCK_M], tl.float32)
@@ -368,43 +403,19 @@ def stats_forward(
             _positional(q, start_n, k_offs, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink,
                         window, qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first,
                         w_previous, w_own, w_diagonal, w_sink_window, CAUSAL, HAS_SPAN, HAS_SOFTCAP, WEIGHTED,
-                        PRECISION, UPCAST, BLOCK_N)
+                        WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
     for start_n in range(near_lo, near_hi, BLOCK_N):
         first, previous, own, diagonal, sink_window, w_first, w_previous, w_own, w_diagonal, w_sink_window = \
             _positional(q, start_n, k_offs, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink,
                         window, qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first,
                         w_previous, w_own, w_diagonal, w_sink_window, CAUSAL, HAS_SPAN, HAS_SOFTCAP, WEIGHTED,
-                        PRECISION, UPCAST, BLOCK_N)
+                        WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
 
-    row_ok = offs_m < n
-    tl.store(Lse + bh * n + offs_m, lse, mask=row_ok)
-    if NEED_OUT:
-        out = acc / whole_safe[:, None]
-        tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    logit_scale = scale
-    if HAS_SOFTCAP:
-        logit_scale = LN2
-    rows = Stats + bh * n + offs_m  # `plane` apart: one statistic's [batch, head, q]
-    plane = bh * 0 + plane  # int64: STAT_ROWS planes of batch x head x q pass 2**31 elements before one plane does
-    tl.store(rows + ENTROPY * plane, (total * lse - plogit * logit_scale) / whole_safe, mask=row_ok)  # -sum p ln p
     tl.store(rows + FIRST * plane, first / whole_safe, mask=row_ok)
     tl.store(rows + PREVIOUS * plane, previous / whole_safe, mask=row_ok)
     tl.store(rows + SELF * plane, own / whole_safe, mask=row_ok)
     tl.store(rows + DIAGONAL * plane, diagonal / whole_safe, mask=row_ok)
-    tl.store(rows + DISTANCE * plane, dist / whole_safe, mask=row_ok)
     tl.store(rows + SINK_WINDOW * plane, sink_window / whole_safe, mask=row_ok)
-    if HAS_FEATS:  # each flag's share of the same rounded p (column ONES), times the keys' share of the whole
-        column = tl.arange(0, FEATURES)[None, :]
-        ones = tl.sum(tl.where(column == ONES, acc_f, 0.0), 1)
-        share = tl.where(ones > 0, total / (whole_safe * tl.where(ones > 0, ones, 1.0)), 0.0)
-        tl.store(rows + SPECIAL * plane, tl.sum(tl.where(column == SPECIAL_COLUMN, acc_f, 0.0), 1) * share,
-                 mask=row_ok)
-        tl.store(rows + PUNCTUATION * plane, tl.sum(tl.where(column == PUNCTUATION_COLUMN, acc_f, 0.0), 1) * share,
-                 mask=row_ok)
-    else:
-        tl.store(rows + SPECIAL * plane, total * 0.0, mask=row_ok)
-        tl.store(rows + PUNCTUATION * plane, total * 0.0, mask=row_ok)
     if WEIGHTED:  # a~_ij = p_ij w_j / W: H~ = ln W + m - sum_j a~_ij (s_ij + ln w_j), natural logs
         w_safe = tl.where(w_l > 0, w_l, 1.0)
         nothing = tl.where(w_l > 0, 0.0, float("nan"))  # a row whose every key has norm 0: undefined

@@ -1,7 +1,10 @@
 """The Triton path: the attention output, each row's logsumexp and every row statistic from one Triton kernel
 (kernel/triton_kernels.py) that forms p_ij block by block in its online softmax and sums the statistics beside the
-output, for the map and its value-weighted map: no [n, n] map, no extra attention pass per statistic. The mass each
-key receives is a second, key-parallel kernel from the saved logsumexp, run only when a caller reads it.
+output, for the map and its value-weighted map: no [n, n] map, no extra attention pass per statistic. The mass on
+the keys holding the row's token is a second kernel over the positions sorted by token (about 1% of the pairs), the
+mass each key receives a third, key-parallel one, both from the saved logsumexp; the latter runs only when a caller
+reads it. What every layer of a batch hands the kernels alike (lengths, the feature matrix, the token tiles, the
+rows' geometry) is made once per batch (Batch.shared).
 
 It covers every feature the blocked path does (causal and bidirectional, right padding, grouped-query heads read in
 place, sliding windows, soft-capping, learned sinks); `reason` names what it does not (then the layer runs on the
@@ -38,6 +41,7 @@ BLOCK_N: int | None = None  # None: _blocks chooses by the inputs' width (the te
 AUTO_ON_CUDA = False  # whether --attention auto takes this path on a CUDA GPU: not until `make gpu-check` has run the
 # compiled kernel there and found it equal to the blocked path (it is proven under Triton's interpreter and compiled
 # offline for sm_90, never yet run on a GPU); until then --attention triton asks for it
+WIDE_OFFSETS = 2**31  # keys x a key's stride from here on: the kernel offsets its tiles in int64 (WIDE), else int32
 MAX_GRID_Y = 65_535  # CUDA's limit on a launch grid's second axis (the first takes 2**31 - 1): the row blocks go there
 MAX_HEAD_SIZE = 256  # larger heads fall back (a block of rows and keys no longer fits a GPU's registers)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -198,6 +202,7 @@ def _forward(
             int(span or 0), info.sink, info.window,
             CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
             WEIGHTED=norms is not None, HAS_FEATS=feats is not None, NEED_OUT=wanted, EVEN_D=dim == _block_d(dim),
+            WIDE=n * max(key.stride(2), value.stride(2)) >= WIDE_OFFSETS,
             PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows, BLOCK_N=keys,
             BLOCK_D=_block_d(dim), num_stages=stages(_block_d(dim)),
         )
