@@ -160,6 +160,31 @@ def test_triton_statistics_equal_a_float64_map_and_the_blocked_path(case, monkey
 
 
 @needs_triton
+@pytest.mark.parametrize("causal", [True, False])
+def test_tokens_that_repeat_more_than_a_tile_of_rows(causal, monkeypatch):
+    """Two token ids over 70 positions: groups of about 35 positions, cut into tiles of 16 rows against all their
+    keys (duplicates.token_tiles' large groups), beside a third id packed with others; duplicate and its rows
+    against the float64 map, and the plan's tiles cover each repeated position once as a row."""
+    monkeypatch.setattr(triton_path, "BLOCK_M", 16)
+    monkeypatch.setattr(triton_path, "BLOCK_N", 16)
+    n = 70
+    q, k, v, real = heads_of(n, 1, 32, heads=2, seed=4)
+    torch.manual_seed(5)
+    ids = torch.randint(0, 2, (2, n))
+    ids[:, 10], ids[:, 40] = 7, 7
+    tokens = TokenClasses(ids.to(DEVICE), torch.zeros(2, n, dtype=torch.bool, device=DEVICE))
+    info = batch_info(n, tokens=tokens)
+    sums, _, _ = triton_path.triton_attend(q, k, v, real, None, causal, info, need_output=False)
+    p = oracle_map(q, k, real, causal, None, None, None)
+    expected = sentence_stats(p, real.long(), causal, None, sink=2, window=5, tokens=tokens)
+    assert_close(sums.means()["duplicate_token"].cpu().double(), expected["duplicate_token"].cpu(), "duplicate")
+    plan = next(entry[1] for key, entry in info.kept.items() if key[0] == "token tiles")
+    rows = torch.cat([torch.arange(r0, r1) for _, r0, r1, _, _ in plan.tiles.tolist()])
+    assert sorted(rows.tolist()) == list(range(len(plan.positions)))
+    assert int((plan.tiles[:, 2] - plan.tiles[:, 1]).max()) <= 16 < int((plan.tiles[:, 4] - plan.tiles[:, 3]).max())
+
+
+@needs_triton
 def test_int64_tile_offsets_give_the_same_statistics(monkeypatch):
     """Past 2**31 keys x stride the kernel offsets its tiles in int64 (WIDE) instead of int32: forced here on a short
     sequence, every statistic and the output equal the int32 offsets' (the same arithmetic, other addresses)."""

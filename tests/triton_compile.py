@@ -48,7 +48,7 @@ FLOATS = {"scale", "softcap"}
 DIVISIBLE = re.compile(r"stride_(?!tok)\w+|dim")  # integer arguments the JIT sees as multiples of 16 (benchmark)
 TARGET_VARIANT = "default features, bfloat16, head 64"
 TARGETS = {"registers": 168, "spills": 0, "loop": 500}  # TARGET_VARIANT's goal: the most of each
-REACHED = {"registers": 243, "spills": 0, "loop": 460}  # what the kernel reaches (tests/test_triton.py holds it)
+REACHED = {"registers": 250, "spills": 0, "loop": 460}  # reached with triton 3.6 (249, 0, 411) and 3.9 (243, 0, 460)
 MMA = re.compile(r"\b(HGMMA|HMMA)\b")
 LOCAL = re.compile(r"\b(LDL|STL)\b")
 
@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stages = 2 if source.fn.__name__ == "stats_forward" and source.constants[(
                 source.fn.arg_names.index("BLOCK_D"),)] > 128 else 3  # triton_path.stages
-            compiled = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": stages})
+            compiled = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": stages,
+                                                                            "enable_fp_fusion": True})
             print(f"OK {name}: shared={compiled.metadata.shared}{measure(compiled, args.arch)}", flush=True)
         except Exception as err:  # report every variant, then fail
             failed += 1

@@ -41,6 +41,7 @@ BLOCK_N: int | None = None  # None: _blocks chooses by the inputs' width (the te
 AUTO_ON_CUDA = False  # whether --attention auto takes this path on a CUDA GPU: not until `make gpu-check` has run the
 # compiled kernel there and found it equal to the blocked path (it is proven under Triton's interpreter and compiled
 # offline for sm_90, never yet run on a GPU); until then --attention triton asks for it
+FP_FUSION = True  # a * b + c as one FFMA (the kernels' exp2(s scale log2(e) - m)): triton 3.10 turns it off by default
 WIDE_OFFSETS = 2**31  # keys x a key's stride from here on: the kernel offsets its tiles in int64 (WIDE), else int32
 MAX_GRID_Y = 65_535  # CUDA's limit on a launch grid's second axis (the first takes 2**31 - 1): the row blocks go there
 MAX_HEAD_SIZE = 256  # larger heads fall back (a block of rows and keys no longer fits a GPU's registers)
@@ -204,7 +205,7 @@ def _forward(
             WEIGHTED=norms is not None, HAS_FEATS=feats is not None, NEED_OUT=wanted, EVEN_D=dim == _block_d(dim),
             WIDE=n * max(key.stride(2), value.stride(2)) >= WIDE_OFFSETS,
             PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows, BLOCK_N=keys,
-            BLOCK_D=_block_d(dim), num_stages=stages(_block_d(dim)),
+            BLOCK_D=_block_d(dim), num_stages=stages(_block_d(dim)), enable_fp_fusion=FP_FUSION,
         )
     return lse, stats, out if wanted else None
 
@@ -277,7 +278,7 @@ def _duplicates(query: Tensor, key: Tensor, lse: Tensor, info: Batch, lengths: T
                 *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0),
                 int(span or 0), CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
                 PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
-                BLOCK_D=_block_d(dim),
+                BLOCK_D=_block_d(dim), enable_fp_fusion=FP_FUSION,
             )
     return mass, has
 
@@ -296,7 +297,7 @@ def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: fl
             *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0), int(span or 0),
             CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, EVEN_D=dim == _block_d(dim),
             PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
-            BLOCK_D=_block_d(dim),
+            BLOCK_D=_block_d(dim), enable_fp_fusion=FP_FUSION,
         )
     return found
 
