@@ -125,8 +125,8 @@ def _segments(q0, length, span, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, BL
 
 
 @triton.jit
-def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, Norms, norm_base, stride_kn, stride_vn,
-          offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
+def _tile(q, start_n, k_base, v_base, Feats, Norms, norm_base, stride_kn, stride_vn,
+          offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
           m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist,
           MASKED: tl.constexpr, SIGN: tl.constexpr, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr,
           HAS_SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, HAS_FEATS: tl.constexpr, NEED_OUT: tl.constexpr,
@@ -138,8 +138,10 @@ def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, Norms, norm_base, s
     i l_tile - sum p j."""
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if WIDE:  # n x stride passes 2**31: the tile's start in int64, offsets within it from the hoisted k_offs
-        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + k_offs  # [BLOCK_D, BLOCK_N]
+    cols = tl.arange(0, BLOCK_N).to(tl.float32)  # a key's place in its tile
+    if WIDE:  # n x stride passes 2**31: the tile's start in int64, int32 offsets within it
+        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + (tl.arange(0, BLOCK_N)[None, :] * stride_kn
+                                                              + tl.arange(0, BLOCK_D)[:, None])  # [BLOCK_D, BLOCK_N]
     else:  # int32 offsets recomputed per tile: fewer registers than holding k_offs across the loop
         k_ptrs = k_base + offs_n[None, :] * stride_kn + tl.arange(0, BLOCK_D)[:, None]
     if MASKED:
@@ -204,7 +206,8 @@ def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, Norms, norm_base, s
             w_dist = w_dist * alpha + SIGN * (rows_f * w_tile - tl.sum(pw * cols[None, :], 1) - w_tile * start_n)
     if NEED_OUT:
         if WIDE:
-            v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + v_offs  # [BLOCK_N, BLOCK_D]
+            v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + (tl.arange(0, BLOCK_N)[:, None] * stride_vn
+                                                                  + tl.arange(0, BLOCK_D)[None, :])
         else:
             v_ptrs = v_base + offs_n[:, None] * stride_vn + tl.arange(0, BLOCK_D)[None, :]
         if MASKED:
@@ -218,7 +221,7 @@ def _tile(q, start_n, k_offs, v_offs, k_base, v_base, Feats, Norms, norm_base, s
 
 
 @triton.jit
-def _positional(q, start_n, k_offs, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink, window,
+def _positional(q, start_n, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink, window,
                 qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first, w_previous, w_own,
                 w_diagonal, w_sink_window, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 WEIGHTED: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -230,7 +233,8 @@ def _positional(q, start_n, k_offs, k_base, stride_kn, Norms, norm_base, offs_m,
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < length
     if WIDE:
-        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + k_offs  # [BLOCK_D, BLOCK_N]
+        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + (tl.arange(0, BLOCK_N)[None, :] * stride_kn
+                                                              + tl.arange(0, BLOCK_D)[:, None])  # [BLOCK_D, BLOCK_N]
     else:
         k_ptrs = k_base + offs_n[None, :] * stride_kn + tl.arange(0, BLOCK_D)[:, None]
     k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
@@ -282,19 +286,15 @@ def stats_forward(
     q0 = pid_m * BLOCK_M
     offs_m = q0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_t = tl.arange(0, BLOCK_N)
     d_ok = offs_d < dim
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
                 mask=(offs_m[:, None] < n) & d_ok[None, :], other=0.0)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
-    k_offs = offs_t[None, :] * stride_kn + offs_d[:, None]  # [BLOCK_D, BLOCK_N] within a tile (WIDE)
-    v_offs = offs_t[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     feats = Feats + b * stride_fb
     norm_base = bh * n
     qk_scale = scale * LOG2E
     rows_f = offs_m.to(tl.float32)
-    cols = offs_t.to(tl.float32)  # a key's place in its tile
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     tail = tl.zeros([BLOCK_M], tl.float32)  # the sink logit's share of the total, rescaled (0 without sinks)
@@ -310,39 +310,43 @@ def stats_forward(
     w_log = tl.zeros([BLOCK_M], tl.float32)  # ... ln w_j
     w_dist = tl.zeros([BLOCK_M], tl.float32)
 
+    if BLOCK_N >= 32:  # the masked and positional tiles in halves: fewer registers where they peak
+        HALF_N: tl.constexpr = BLOCK_N // 2
+    else:
+        HALF_N: tl.constexpr = BLOCK_N
     lo, a, bl, ar, b_end, hi = _segments(q0, length, span, CAUSAL, HAS_SPAN, BLOCK_M, BLOCK_N)
     for start_n in range(a, bl, BLOCK_N):  # the main loop: tiles left of every row, seen whole
         m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-            q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
-            offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
+            q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+            offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, False, 1.0, CAUSAL, HAS_SPAN, HAS_SOFTCAP,
             WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
     if not CAUSAL:  # tiles right of every row, seen whole
         for start_n in range(ar, b_end, BLOCK_N):
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
-                offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
+                q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+                offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
                 m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, False, -1.0, CAUSAL, HAS_SPAN,
                 HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
-        for start_n in range(bl, ar, BLOCK_N):  # the diagonal tiles
+        for start_n in range(bl, ar, HALF_N):  # the diagonal tiles
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
-                offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
+                q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+                offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
                 m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
-                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
+                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
     if HAS_SPAN:  # the window's far edge
-        for start_n in range(lo, a, BLOCK_N):
+        for start_n in range(lo, a, HALF_N):
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
-                offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
+                q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+                offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
                 m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
-                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
-    for start_n in range(b_end, hi, BLOCK_N):  # the diagonal (causal), the window's near edge, the padding tail
+                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
+    for start_n in range(b_end, hi, HALF_N):  # the diagonal (causal), the window's near edge, the padding tail
         m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-            q, start_n, k_offs, v_offs, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
-            offs_m, rows_f, cols, d_ok, length, span, qk_scale, scale, softcap,
+            q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+            offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
             m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN, HAS_SOFTCAP,
-            WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
+            WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
 
     top = tl.where(m == float("-inf"), 0.0, m)
     if HAS_SINKS:
@@ -398,18 +402,18 @@ def stats_forward(
         near_hi = tl.minimum(hi, q0 + BLOCK_M)
     else:
         near_hi = tl.minimum(hi, q0 + BLOCK_M + 2)
-    for start_n in range(lo, sinks_end, BLOCK_N):
+    for start_n in range(lo, sinks_end, HALF_N):
         first, previous, own, diagonal, sink_window, w_first, w_previous, w_own, w_diagonal, w_sink_window = \
-            _positional(q, start_n, k_offs, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink,
+            _positional(q, start_n, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink,
                         window, qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first,
                         w_previous, w_own, w_diagonal, w_sink_window, CAUSAL, HAS_SPAN, HAS_SOFTCAP, WEIGHTED,
-                        WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
-    for start_n in range(near_lo, near_hi, BLOCK_N):
+                        WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
+    for start_n in range(near_lo, near_hi, HALF_N):
         first, previous, own, diagonal, sink_window, w_first, w_previous, w_own, w_diagonal, w_sink_window = \
-            _positional(q, start_n, k_offs, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink,
+            _positional(q, start_n, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink,
                         window, qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first,
                         w_previous, w_own, w_diagonal, w_sink_window, CAUSAL, HAS_SPAN, HAS_SOFTCAP, WEIGHTED,
-                        WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
+                        WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
 
     tl.store(rows + FIRST * plane, first / whole_safe, mask=row_ok)
     tl.store(rows + PREVIOUS * plane, previous / whole_safe, mask=row_ok)

@@ -41,6 +41,7 @@ BLOCK_N: int | None = None  # None: _blocks chooses by the inputs' width (the te
 AUTO_ON_CUDA = False  # whether --attention auto takes this path on a CUDA GPU: not until `make gpu-check` has run the
 # compiled kernel there and found it equal to the blocked path (it is proven under Triton's interpreter and compiled
 # offline for sm_90, never yet run on a GPU); until then --attention triton asks for it
+MAX_REGISTERS = 168  # a cap that fits three blocks of 4 warps on an SM (65,536 registers): register_cap
 FP_FUSION = True  # a * b + c as one FFMA (the kernels' exp2(s scale log2(e) - m)): triton 3.10 turns it off by default
 WIDE_OFFSETS = 2**31  # keys x a key's stride from here on: the kernel offsets its tiles in int64 (WIDE), else int32
 MAX_GRID_Y = 65_535  # CUDA's limit on a launch grid's second axis (the first takes 2**31 - 1): the row blocks go there
@@ -159,6 +160,15 @@ def stages(block_d: int) -> int:
     return 2 if block_d > 128 else 3
 
 
+def register_cap(dtype: torch.dtype, block_d: int, weighted: bool) -> dict[str, int]:
+    """stats_forward's launch option capping its registers: MAX_REGISTERS for 16-bit heads of up to 64 channels
+    without value weighting (tests/triton_compile.py: analyze's default features compile to 167 registers, no spill,
+    so three blocks of 4 warps fit an SM instead of two; uncapped, ptxas takes ~245), none otherwise (wider
+    accumulators would spill)."""
+    small = dtype in (torch.float16, torch.bfloat16) and block_d <= 64 and not weighted
+    return {"maxnreg": MAX_REGISTERS} if small else {}
+
+
 def _block_d(dim: int) -> int:
     """The kernel's head-size block: a power of two of at least 16 (tl.dot); channels beyond `dim` are masked."""
     return max(16, 1 << (dim - 1).bit_length())
@@ -206,6 +216,7 @@ def _forward(
             WIDE=n * max(key.stride(2), value.stride(2)) >= WIDE_OFFSETS,
             PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows, BLOCK_N=keys,
             BLOCK_D=_block_d(dim), num_stages=stages(_block_d(dim)), enable_fp_fusion=FP_FUSION,
+            **register_cap(query.dtype, _block_d(dim), norms is not None),
         )
     return lse, stats, out if wanted else None
 
