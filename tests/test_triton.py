@@ -426,3 +426,14 @@ def test_float32_blocks_fit_an_a100_at_every_head_size():
     assert triton_path._blocks(torch.float32, 128) == (32, 32)
     assert triton_path._blocks(torch.float32, 256) == (16, 32)
     assert triton_path._blocks(torch.bfloat16, 256) == (64, 64)
+
+
+def test_registers_are_capped_where_the_compile_found_no_spill():
+    """stats_forward's register cap (tests/triton_compile.py: 167 registers, no spill, for 16-bit heads of 64 without
+    value weighting; the value-weighted kernel would spill 528 bytes at the cap, wider heads more)."""
+    assert triton_path.register_cap(torch.bfloat16, 64, False) == {"maxnreg": 168}
+    assert triton_path.register_cap(torch.float16, 32, False) == {"maxnreg": 168}
+    assert triton_path.register_cap(torch.bfloat16, 64, True) == {}
+    assert triton_path.register_cap(torch.bfloat16, 128, False) == {}
+    assert triton_path.register_cap(torch.float32, 64, False) == {}
+    assert triton_path.stages(256) == 2 and triton_path.stages(128) == 3
