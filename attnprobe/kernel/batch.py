@@ -50,6 +50,21 @@ class Batch:
             found = self.kept["padding", id(padding), batch, n] = (padding, real, real.sum(dim=-1))
         return found[1], found[2]
 
+    def shared(self, name: str, anchor: Tensor, make: Callable[[], Any], *key: Any) -> Any:
+        """What every layer of the batch computes alike from `anchor` (a tensor the batch keeps, such as `padding`'s
+        lengths) and `key`: made by the first layer that asks, the others reuse it. Kept with its anchor, so that
+        another tensor that reuses the anchor's id never matches."""
+        full = (name, id(anchor), *key)
+        found = self.kept.get(full)
+        if found is None or found[0] is not anchor:
+            found = self.kept[full] = (anchor, make())
+        return found[1]
+
+    def geometry(self, lengths: Tensor, n: int, causal: bool, span: int | None) -> RowGeometry:
+        """The RowGeometry of all n rows under `lengths` (one of `padding`'s), made once per batch: no [n, n] mask
+        (the Triton and fused paths, whose kernels mask for themselves), and its position bins computed once."""
+        return self.shared("geometry", lengths, lambda: row_geometry(0, n, lengths, causal, span), n, causal, span)
+
     def block(self, real: Tensor, lengths: Tensor, q0: int, q1: int, k0: int, k1: int, causal: bool,
               span: int | None) -> Block:
         """The Block of query rows q0 .. q1 - 1 and keys k0 .. k1 - 1 under the mask `real` (one of `padding`'s).

@@ -1,5 +1,7 @@
-"""The fused path's `duplicate` statistic: the mass on earlier keys holding the row's own token, from tiles of the
-positions sorted by token (never an [n, n] mask)."""
+"""The `duplicate` statistic of the fused and Triton paths: the mass on the other keys holding the row's own token,
+from tiles of the positions sorted by token (never an [n, n] mask): `_fused_duplicate` (the fused path, in torch)
+and `token_tiles` (the Triton path's plan for every sentence of a batch at once, which kernel/triton_kernels.py's
+duplicate_pass reads)."""
 
 from __future__ import annotations
 
@@ -88,3 +90,78 @@ def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, ids: Tensor, lengths:
             found[:, r0:r1] += logits.exp_().sum(dim=-1)  # [head, r]
         mass[b].index_copy_(1, order, found)  # [head, q]
     return mass, has
+
+
+@dataclass(frozen=True)
+class TokenTiles:
+    """The Triton path's plan of the pairs of positions holding the same token, for every sentence of a batch at
+    once (the same in every layer and head): the real positions of tokens that occur more than once in their
+    sentence, sorted by sentence, then token, then position, cut into tiles as _SameToken cuts them (rows of at most
+    `rows`; the keys of a large group looped over by the kernel, not cut)."""
+
+    positions: Tensor  # [m] int32: the position in its sentence
+    group: Tensor  # [m] int32: which (sentence, token) group each holds
+    tiles: Tensor  # [tiles, 5] int32: (sentence, row start, row end, key start, key end) in `positions`
+    previous: Tensor  # [batch, n] int64: the nearest earlier position with the same token, -n - 1 where none
+    following: Tensor  # [batch, n] int64: the nearest later one, 2 n + 1 where none
+
+
+def token_tiles(ids: Tensor, lengths: Tensor, causal: bool, rows: int) -> TokenTiles:
+    """The TokenTiles of token `ids` [batch, n] under `lengths` [batch]; one host sync (the groups' sizes)."""
+    batch, n = ids.shape
+    device = ids.device
+    real = (torch.arange(n, device=device)[None, :] < lengths[:, None]).flatten()  # [batch * n]
+    flat = real.nonzero()[:, 0]  # [r] flat positions b * n + i of the real tokens
+    ids64 = ids.flatten().long()[flat]  # [r]
+    key = (flat // n) * (int(ids64.max()) + 1 if len(flat) else 1) + ids64  # [r]: sentence, then token
+    order = flat[key.argsort(stable=True)]  # [r]: grouped, by position within a group
+    _, counts = torch.unique_consecutive(key.sort(stable=True).values, return_counts=True)  # [groups]
+    repeated = counts.repeat_interleave(counts) > 1  # [r]
+    order, counts = order[repeated], counts[counts > 1]  # [m], [groups of 2 or more]
+    group = torch.arange(len(counts), device=device).repeat_interleave(counts)  # [m]
+    same_before = torch.zeros(len(order), dtype=torch.bool, device=device)  # [m]: the entry before is its group's
+    same_before[1:] = group[1:] == group[:-1]
+    previous = torch.full((batch * n,), -n - 1, dtype=torch.long, device=device)  # [batch * n]
+    following = torch.full((batch * n,), 2 * n + 1, dtype=torch.long, device=device)  # [batch * n]
+    previous[order[1:][same_before[1:]]] = order[:-1][same_before[1:]] % n
+    following[order[:-1][same_before[1:]]] = order[1:][same_before[1:]] % n
+    starts = (counts.cumsum(0) - counts).tolist()  # one host sync per batch
+    sentences = (order[counts.cumsum(0) - counts] // n).tolist() if len(counts) else []
+    tiles = _tiles(starts, counts.tolist(), sentences, causal, rows)
+    return TokenTiles((order % n).to(torch.int32), group.to(torch.int32),
+                      torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 5),
+                      previous.view(batch, n), following.view(batch, n))
+
+
+def _tiles(starts: list[int], counts: list[int], sentences: list[int], causal: bool,
+           rows: int) -> list[tuple[int, int, int, int, int]]:
+    """(sentence, row start, row end, key start, key end) of each tile: whole groups of one sentence packed up to
+    `rows` rows (keys: the same span), a larger group cut into `rows` rows against its keys up to the last row
+    (causal) or all of them."""
+    tiles, pack, sentence = [], None, None
+    for begin, count, owner in zip(starts, counts, sentences):
+        end = begin + count
+        if pack is not None and (owner != sentence or end - pack > rows or count > rows):
+            tiles.append((sentence, pack, begin, pack, begin))
+            pack = None
+        if count > rows:
+            tiles += [(owner, r0, min(end, r0 + rows), begin, min(end, r0 + rows) if causal else end)
+                      for r0 in range(begin, end, rows)]
+            continue
+        pack, sentence = (begin if pack is None else pack), owner
+    if pack is not None:
+        tiles.append((sentence, pack, starts[-1] + counts[-1], pack, starts[-1] + counts[-1]))
+    return tiles
+
+
+def has_duplicate(plan: TokenTiles, causal: bool, span: int | None) -> Tensor:
+    """Whether each position has a key holding its token that the layer's mask allows, j != i: [batch, 1, n]."""
+    i = torch.arange(plan.previous.shape[1], device=plan.previous.device)  # [n]
+    before = i[None, :] - plan.previous  # [batch, n]: distance to the previous occurrence
+    after = plan.following - i[None, :]  # [batch, n]
+    if causal:
+        has = before <= (plan.previous.shape[1] if span is None else span - 1)
+    else:
+        reach = plan.previous.shape[1] if span is None else span
+        has = (before <= reach) | (after <= reach)
+    return has[:, None, :]  # [batch, 1, n]

@@ -13,7 +13,6 @@ from attnprobe import values
 from attnprobe.kernel.batch import Batch
 from attnprobe.kernel.devices import flash, one_head_size
 from attnprobe.kernel.duplicates import _fused_duplicate
-from attnprobe.kernel.masks import _right_padded
 from attnprobe.kernel.window import _bias_difference, _sink_window
 from attnprobe.metrics import DIAGONAL_WINDOW, RowMasses, SentenceSums, row_stats, value_weighted
 from attnprobe.scores import OUTPUT_NORM
@@ -42,8 +41,8 @@ def fused_attend(
     batch, heads, n, dim = query.shape
     groups = heads // key.shape[1]
     scale = dim**-0.5 if scaling is None else scaling
-    real = _right_padded(padding, batch, n, query.device)  # [batch, key]
-    lengths = real.sum(dim=-1)  # [batch]
+    real, lengths = info.padding(padding, batch, n, query.device)  # [batch, key], [batch]: kept for every layer
+    geometry = info.geometry(lengths, n, causal, None)  # no host sync per layer (its position bins, once per batch)
     hidden = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
     wanted = need_output or factors is not None  # the output: for the next layer, or for output_norm
     together = wanted and value.dtype == torch.float32  # then the values ride in the statistics call
@@ -71,15 +70,15 @@ def fused_attend(
     if info.tokens is not None:
         masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, info.tokens.ids, lengths, causal,
                                                                    scale, info.kept)
-    per_row = row_stats(masses, 0, lengths, causal)
+    per_row = row_stats(masses, 0, lengths, causal, geometry=geometry)
     if factors is not None:
         empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]
         per_row.update({name: values_.masked_fill(empty, torch.nan) for name, values_ in value_weighted(
-            row_stats(found[1][0], 0, lengths, causal)).items()})
+            row_stats(found[1][0], 0, lengths, causal, geometry=geometry)).items()})
         per_row[OUTPUT_NORM] = values.head_norms(out, factors)  # [batch, head, q]
     sums = SentenceSums(rows={} if info.keep_rows else None) if info.tokens is None else ReceivedOnRead(
         lambda: _fused_received(q, keys, lse, real, causal, scale), rows={} if info.keep_rows else None)
-    sums.add(per_row, 0, lengths, info.bins)
+    sums.add(per_row, 0, lengths, info.bins, geometry)
     output = out.transpose(1, 2) if need_output else None  # [batch, q, head, dim]
     return sums, _fused_example(info, q, keys, lse, real, causal, scale), output
 

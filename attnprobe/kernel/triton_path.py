@@ -1,7 +1,10 @@
 """The Triton path: the attention output, each row's logsumexp and every row statistic from one Triton kernel
 (kernel/triton_kernels.py) that forms p_ij block by block in its online softmax and sums the statistics beside the
-output, for the map and its value-weighted map: no [n, n] map, no extra attention pass per statistic. The mass each
-key receives is a second, key-parallel kernel from the saved logsumexp, run only when a caller reads it.
+output, for the map and its value-weighted map: no [n, n] map, no extra attention pass per statistic. The mass on
+the keys holding the row's token is a second kernel over the positions sorted by token (about 1% of the pairs), the
+mass each key receives a third, key-parallel one, both from the saved logsumexp; the latter runs only when a caller
+reads it. What every layer of a batch hands the kernels alike (lengths, the feature matrix, the token tiles, the
+rows' geometry) is made once per batch (Batch.shared).
 
 It covers every feature the blocked path does (causal and bidirectional, right padding, grouped-query heads read in
 place, sliding windows, soft-capping, learned sinks); `reason` names what it does not (then the layer runs on the
@@ -17,7 +20,7 @@ import importlib.util
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
@@ -27,6 +30,7 @@ from torch import Tensor
 from attnprobe import values
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel.batch import Batch
+from attnprobe.kernel.duplicates import has_duplicate, token_tiles
 from attnprobe.kernel.features import LayerFeatures
 from attnprobe.kernel.fused import ReceivedOnRead
 from attnprobe.metrics import RowMasses, SentenceSums, row_stats, value_weighted
@@ -35,13 +39,19 @@ from attnprobe.scores import OUTPUT_NORM
 BLOCK_M: int | None = None  # query rows per program, keys per step of the online softmax (tl.dot needs 16 or more);
 BLOCK_N: int | None = None  # None: _blocks chooses by the inputs' width (the tests set them)
 AUTO_ON_CUDA = True  # --attention auto takes this path on a CUDA GPU: `make gpu-check` ran the compiled kernel on an
-# H200 (triton 3.6) and found it equal to the blocked path on every family tested, float32 and bfloat16
+# H200 (triton 3.6) and found it equal to the blocked path on every family tested, float32 and bfloat16. The kernel
+# has since been restructured (split loops, exp2, feature columns); that form is proven under Triton's interpreter
+# and compiled offline for sm_90 with triton 3.6 and 3.9, and a launch that fails under auto falls back (fallback_note)
+MAX_REGISTERS = 168  # a cap that fits three blocks of 4 warps on an SM (65,536 registers): register_cap
+FP_FUSION = True  # a * b + c as one FFMA (the kernels' exp2(s scale log2(e) - m)): triton 3.10 turns it off by default
+WIDE_OFFSETS = 2**31  # keys x a key's stride from here on: the kernel offsets its tiles in int64 (WIDE), else int32
+MAX_GRID_Y = 65_535  # CUDA's limit on a launch grid's second axis (the first takes 2**31 - 1): the row blocks go there
 MAX_HEAD_SIZE = 256  # larger heads fall back (a block of rows and keys no longer fits a GPU's registers)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRET = "TRITON_INTERPRET"  # Triton's switch to its interpreter (a CPU runs the kernels through it)
 STATS = ("entropy", "first", "previous", "self", "diagonal", "distance", "sink_window", "special", "punctuation",
-         "duplicate", "has_duplicate", "vw_entropy", "vw_first", "vw_previous", "vw_self", "vw_diagonal",
-         "vw_distance", "vw_sink_window", "vw_total")  # the rows of the kernel's Stats, in its order
+         "vw_entropy", "vw_first", "vw_previous", "vw_self", "vw_diagonal", "vw_distance", "vw_sink_window",
+         "vw_total")  # the rows of the kernel's Stats, in its order
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -98,22 +108,25 @@ def triton_attend(
     batch, heads, n, dim = query.shape
     scale = dim**-0.5 if scaling is None else scaling
     real, lengths = info.padding(padding, batch, n, query.device)  # [batch, key], [batch]
+    geometry = info.geometry(lengths, n, causal, span)  # made once per batch: no host sync per layer
     norms = None if factors is None else values.key_norms(value, factors)  # [batch, head, key]: |f_h(x_j)|
     wanted = need_output or factors is not None
     lse, stats, out = _forward(query, key, value, lengths, scale, causal, info, span, softcap, sinks, norms, wanted)
     found = dict(zip(STATS, stats))  # [batch, head, q] each
     masses = _masses(found, "", causal, info)
     if info.tokens is not None:
-        masses.punctuation, masses.duplicate = found["punctuation"], found["duplicate"]
-        masses.has_duplicate = found["has_duplicate"][:, :1] > 0  # [batch, 1, q]: the same for every head
-    per_row = row_stats(masses, 0, lengths, causal, span)
+        masses.punctuation = found["punctuation"]
+        masses.duplicate, masses.has_duplicate = _duplicates(query, key, lse, info, lengths, scale, causal, span,
+                                                             softcap)
+    per_row = row_stats(masses, 0, lengths, causal, span, geometry)
     if norms is not None:
-        per_row.update(value_weighted(row_stats(_masses(found, "vw_", causal, info), 0, lengths, causal, span)))
+        per_row.update(value_weighted(row_stats(_masses(found, "vw_", causal, info), 0, lengths, causal, span,
+                                                geometry)))
         per_row[OUTPUT_NORM] = values.head_norms(out.transpose(1, 2), factors)  # [batch, head, q]
     keep = {} if info.keep_rows else None
     sums = SentenceSums(rows=keep) if info.tokens is None else ReceivedOnRead(
         lambda: received(query, key, lse, lengths, scale, causal, span, softcap), rows=keep)
-    sums.add(per_row, 0, lengths, info.bins)
+    sums.add(per_row, 0, lengths, info.bins, geometry)
     example = _example(info, query, key, lse, real, scale, causal, span, softcap)
     return sums, example, out if need_output else None
 
@@ -139,6 +152,22 @@ def _blocks(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
     wide = dtype == torch.float32 and block_d > 64
     rows = 16 if wide and block_d > 128 else 32 if wide else 64
     return BLOCK_M or rows, BLOCK_N or (32 if wide else 64)
+
+
+def stages(block_d: int) -> int:
+    """Software-pipeline stages of stats_forward's key tiles: 3 (Triton's default), 2 for heads over 128 channels
+    (tests/triton_compile.py: 16-bit heads of 256 with every feature take 235,520 B of shared memory in 3 stages,
+    above an H100's 227 KiB)."""
+    return 2 if block_d > 128 else 3
+
+
+def register_cap(dtype: torch.dtype, block_d: int, weighted: bool) -> dict[str, int]:
+    """stats_forward's launch option capping its registers: MAX_REGISTERS for 16-bit heads of up to 64 channels
+    without value weighting (tests/triton_compile.py: analyze's default features compile to 167 registers, no spill,
+    so three blocks of 4 warps fit an SM instead of two; uncapped, ptxas takes ~245), none otherwise (wider
+    accumulators would spill)."""
+    small = dtype in (torch.float16, torch.bfloat16) and block_d <= 64 and not weighted
+    return {"maxnreg": MAX_REGISTERS} if small else {}
 
 
 def _block_d(dim: int) -> int:
@@ -168,25 +197,27 @@ def _forward(
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))  # channels adjacent
     device = query.device
     lse = torch.empty(batch, heads, n, device=device)  # [batch, head, q]
-    stats = torch.zeros(kernels.STAT_ROWS, batch, heads, n, device=device)  # [stat, batch, head, q]
+    planes = kernels.STAT_ROWS if norms is not None else kernels.MAP_ROWS  # the kernel writes every element
+    stats = torch.empty(planes, batch, heads, n, device=device)  # [stat, batch, head, q]
     out = torch.empty(batch, n, heads, dim, dtype=query.dtype, device=device) if wanted else lse  # [b, q, h, dim]
-    flags = _token_inputs(info, batch, n, device)
-    special, punct, ids = flags
+    lengths32, feats = _batch_inputs(info, lengths, n, query.dtype)  # [batch], [batch, n, FEATURES] or None
     norm_rows = lse if norms is None else norms.float().contiguous()  # [batch, head, key]
     sink_logits = lse if sinks is None else sinks.float().contiguous()  # [head]
     rows, keys = _blocks(query.dtype, _block_d(dim))
-    grid = (triton_cdiv(n, rows), batch * heads)
-    with _launching("statistics", query.dtype, dim):
-        kernels.stats_forward[grid](
-            query, key, value, out, lse, stats, lengths.to(torch.int32).contiguous(), norm_rows, special, punct, ids,
-            sink_logits, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
-            *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)), n,
-            heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0), int(span or 0),
-            info.sink, info.window,
+    with _launching("statistics", query.dtype, dim), _on(device):
+        kernels.stats_forward[launch_grid(n, rows, batch, heads)](
+            query, key, value, out, lse, stats, lengths32, norm_rows, lse if feats is None else feats, sink_logits,
+            *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
+            *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)),
+            0 if feats is None else feats.stride(0),
+            heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0),
+            int(span or 0), info.sink, info.window,
             CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-            WEIGHTED=norms is not None, HAS_SPECIAL=info.special is not None, HAS_TOKENS=info.tokens is not None,
-            NEED_OUT=wanted, PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows,
-            BLOCK_N=keys, BLOCK_D=_block_d(dim),
+            WEIGHTED=norms is not None, HAS_FEATS=feats is not None, NEED_OUT=wanted, EVEN_D=dim == _block_d(dim),
+            WIDE=n * max(key.stride(2), value.stride(2)) >= WIDE_OFFSETS,
+            PRECISION=_precision(query.dtype), UPCAST=_interpreted(device), BLOCK_M=rows, BLOCK_N=keys,
+            BLOCK_D=_block_d(dim), num_stages=stages(_block_d(dim)), enable_fp_fusion=FP_FUSION,
+            **register_cap(query.dtype, _block_d(dim), norms is not None),
         )
     return lse, stats, out if wanted else None
 
@@ -206,16 +237,62 @@ def _launching(which: str, dtype: torch.dtype, dim: int) -> Iterator[None]:
             f"{str(dtype).removeprefix('torch.')}, head size {dim}): use --attention fused or blocked") from err
 
 
-def _token_inputs(info: Batch, batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """The per-key inputs [batch, n], contiguous: special-token flags and punctuation flags (float32), token ids
-    (int32); a placeholder where the batch has none (the kernel does not read it then)."""
-    empty = torch.zeros(batch, n, device=device)  # [batch, n]
-    special = empty if info.special is None else info.special[:, :n].float().contiguous()
-    if info.tokens is None:
-        return special, empty, empty.to(torch.int32)
-    punct = info.tokens.punctuation[:, :n].float().contiguous()  # [batch, n]
-    ids = info.tokens.ids[:, :n].to(torch.int32).contiguous()  # [batch, n]
-    return special, punct, ids
+def _on(device: torch.device) -> AbstractContextManager:
+    """Launch on the tensors' own GPU (Triton launches on the current one: a model spread over several GPUs), a
+    no-op on a CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def launch_grid(n: int, block: int, batch: int, heads: int) -> tuple[int, int]:
+    """A kernel's grid: (sequence, head) pairs on the first axis, which takes 2**31 - 1 programs (4,096 sentences x
+    64 heads fit), and blocks of `block` rows or keys of the n on the second, which takes MAX_GRID_Y."""
+    return batch * heads, triton_cdiv(n, block)
+
+
+def _batch_inputs(info: Batch, lengths: Tensor, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """What every layer of the batch hands the kernel alike, made by the first and kept (Batch.shared): the lengths
+    (int32) and the feature matrix (_features, None without special tokens or token classes)."""
+    return info.shared("triton inputs", lengths, lambda: (lengths.to(torch.int32).contiguous(),
+                                                          _features(info, lengths, n, dtype)), n, dtype)
+
+
+def _features(info: Batch, lengths: Tensor, n: int, dtype: torch.dtype) -> Tensor | None:
+    """The per-key columns the kernel sums on the tensor cores, [batch, n, FEATURES] contiguous: all ones (the
+    normaliser), special tokens, punctuation, zeros; in the dtype p meets them in (the model's: exact for 0 and 1).
+    None where the batch has neither flag."""
+    if info.special is None and info.tokens is None:
+        return None
+    kernels = _kernels()
+    feats = torch.zeros(lengths.shape[0], n, int(kernels.FEATURES), dtype=dtype, device=lengths.device)  # [b, n, F]
+    feats[..., int(kernels.ONES)] = 1
+    if info.special is not None:
+        feats[..., int(kernels.SPECIAL_COLUMN)] = info.special[:, :n].to(dtype)
+    if info.tokens is not None:
+        feats[..., int(kernels.PUNCTUATION_COLUMN)] = info.tokens.punctuation[:, :n].to(dtype)
+    return feats
+
+
+def _duplicates(query: Tensor, key: Tensor, lse: Tensor, info: Batch, lengths: Tensor, scale: float, causal: bool,
+                span: int | None, softcap: float | None) -> tuple[Tensor, Tensor]:
+    """The mass on the other keys holding the row's token [batch, head, q] and whether the row has such a key
+    [batch, 1, q], from duplicate_pass over the batch's TokenTiles (planned once per batch, kept)."""
+    kernels = _kernels()
+    batch, heads, n, dim = query.shape
+    rows, keys = _blocks(query.dtype, _block_d(dim))
+    plan = info.shared("token tiles", lengths, lambda: token_tiles(info.tokens.ids[:, :n], lengths, causal, rows),
+                       n, causal, rows)
+    has = info.shared("has duplicate", lengths, lambda: has_duplicate(plan, causal, span), n, causal, span)
+    mass = torch.zeros(batch, heads, n, device=query.device)  # [batch, head, q]: rows of no tile stay 0
+    if len(plan.tiles):
+        with _launching("duplicate-token", query.dtype, dim), _on(query.device):
+            kernels.duplicate_pass[(len(plan.tiles), heads)](
+                query, key, lse, mass, plan.positions, plan.group, plan.tiles, *query.stride()[:3],
+                *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0),
+                int(span or 0), CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
+                PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
+                BLOCK_D=_block_d(dim), enable_fp_fusion=FP_FUSION,
+            )
+    return mass, has
 
 
 def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: float, causal: bool,
@@ -224,16 +301,15 @@ def received(query: Tensor, key: Tensor, lse: Tensor, lengths: Tensor, scale: fl
     kernels = _kernels()
     batch, heads, n, dim = query.shape
     query, key = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key))
-    found = torch.zeros(batch, heads, n, device=query.device)  # [batch, head, key]
+    found = torch.empty(batch, heads, n, device=query.device)  # [batch, head, key]: every element written
     rows, keys = _blocks(query.dtype, _block_d(dim))
-    grid = (triton_cdiv(n, keys), batch * heads)
-    with _launching("received-mass", query.dtype, dim):
-        kernels.received_pass[grid](
+    with _launching("received-mass", query.dtype, dim), _on(query.device):
+        kernels.received_pass[launch_grid(n, keys, batch, heads)](
             query, key, lse.contiguous(), found, lengths.to(torch.int32).contiguous(), *query.stride()[:3],
             *key.stride()[:3], heads, heads // key.shape[1], n, dim, scale, float(softcap or 1.0), int(span or 0),
-            CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None,
+            CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, EVEN_D=dim == _block_d(dim),
             PRECISION=_precision(query.dtype), UPCAST=_interpreted(query.device), BLOCK_M=rows, BLOCK_N=keys,
-            BLOCK_D=_block_d(dim),
+            BLOCK_D=_block_d(dim), enable_fp_fusion=FP_FUSION,
         )
     return found
 
