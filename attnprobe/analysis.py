@@ -527,7 +527,7 @@ def measure_batch(
                          budget_mib=options.budget_mib, block_rows=options.block_rows,
                          example=examples[0][:2] if examples else None, fused=plan.fused,
                          projections=projections, keep_rows=bool(resamplers) or on_rows is not None, tokens=tokens,
-                         triton=plan.triton)
+                         triton=plan.triton, triton_fallback=plan.options.attention == "auto")
     else:
         modules = plan.modules
 

@@ -215,6 +215,27 @@ def _(d: dict) -> str:
                          "(`python -m figures.steps zoo`)"))
 
 
+# ---- the Triton kernels' machine code ------------------------------------------------------------------------
+
+
+@figure("triton-compile", runs=("triton-compile",))
+def triton_compile(out: Outputs) -> dict:
+    return out.json("triton-compile", "compile.json")
+
+
+@triton_compile.renderer
+def _(d: dict) -> str:
+    rows = [[name, str(v["registers"]), f"{v['spills']:,}", f"{v['loop']:,}", f"{v['path']:,}"]
+            for name, v in d["variants"].items() if "registers" in v]
+    target = d["targets"]
+    return (fmt.table(["variant", "registers", "spill bytes", "main loop, instructions per tile", "shortest path"],
+                      rows) + "\n\n"
+            f"The goal for analyze's default features (the first row): at most {target['registers']} registers, "
+            f"{target['spills']} spill bytes and {target['loop']} instructions per tile in the main loop.\n\n"
+            + fmt.source(f"`python tests/triton_compile.py --all` with triton {d['triton']} for sm_{d['arch']} "
+                         "(the ptxas and nvdisasm in Triton's wheel; no GPU needed)"))
+
+
 # ---- bench_long -------------------------------------------------------------------------------------------------
 
 

@@ -170,6 +170,10 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         about="the bootstrap's coverage simulation (tests/test_bootstrap.py's)", minutes=0.1),
     Run("block-coverage", "results", (helper("block-coverage", "{out}/block-coverage.json"),),
         about="the block bootstrap's coverage simulation (tests/test_block_bootstrap.py's)", minutes=0.2),
+    Run("triton-compile", "bench", (
+        Step(("{py}", "tests/triton_compile.py", "--all", "--json", "{out}/compile.json"), key="compile"),),
+        about="the Triton kernels compiled offline for sm_90: registers, spills, main-loop instructions per tile",
+        minutes=4),
     Run("zoo", "results", (helper("zoo", "{work}/zoo-models", "{out}/zoo.json"),),
         about="the architecture table: tests/zoo.py's tiny models, discovered and verified", minutes=0.3),
     Run("torchrun-minilm", "results", (

@@ -45,6 +45,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/changelog.md", "still says 0.1.0", "the package's version"),
     ("docs/development.md", "`.ci/run` has 90 minutes; keep it under 60", "CI's limit and its target"),
     ("docs/development.md", "(3.2, 3.6 and 3.9 compile them)", "triton versions"),
+    ("docs/performance.md", "for sm_90 with triton 3.6 and 3.9", "triton versions"),
     ("docs/guides/analyze.md", "a 0.1 s sample", "a setting (threads.SAMPLE_SECONDS)"),
     ("docs/performance.md", "(a 0.1 s sample", "a setting (threads.SAMPLE_SECONDS)"),
     ("docs/guides/related.md", "Up to 30 x 9 heads", "SmolLM2's shape"),

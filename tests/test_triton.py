@@ -329,6 +329,49 @@ def test_auto_takes_triton_on_cuda_and_falls_back_naming_why(monkeypatch, llama_
     assert "why_not_triton" not in planning.plan(on_cpu, planning.Options()).record(on_cpu.device, {"fused": 3}, 3)
 
 
+def test_a_kernel_that_fails_to_launch_falls_back_under_auto_and_stops_an_explicit_triton_run(monkeypatch, llama_dir):
+    """A Triton kernel that cannot compile or launch here (out of shared memory on a smaller card, say): under auto
+    (triton_fallback) every layer runs on the other paths, equal to a run without Triton, and the failure is named
+    as the layers' reason (run.json's not_triton) without a retry; under --attention triton the run stops in one
+    line."""
+    from attnprobe.batching import pad_batch
+    from attnprobe.kernel import attention
+
+    loaded = load_model(str(llama_dir), "cpu")
+    ids, mask = pad_batch([loaded.tokenizer(t)["input_ids"] for t in SENTENCES[:3]], loaded.device)
+    tried = []
+
+    def failing(*args, **kwargs):
+        tried.append(1)
+        raise triton_path.LaunchFailed("the Triton statistics kernel could not run here (OutOfResources: out of "
+                                       "resource: shared memory; float32, head size 16): use --attention fused or "
+                                       "blocked")
+
+    monkeypatch.setattr(attention, "triton_attend", failing)
+    monkeypatch.setattr(triton_path, "FAILED", {})
+
+    def run(**options):
+        found = {}
+        with kernel.statistics_attention(loaded):
+            path = kernel.run_batch(loaded, ids, mask, lambda layer, sums, maps: found.update({layer: sums.total}),
+                                    **options)
+        return path, found
+
+    with pytest.raises(AttnprobeError, match="could not run here.*--attention fused or blocked"):
+        run(triton=True)
+    assert not triton_path.FAILED
+    path, fell_back = run(triton=True, triton_fallback=True)
+    assert path == "blocked" and len(tried) == 2  # the second layer, of the same shape, did not try again
+    _, plain = run()
+    assert set(fell_back) == set(plain) == set(range(loaded.num_layers))
+    for layer in plain:
+        torch.testing.assert_close(fell_back[layer], plain[layer], rtol=0, atol=0, equal_nan=True)
+    found = triton_path.record(kernel.discover(loaded).features, torch.float32)
+    assert found["triton_layers"] == [] and list(found["not_triton"].values()) == [[0, 1]]
+    assert "failed here under --attention auto (the Triton statistics kernel could not run here" in \
+        next(iter(found["not_triton"]))
+
+
 def test_layers_the_triton_kernel_does_not_cover_are_named_by_reason():
     plain = kernel.LayerFeatures(causal=True, span=4, softcap=30.0, sinks=True, groups=8, scale=0.1, head_size=128)
     wide = kernel.LayerFeatures(**{**plain.__dict__, "head_size": 512})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -205,9 +206,19 @@ def _shortest(code: list[str], labels: dict[str, int], start: int, end: int) -> 
 
 def measure(compiled, arch: int) -> str:
     """`registers=... spills=... loop=... path=... loops=[...]` of a compiled kernel ('' without the tools)."""
+    counts = counted(compiled, arch)
+    if counts is None:
+        return ""
+    return (f" registers={counts['registers']} spills={counts['spills']} loop={counts['loop']} path={counts['path']} "
+            f"mma={counts['mma']} loop_spills={counts['loop_spills']} loops={counts['loops']}")
+
+
+def counted(compiled, arch: int) -> dict | None:
+    """A compiled kernel's registers, spill bytes and main loop (instructions per tile, shortest path, tensor-core
+    and local-memory instructions, every loop's length); None without ptxas and nvdisasm."""
     found = tools(arch)
     if found is None:
-        return ""
+        return None
     ptxas, nvdisasm = found
     counts = resources(ptxas, compiled.asm["ptx"], arch)
     with tempfile.TemporaryDirectory() as folder:
@@ -217,25 +228,31 @@ def measure(compiled, arch: int) -> str:
     every = loops(sass)
     main = next((loop for loop in every if loop.body > 1), None)
     loop, path, mma, local = (main.body, main.path, main.mma, main.local) if main else (0, 0, 0, 0)
-    return (f" registers={counts['registers']} spills={counts['spills']} loop={loop} path={path} mma={mma} "
-            f"loop_spills={local} "
-            f"loops={[x.body for x in every]}")
+    return {**counts, "loop": loop, "path": path, "mma": mma, "loop_spills": local, "loops": [x.body for x in every]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="the NVIDIA compute capability, e.g. 80, 90")
     parser.add_argument("--all", action="store_true", help="more head sizes and dtypes (minutes)")
+    parser.add_argument("--json", help="also write every variant's counts, the targets and triton's version here "
+                        "(make figures reads it)")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
-    failed = 0
+    failed, found = 0, {}
     for name, source in variants(args.all).items():
         try:
             compiled = triton.compile(source, target=target, options=launch_options(source))
+            counts = counted(compiled, args.arch)
+            found[name] = {"shared": compiled.metadata.shared, **(counts or {})}
             print(f"OK {name}: shared={compiled.metadata.shared}{measure(compiled, args.arch)}", flush=True)
         except Exception as err:  # report every variant, then fail
             failed += 1
+            found[name] = {"error": f"{type(err).__name__}: {str(err).strip()[:200]}"}
             print(f"FAIL {name}: {type(err).__name__}: {str(err).strip()[:2000]}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "targets": TARGETS,
+                                               "reached": REACHED, "variants": found}, indent=1), encoding="utf-8")
     return 1 if failed else 0
 
 

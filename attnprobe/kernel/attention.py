@@ -22,8 +22,8 @@ from attnprobe.kernel.devices import KERNELS
 from attnprobe.kernel.features import LayerFeatures, Unsupported, config_reason, fusable, layer_features
 from attnprobe.kernel.fused import ReceivedOnRead, fused_attend
 from attnprobe.kernel.masks import stats_mask
+from attnprobe.kernel.triton_path import LaunchFailed, remember_failure, triton_attend
 from attnprobe.kernel.triton_path import reason as triton_reason
-from attnprobe.kernel.triton_path import triton_attend
 from attnprobe.metrics import RECENT_WINDOW, SINK_TOKENS, SentenceSums, TokenClasses
 from attnprobe.model import LastLayerDone, LoadedModel, attention_modules, forward_kwargs, using_attention
 
@@ -147,10 +147,9 @@ def stats_attention(
     need_output = layer != batch_info.last_layer
     projections = batch_info.projections
     factors = None if projections is None else values.head_factors(projections[layer], query.shape[1])
-    if batch_info.triton and triton_reason(features, query.dtype) is None:
-        sums, example, output = triton_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
-                                              need_output=need_output, span=features.span, softcap=features.softcap,
-                                              sinks=sinks, factors=factors)
+    ran = _on_triton(batch_info, features, query, key, value, attention_mask, scaling, need_output, sinks, factors)
+    if ran is not None:
+        sums, example, output = ran
         batch_info.ran.add("triton")
     elif batch_info.fused is not None and query.shape[2] >= batch_info.fused and fusable(features) \
             and query.device.type in KERNELS:
@@ -168,6 +167,25 @@ def stats_attention(
     if layer == batch_info.last_layer:
         raise LastLayerDone  # nothing after the last attention can change a statistic
     return output, None
+
+
+def _on_triton(batch_info: Batch, features: LayerFeatures, query: Tensor, key: Tensor, value: Tensor,
+               attention_mask: Tensor | None, scaling: float | None, need_output: bool, sinks: Tensor | None,
+               factors: Tensor | None) -> tuple | None:
+    """The layer through the Triton kernel (triton_attend's results), or None where it does not run there: not asked
+    for, a layer it does not cover (triton_path.reason), or, under --attention auto (Batch.triton_fallback), a kernel
+    Triton could not compile or launch here, remembered so that the run's record names it (remember_failure)."""
+    if not batch_info.triton or triton_reason(features, query.dtype) is not None:
+        return None
+    try:
+        return triton_attend(query, key, value, attention_mask, scaling, features.causal, batch_info,
+                             need_output=need_output, span=features.span, softcap=features.softcap, sinks=sinks,
+                             factors=factors)
+    except LaunchFailed as err:
+        if not batch_info.triton_fallback:
+            raise
+        remember_failure(features, query.dtype, err)
+        return None
 
 
 @contextmanager
@@ -192,7 +210,7 @@ def run_batch(
     budget_mib: float = DEFAULT_BUDGET_MIB, block_rows: int | None = None, example: tuple[int, int] | None = None,
     discovering: list[str] | None = None, features: dict[int, LayerFeatures] | None = None, fused: int | None = None,
     projections: list[nn.Module] | None = None, keep_rows: bool = False, tokens: TokenClasses | None = None,
-    triton: bool = False,
+    triton: bool = False, triton_fallback: bool = False,
 ) -> str:
     """Run one right-padded batch under `statistics_attention`; `on_layer` gets each layer's sums. Returns the
     batch's path: "triton" when any layer ran the Triton kernel, else "fused" when any ran the fused kernel, else
@@ -201,7 +219,9 @@ def run_batch(
     `features`, when given, receives each layer's LayerFeatures; `discovering` collects what is not implemented
     instead of refusing it (discover()). `fused`: run the layers `fusable` accepts through the fused kernel when
     the batch is at least this many tokens long (0: always; None: never). `triton`: run the layers the Triton kernel
-    covers (triton_path.reason) through it, before the fused kernel is considered. `projections`: each layer's output
+    covers (triton_path.reason) through it, before the fused kernel is considered; `triton_fallback` (--attention
+    auto): a kernel Triton cannot compile or launch here sends the layer to the fused or blocked path instead of
+    stopping the run. `projections`: each layer's output
     projection (values.find_projections), to measure the value-weighted scores and output_norm too. `keep_rows`:
     the sums handed to `on_layer` keep every row's values too (`SentenceSums.rows`).
     `tokens`: the batch's token ids and punctuation flags, for `punctuation`, `duplicate` and the mass each key
@@ -213,6 +233,7 @@ def run_batch(
         special=special, sink=sink, window=window, bins=bins, budget_bytes=int(budget_mib * 2**20),
         block_rows=block_rows, example=example, on_layer=on_layer, discovering=discovering, fused=fused,
         projections=projections, keep_rows=keep_rows, tokens=tokens, triton=triton,
+        triton_fallback=triton_fallback,
     )
     if features is not None:
         info.features = features

@@ -35,6 +35,7 @@ class Batch:
     discovering: list[str] | None = None  # discover(): collect what is not implemented instead of refusing
     fused: int | None = None  # through the fused kernel: layers it computes exactly, in batches this long or longer
     triton: bool = False  # through the Triton kernel: every layer it covers (triton_path.reason), before fused
+    triton_fallback: bool = False  # --attention auto: a Triton kernel that fails to compile or launch falls back
     projections: list[nn.Module] | None = None  # per layer, the output projection: also the value-weighted scores
     keep_rows: bool = False  # hand every row's values back too (SentenceSums.rows), for the block bootstrap
     tokens: TokenClasses | None = None  # token ids and punctuation: punctuation, duplicate and the mass received

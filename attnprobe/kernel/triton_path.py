@@ -82,8 +82,24 @@ def _old_interpreter() -> str | None:
     return None
 
 
+class LaunchFailed(AttnprobeError):
+    """Triton could not compile or launch a kernel here (one line naming the fix): under --attention auto the layer
+    falls back to the fused or blocked path instead (remember_failure), under --attention triton the run stops."""
+
+
+FAILED: dict[tuple[torch.dtype, int], str] = {}  # (dtype, head size) -> why its kernel failed in this process
+
+
+def remember_failure(features: LayerFeatures, dtype: torch.dtype, err: LaunchFailed) -> None:
+    """Keep why the kernel of this dtype and head size failed: `reason` names it from then on (run.json's
+    not_triton), so every later layer and batch of that shape takes the fused or blocked path without retrying."""
+    FAILED[(dtype, features.head_size)] = f"the Triton kernel failed here under --attention auto ({err})"
+
+
 def reason(features: LayerFeatures, dtype: torch.dtype) -> str | None:
     """What of a layer the Triton kernel does not cover (that layer then runs on the fused or blocked path), or None."""
+    if (dtype, features.head_size) in FAILED:
+        return FAILED[(dtype, features.head_size)]
     if features.head_size > MAX_HEAD_SIZE:
         return f"a head size of {features.head_size} (the Triton kernel takes up to {MAX_HEAD_SIZE})"
     if dtype not in DTYPES:
@@ -232,7 +248,7 @@ def _launching(which: str, dtype: torch.dtype, dim: int) -> Iterator[None]:
         if not type(err).__module__.startswith("triton"):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise AttnprobeError(
+        raise LaunchFailed(
             f"the Triton {which} kernel could not run here ({type(err).__name__}: {first[:200]}; "
             f"{str(dtype).removeprefix('torch.')}, head size {dim}): use --attention fused or blocked") from err
 
