@@ -15,6 +15,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from figures.runs import ANALYZE_FILES, CORPUS, ROOT
@@ -33,8 +35,9 @@ def copy_analysis(source: str, target: str, *extra: str) -> None:
             shutil.copy2(Path(source) / name, Path(target) / name)
 
 
-def screenshot(page: str, head: str, target: str) -> None:
-    """report.html opened at `head`, the tooltip of another head showing, as a 1360 x 1060 png."""
+@contextmanager
+def opened(page: str, head: str) -> Iterator:
+    """report.html in headless Chromium (a 1360 x 1060 viewport), opened at `head`: the playwright page."""
     from playwright.sync_api import sync_playwright
 
     executable = os.environ.get("ATTNPROBE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -44,30 +47,27 @@ def screenshot(page: str, head: str, target: str) -> None:
         browser = driver.chromium.launch(executable_path=executable)
         tab = browser.new_page(viewport={"width": 1360, "height": 1060})
         tab.goto(Path(page).resolve().as_uri() + f"#{head}")
+        yield tab
+        browser.close()
+
+
+def screenshot(page: str, head: str, target: str) -> None:
+    """report.html opened at `head`, the tooltip of another head showing, as a 1360 x 1060 png."""
+    with opened(page, head) as tab:
         tab.wait_for_selector("body[data-ready='true']")
         tab.wait_for_selector(f"#pattern[data-name='{head}']")
         tab.hover("td[data-name='L17H4']")
         tab.wait_for_timeout(300)
         tab.screenshot(path=target)
-        browser.close()
 
 
 def head_page_screenshot(page: str, head: str, target: str) -> None:
     """report.html's scatter and the head page of `head`, as a png of that section (1360 px wide)."""
-    from playwright.sync_api import sync_playwright
-
-    executable = os.environ.get("ATTNPROBE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if not executable:
-        raise SystemExit("no Chromium: set ATTNPROBE_CHROMIUM or install chromium")
-    with sync_playwright() as driver:
-        browser = driver.chromium.launch(executable_path=executable)
-        tab = browser.new_page(viewport={"width": 1360, "height": 1060})
-        tab.goto(Path(page).resolve().as_uri() + f"#{head}")
+    with opened(page, head) as tab:
         tab.wait_for_selector(f"#head-page[data-name='{head}']")
         tab.eval_on_selector("#head-page-examples", "e => { e.style.maxHeight = '760px'; "
                              "e.style.overflow = 'hidden'; }")  # the first examples: the highest and top tenths
         tab.locator("#scatter-section").screenshot(path=target)
-        browser.close()
 
 
 def verify(model: str, target: str) -> None:
