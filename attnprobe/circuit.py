@@ -841,7 +841,7 @@ def edge_table(graph: Graph, scores: np.ndarray, circuit: np.ndarray | None = No
     return frame.iloc[order].reset_index(drop=True)
 
 
-def mib_importances(graph: Graph, scores: np.ndarray, circuit: np.ndarray) -> dict[str, Any]:
+def mib_importances(graph: Graph, scores: np.ndarray, circuit: np.ndarray, hidden: int) -> dict[str, Any]:
     """MIB's importances.json (EAP-IG's Graph.to_json): cfg, nodes {name: in_graph}, edges {"u->v<q>": {score,
     in_graph}}; a grouped key/value receiver's edge is written for each query head it serves (the grouped score)."""
     edges: dict[str, dict[str, Any]] = {}
@@ -856,7 +856,7 @@ def mib_importances(graph: Graph, scores: np.ndarray, circuit: np.ndarray) -> di
     names = graph.senders + ["logits"]
     return {
         "cfg": {"n_layers": graph.layers, "n_heads": graph.heads, "n_kv_heads": graph.kv_heads,
-                "parallel_attn_mlp": False, "d_model": None},
+                "parallel_attn_mlp": False, "d_model": hidden},
         "nodes": {name: {"in_graph": name in used or name == "logits"} for name in names},
         "edges": edges,
     }

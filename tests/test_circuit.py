@@ -308,3 +308,63 @@ def write_pairs(path: Path, pairs) -> Path:
 
     path.write_text("".join(json.dumps(p.__dict__) + "\n" for p in pairs), encoding="utf-8")
     return path
+
+
+@pytest.fixture
+def tasks_module(monkeypatch):
+    """attnprobe.tasks as its contract has it; a stand-in where the module is not installed yet."""
+    import importlib.util
+    import sys
+    import types
+
+    import attnprobe
+
+    if importlib.util.find_spec("attnprobe.tasks") is not None:
+        return
+    from attnprobe import ioi
+    from attnprobe.patching import first_token, read_pairs
+
+    def convert(loaded, made):
+        return [TaskPair(p.clean, p.corrupt, (first_token(loaded, p.answer, "answer"),),
+                         (first_token(loaded, p.wrong, "wrong"),)) for p in made]
+
+    module = types.ModuleType("attnprobe.tasks")
+    module.TaskPair, module.TASKS, module.METRIC = TaskPair, ("ioi",), {"ioi": "logit-diff"}
+    module.task_pairs = lambda loaded, task, n, seed=0: convert(loaded, ioi.ioi_pairs(loaded, n, "abc", seed))
+    module.file_pairs = lambda loaded, path: convert(loaded, read_pairs(path))
+    module.metric_value = lambda logits, pairs, kind: logit_diff(logits, pairs)
+    monkeypatch.setitem(sys.modules, "attnprobe.tasks", module)
+    monkeypatch.setattr(attnprobe, "tasks", module, raising=False)
+
+
+def test_cli_writes_the_edges_the_circuit_and_mibs_importances(tmp_path, tasks_module):
+    """`attnprobe circuit --pairs`: edges.csv (every edge, by |score|), circuit.json (the top edges, the curve at the
+    sizes asked, CPR and CMD, the key/value groups), importances.json in MIB's layout (a grouped key/value edge once
+    per query head it serves)."""
+    import json
+
+    import pandas as pd
+    from test_cli import run
+
+    folder = zoo.make("llama", tmp_path / "llama", lm_head=True)
+    pairs = write_pairs(tmp_path / "pairs.jsonl", TEXT_PAIRS)
+    out = tmp_path / "out"
+    result = run("circuit", "--model", folder, "--pairs", pairs, "--out", out, "--method", "eap", "--top", "5",
+                 "--sizes", "0.1,0.5,1", "--random", "2")
+    assert result.exit_code == 0, result.output
+    graph = cc.Graph(2, 4, 2)
+    edges = pd.read_csv(out / "edges.csv", keep_default_na=False)
+    assert list(edges.columns) == ["sender", "receiver", "input", "score", "in_circuit"]
+    assert len(edges) == graph.edge_count and edges["in_circuit"].sum() == 5
+    assert (edges["score"].abs().diff().dropna() <= 0).all()
+    run_info = json.loads((out / "circuit.json").read_text())
+    assert [e["sender"] for e in run_info["circuit"]["edges"]] == list(edges["sender"][:5])
+    assert [row["fraction"] for row in run_info["faithfulness"]["curve"]] == [0.1, 0.5, 1.0]
+    assert run_info["faithfulness"]["curve"][-1]["faithfulness"] == pytest.approx(1.0, abs=1e-4)
+    assert run_info["graph"]["kv_groups"]["a1.kv1"] == ["a1.h2", "a1.h3"]
+    mib = json.loads((out / "importances.json").read_text())
+    assert set(mib) == {"cfg", "nodes", "edges"} and mib["cfg"]["n_heads"] == 4
+    kv = sum(1 for _, r in zip(*np.nonzero(graph.mask)) if graph.receivers[r][1] in "kv" and graph.receivers[r][1])
+    assert len(mib["edges"]) == graph.edge_count + kv  # each key/value edge twice (2 query heads a group)
+    assert mib["edges"]["input->a0.h3<k>"] == mib["edges"]["input->a0.h2<k>"]
+    assert "input->logits" in mib["edges"] and "a1.h0->m1" in mib["edges"]
