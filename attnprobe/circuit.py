@@ -449,9 +449,11 @@ def tokenize(loaded: LoadedModel, pairs: Sequence[Any]) -> Prompts:
     return Prompts(clean_ids, corrupt_ids, mask, mask.sum(1) - 1, list(pairs))
 
 
-def chunks(prompts: Prompts, graph: Graph, hidden: int, copies: int = 1) -> list[slice]:
-    """Pairs in chunks whose buffer of every sender's output [senders, copies x pairs, seq, hidden] fits BUFFER_MIB."""
-    per_pair = len(graph.senders) * copies * prompts.mask.shape[1] * hidden * 4
+def chunks(prompts: Prompts, graph: Graph, hidden: int, gradients: bool = False) -> list[slice]:
+    """Pairs in chunks whose buffer of every sender's output [senders, pairs, seq, hidden] (and with `gradients`,
+    of every receiver's gradient) fits BUFFER_MIB."""
+    rows = len(graph.senders) + (len(graph.receivers) if gradients else 0)
+    per_pair = rows * prompts.mask.shape[1] * hidden * 4
     size = max(1, (BUFFER_MIB << 20) // per_pair)
     count = prompts.mask.shape[0]
     return [slice(s, min(s + size, count)) for s in range(0, count, size)]
@@ -505,10 +507,11 @@ def real_positions(prompts: Prompts) -> Tensor:
 def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, *, steps: int = 1,
               progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """EAP (steps 1) or EAP-IG (steps m) scores of every edge, [senders, receivers] float64 (0 off the graph): the
-    first-order change of the mean metric when the edge is patched to the corrupt run."""
+    first-order change of the mean metric when the edge is patched to the corrupt run. The score is linear in the
+    gradient, so EAP-IG sums each receiver's gradient over the steps and contracts once."""
     graph = layout.graph
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
-    parts_done, parts_list = 0, chunks(prompts, graph, layout.w_out[0].shape[0])
+    parts_done, parts_list = 0, chunks(prompts, graph, layout.w_out[0].shape[0], gradients=True)
     with fast_attention(loaded.model):
         for rows in parts_list:
             sub = part(prompts, rows)
@@ -519,35 +522,45 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
                 diff *= real_positions(sub)  # [senders, pairs, seq, hidden]
             clean_in = run.xs[0]  # [pairs, seq, hidden]
             start = clean_in - diff[0]  # [pairs, seq, hidden]: the corrupt input
+            grads = torch.zeros(len(graph.receivers), *diff.shape[1:], device=diff.device)  # [receivers, ...]
             for k in range(1, steps + 1):
                 embed = (start + (k / steps) * (clean_in - start)).clone().requires_grad_(True)
-                scores += gradient_scores(loaded, layout, sub, metric, diff, embed) / steps
+                receiver_gradients(loaded, layout, sub, metric, embed, grads)
                 if progress:
                     parts_done += 1
                     progress(parts_done, steps * len(parts_list))
+            scores += contract_all(graph, diff, grads) / steps
     return (scores / prompts.mask.shape[0]).numpy() * graph.mask
 
 
-def gradient_scores(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, diff: Tensor,
-                    embed: Tensor) -> Tensor:
-    """sum over pairs and positions of diff_u . dM/d(input_v) for every edge, from one forward and backward with
-    the first block's input `embed` [pairs, seq, hidden]: [senders, receivers] float64."""
+def receiver_gradients(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, embed: Tensor,
+                       into: Tensor) -> None:
+    """Adds dM/d(input_v) of every receiver, summed over pairs' metrics, to into [receivers, pairs, seq, hidden],
+    from one forward and backward with the first block's input `embed` [pairs, seq, hidden]."""
     graph = layout.graph
     run = Pass(embed=embed, grads=True)
     with torch.enable_grad():
         final = forward(loaded, layout, prompts.clean, prompts.mask, run)
         value = measure(layout, metric, final, prompts).sum()
         torch.autograd.grad(value, [embed])
+    for layer in range(graph.layers):
+        base = layer * graph.per_layer
+        into[base : base + graph.per_layer - 1] += qkv_gradients(layout, run, layer)
+        into[base + graph.per_layer - 1] += run.g_mlp[layer]
+    into[-1] += run.g_logits[0]
+
+
+def contract_all(graph: Graph, diff: Tensor, grads: Tensor) -> Tensor:
+    """sum over pairs and positions of diff_u . grad_v for every edge: [senders, receivers] float64."""
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)
     flat = diff.flatten(1, 2)  # [senders, pairs * seq, hidden]
     for layer in range(graph.layers):
         base = layer * graph.per_layer
-        grads = qkv_gradients(layout, run, layer)  # [q/k/v receivers, pairs, seq, hidden]
         p = graph.prefix(base)
-        scores[:p, base : base + grads.shape[0]] = contract(flat[:p], grads)
+        scores[:p, base : base + graph.per_layer - 1] = contract(flat[:p], grads[base : base + graph.per_layer - 1])
         p = graph.prefix(base + graph.per_layer - 1)
-        scores[:p, base + graph.per_layer - 1] = contract(flat[:p], run.g_mlp[layer][None])[:, 0]
-    scores[:, -1] = contract(flat, run.g_logits[0][None])[:, 0]
+        scores[:p, base + graph.per_layer - 1] = contract(flat[:p], grads[base + graph.per_layer - 1][None])[:, 0]
+    scores[:, -1] = contract(flat, grads[-1][None])[:, 0]
     return scores
 
 

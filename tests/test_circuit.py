@@ -280,7 +280,7 @@ def test_a_planted_circuit_is_found_with_faithfulness_one(tmp_path):
     pairs = [TaskPair("b a a", "b c a", (token("a"),), (token("c"),)),
              TaskPair("c b b", "c a b", (token("b"),), (token("a"),)),
              TaskPair("a c c", "a b c", (token("c"),), (token("b"),))]
-    layout, result = cc.find_circuit(loaded, pairs, logit_diff, method="eap-ig", steps=3, top=2, randoms=20)
+    layout, result = cc.find_circuit(loaded, pairs, logit_diff, method="eap-ig", steps=3, top=2, randoms=0)
     graph = layout.graph
     table = cc.edge_table(graph, result.scores, result.circuit)
     assert set(zip(table["sender"][:2], table["receiver"][:2], table["input"][:2])) == {
