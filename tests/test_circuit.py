@@ -368,3 +368,40 @@ def test_cli_writes_the_edges_the_circuit_and_mibs_importances(tmp_path, tasks_m
     assert len(mib["edges"]) == graph.edge_count + kv  # each key/value edge twice (2 query heads a group)
     assert mib["edges"]["input->a0.h3<k>"] == mib["edges"]["input->a0.h2<k>"]
     assert "input->logits" in mib["edges"] and "a1.h0->m1" in mib["edges"]
+
+
+def test_mean_ablation_of_every_edge_reads_the_mean_residual(tmp_path):
+    """--ablation mean with the empty circuit: every receiver reads each sender's mean over the clean prompts' real
+    positions (plus the biases), so the logits read the clean run's final-norm input averaged over every real
+    position; computed by hand with a hook on the final norm."""
+    folder = zoo.make("gpt2", tmp_path / "gpt2", lm_head=True)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    layout = cc.find_layout(loaded)
+    pairs = pairs_of(loaded)
+    prompts = cc.tokenize(loaded, pairs)
+    bases = cc.baselines(loaded, layout, prompts, logit_diff, ablation="mean")
+    got = cc.evaluate(loaded, layout, bases, logit_diff, np.zeros_like(layout.graph.mask))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    seen = []
+    handle = model.transformer.ln_f.register_forward_pre_hook(lambda _m, args: seen.append(args[0][0]))
+    with torch.no_grad():
+        for pair in pairs:
+            model(input_ids=torch.tensor([ids_of(loaded, pair.clean)]))
+    handle.remove()
+    mean = torch.cat(seen).mean(0)  # [hidden]: over every real position of every pair
+    with torch.no_grad():
+        logits = model.lm_head(model.transformer.ln_f(mean))  # [vocab]
+    want = np.mean([float(logit_diff(logits[None], [p])[0]) for p in pairs])
+    assert got == pytest.approx(want, abs=1e-4 * max(1.0, abs(want)))
+
+
+def test_top_and_threshold_choose_the_circuit():
+    graph = cc.Graph(1, 2, 1)
+    scores = np.where(graph.mask, np.arange(graph.mask.size).reshape(graph.mask.shape) % 7 - 3.0, 0)
+    top = cc.choose(graph, scores, 3, None)
+    assert top.sum() == 3 and np.abs(scores[top]).min() >= np.abs(scores[graph.mask & ~top]).max()
+    assert (cc.choose(graph, scores, None, 2.5) == (graph.mask & (np.abs(scores) >= 2.5))).all()
+    with pytest.raises(AttnprobeError, match="--top and --threshold"):
+        cc.choose(graph, scores, 3, 1.0)
