@@ -100,10 +100,17 @@ class Oracle:
         return seen
 
     def metric(self, ids: list[int], pair: TaskPair, receiver: tuple[str, str] | None = None,
-               delta: torch.Tensor | None = None) -> float:
+               delta: torch.Tensor | None = None, frozen: tuple[int, torch.Tensor] | None = None) -> float:
         handles = []
         if receiver is not None:
             handles = self.receiver_hooks(receiver, delta)
+        if frozen is not None:  # a block's contribution to the residual stream held at the given value
+            def hold(_m, args, kwargs, out):
+                x = args[0] if args else kwargs["hidden_states"]
+                held = x + frozen[1]
+                return (held, *out[1:]) if isinstance(out, tuple) else held
+
+            handles.append(self.layers[frozen[0]].register_forward_hook(hold, with_kwargs=True))
         try:
             with torch.no_grad():
                 logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1]
@@ -217,6 +224,51 @@ def test_eap_is_the_first_order_change_of_the_exact_patch(family):
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * max(1.0, np.abs(want).max()))
     assert np.abs(want).max() > 1e-3
     assert (scores[~graph.mask] == 0).all()
+
+
+def contribution(oracle: Oracle, ids: list[int], layer: int) -> torch.Tensor:
+    """What a block adds to the residual stream on one prompt: output - input."""
+    seen = {}
+
+    def keep(_m, args, kwargs, out):
+        seen["c"] = (out[0] if isinstance(out, tuple) else out) - (args[0] if args else kwargs["hidden_states"])
+
+    handle = oracle.layers[layer].register_forward_hook(keep, with_kwargs=True)
+    with torch.no_grad():
+        oracle.model(input_ids=torch.tensor([ids]))
+    handle.remove()
+    return seen["c"]
+
+
+def test_grad_drop_is_the_mean_magnitude_of_the_first_order_changes_with_a_block_held(family):
+    """GradDrop's score of an edge = sum over blocks l of |d metric / d eps| with eps x (corrupt_u - clean_u) added to
+    the receiver's input and block l's contribution to the residual stream held at its clean value, / (layers - 1)
+    (float64 oracle, central differences)."""
+    name, loaded, model = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    oracle = Oracle(name, model, graph.heads, graph.kv_heads)
+    pairs = pairs_of(loaded)
+    scores = cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, grad_drop=True)
+    eps = 1e-3
+    edges = some_edges(graph, 1, seed=3)
+    want = []
+    for s, r in edges:
+        total = 0.0
+        for layer in range(graph.layers):
+            change = 0.0
+            for pair in pairs:
+                clean, a, b, _ = oracle_runs(oracle, loaded, pair)
+                held = (layer, contribution(oracle, clean, layer))
+                sender = graph.senders[s]
+                up, down = (oracle.metric(clean, pair, graph.receivers[r], sign * eps * (b[sender] - a[sender])[None],
+                                          held) for sign in (1, -1))
+                change += (up - down) / (2 * eps) / len(pairs)
+            total += abs(change)
+        want.append(total / (graph.layers - 1))
+    got = np.array([scores[e] for e in edges])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * max(1.0, max(want)))
+    assert max(want) > 1e-3
 
 
 def test_eap_ig_with_one_step_is_eap_and_more_steps_move_it(family):

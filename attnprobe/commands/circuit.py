@@ -74,6 +74,10 @@ def circuit(
                                    "and clean input embeddings; exact: every edge patched alone (small models).")
     ] = MethodChoice.eap_ig,
     steps: Annotated[int, typer.Option("--steps", help="--method eap-ig: integration steps.")] = 5,
+    grad_drop: Annotated[
+        bool, typer.Option("--grad-drop", help="AtP*'s GradDrop: the scores again with the gradient through each "
+                           "block dropped in turn, the mean of their magnitudes (unsigned; layers x the passes).")
+    ] = False,
     top: Annotated[
         int | None, typer.Option("--top", help="The circuit: the edges of largest |score|, this many.  [default: 1% "
                                  "of the edges]", show_default=False)
@@ -131,12 +135,13 @@ def circuit(
     try:
         made, metric, kind, source = prompt_pairs(loaded, task, pairs, n, seed)
         with stage_progress("steps") as progress:
-            layout, result = cc.find_circuit(loaded, made, metric, method=method.value, steps=steps, top=top,
+            layout, result = cc.find_circuit(loaded, made, metric, method=method.value, steps=steps,
+                                             grad_drop=grad_drop, top=top,
                                              threshold=threshold, fractions=fractions, randoms=random,
                                              ablation=ablation.value, check=check, seed=seed, progress=progress)
     finally:
         release_offload(loaded)
-    run = record(loaded, layout, result, made, source, method=method.value, steps=steps, top=top,
+    run = record(loaded, layout, result, made, source, method=method.value, steps=steps, grad_drop=grad_drop, top=top,
                  threshold=threshold, random=random, ablation=ablation.value, kind=kind, seed=seed)
     run["threads"] = threads_used
     written = write(out, layout, result, run, f"{model}: {len(made)} pairs, {method.value}")
@@ -175,7 +180,8 @@ def prompt_pairs(loaded, task: str | None, path: Path | None, n: int, seed: int)
     return made, (lambda logits, rows: tasks.metric_value(logits, rows, kind)), kind, source
 
 
-def record(loaded, layout, result, pairs: list, source: dict, *, method: str, steps: int, top: int | None,
+def record(loaded, layout, result, pairs: list, source: dict, *, method: str, steps: int, grad_drop: bool,
+           top: int | None,
            threshold: float | None, random: int, ablation: str, kind: str, seed: int) -> dict[str, Any]:
     """circuit.json: the model, the pairs, the settings, the circuit, its faithfulness curve, CPR and CMD."""
     import numpy as np
@@ -198,8 +204,9 @@ def record(loaded, layout, result, pairs: list, source: dict, *, method: str, st
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {**model_record(loaded), "weights_sha256": model_weights(loaded)},
         "pairs": {**source, "count": len(pairs)},
-        "method": method, "steps": steps if method == "eap-ig" else None, "metric": kind,
-        "score": "first-order change of the mean metric when the edge is patched to the corrupt run"
+        "method": method, "steps": steps if method == "eap-ig" else None, "grad_drop": grad_drop, "metric": kind,
+        "score": ("mean over blocks dropped of |first-order change| (GradDrop)" if grad_drop else
+                  "first-order change of the mean metric when the edge is patched to the corrupt run")
                  if method != "exact" else "change of the mean metric when the edge alone is patched",
         "graph": {"layers": graph.layers, "heads": graph.heads, "kv_heads": graph.kv_heads,
                   "senders": len(graph.senders), "receivers": len(graph.receivers), "edges": graph.edge_count,
