@@ -420,6 +420,10 @@ def test_cli_writes_the_edges_the_circuit_and_mibs_importances(tmp_path, tasks_m
     assert len(mib["edges"]) == graph.edge_count + kv  # each key/value edge twice (2 query heads a group)
     assert mib["edges"]["input->a0.h3<k>"] == mib["edges"]["input->a0.h2<k>"]
     assert "input->logits" in mib["edges"] and "a1.h0->m1" in mib["edges"]
+    import importlib.util
+
+    if importlib.util.find_spec("attnprobe.plotting.circuit") is not None:  # the figures where they can be drawn
+        assert (out / "circuit.png").is_file() and (out / "faithfulness.png").is_file()
 
 
 def test_mean_ablation_of_every_edge_reads_the_mean_residual(tmp_path):
