@@ -629,16 +629,22 @@ def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
             diff -= kept.record
             diff *= real_positions(sub)
             clean = measure(layout, metric, kept.final, sub)[0].double()  # [pairs]
-            size = max(1, COPY_TOKENS // sub.mask.numel())
-            order = sorted(range(len(edges)), key=lambda e: graph.receiver_layer(edges[e][1]))
-            for start in range(0, len(order), size):
-                chosen = [order[k] for k in range(start, min(start + size, len(order)))]
+            for chosen in passes(graph, edges, max(1, COPY_TOKENS // sub.mask.numel())):
                 patched = patched_copies(layout, kept, sub, metric, [edges[e] for e in chosen], diff)
                 total[chosen] += (patched.double() - clean).sum(1).cpu().numpy()
                 done += len(chosen)
                 if progress:
                     progress(done, len(edges) * len(chunks(prompts, graph, layout.w_out[0].shape[0])))
     return total / prompts.mask.shape[0]
+
+
+def passes(graph: Graph, edges: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
+    """The edges' indices in batched passes: edges whose receivers are in one layer together (a pass starts at its
+    receivers' layer), at most `size` copies a pass."""
+    by_layer: dict[int, list[int]] = {}
+    for e, (_, r) in enumerate(edges):
+        by_layer.setdefault(graph.receiver_layer(r), []).append(e)
+    return [mine[k : k + size] for _, mine in sorted(by_layer.items()) for k in range(0, len(mine), size)]
 
 
 @dataclass
