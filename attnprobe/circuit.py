@@ -17,8 +17,8 @@ Scores (the first-order change of the mean metric when the edge is patched to th
 signs them): EAP = sum over positions of (corrupt_u - clean_u) . dM/d(input_v), every edge from one clean and one
 corrupt forward and one backward; EAP-IG = the same with the gradient averaged over m points on the straight line
 from the corrupt to the clean input embeddings (alpha = k/m, k = 1..m, so m = 1 is EAP; EAP-IG's code takes
-k = 0..m-1). Exact edge patching: the patched mean metric minus the clean one, each edge a copy of the pairs run from
-its receiver's layer on.
+k = 0..m-1); GradDrop (AtP*, Kramar et al. 2024) as an option. Exact edge patching: the patched mean metric minus
+the clean one, each edge a copy of the pairs run from its receiver's layer on.
 
 Faithfulness (MIB, Mueller et al. 2025): the metric with every edge outside the circuit patched to the corrupt run
 (or mean-ablated), (M_circuit - M_corrupt) / (M_clean - M_corrupt), at circuit sizes given as fractions of the
