@@ -347,7 +347,7 @@ def block_hook(layout: Layout, run: Pass, layer: int) -> Callable:
                 kwargs = {**kwargs, "hidden_states": run.embed}
             changed = (args, kwargs)
         x = hidden_of(args, kwargs)  # [rows, seq, hidden]
-        run.xs[layer] = x
+        run.xs[layer] = x.detach()  # no graph held: the gradient hooks refer to `run`, a cycle through autograd
         if layer == 0 and run.record is not None:
             write(run, 0, x.detach()[None])
         return changed
