@@ -52,7 +52,7 @@ METHODS = ("eap", "eap-ig", "exact")
 ABLATIONS = ("patch", "mean")
 PERCENTAGES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # MIB's circuit sizes (fractions of edges)
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
-BUFFER_MIB = 512  # one chunk's buffer of every sender's output [senders, rows, seq, hidden]
+BUFFER_MIB = 1024  # one chunk's buffer of every sender's output [senders, rows, seq, hidden]
 COPY_TOKENS = 16_384  # positions (copies x pairs x seq) in one batched exact-patching pass
 CONFIDENCE = 0.95
 
