@@ -17,6 +17,7 @@ from attnprobe.allocator import reuse_freed_memory
 from attnprobe.commands import (
     ablate,
     analyze,
+    circuit,
     classify,
     compare,
     compose,
@@ -71,6 +72,7 @@ SHORT_HELP = {
     "compare": "B - A of every score of two runs, with 95% intervals",
     "ablate": "Ablate heads, or make KV heads streaming: loss change",
     "patch": "Which heads carry a prediction: activation/path patching",
+    "circuit": "Which paths carry it: edge attribution, faithfulness",
     "rollout": "Attention rollout of example sentences (rollout.png)",
     "related": "How alike every pair of heads attends (Jensen-Shannon)",
     "compose": "Q-, K- and V-composition of head pairs, from the weights",
@@ -89,6 +91,7 @@ app.command(short_help=SHORT_HELP["probe"])(probe.probe)
 app.command(short_help=SHORT_HELP["compare"])(compare.compare)
 app.command(short_help=SHORT_HELP["ablate"])(ablate.ablate)
 app.command(short_help=SHORT_HELP["patch"])(patch.patch)
+app.command(short_help=SHORT_HELP["circuit"])(circuit.circuit)
 app.command(short_help=SHORT_HELP["rollout"])(rollout.rollout)
 app.command(short_help=SHORT_HELP["related"])(related.related)
 app.command(short_help=SHORT_HELP["compose"])(compose.compose)

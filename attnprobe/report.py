@@ -168,7 +168,7 @@ def _fmt(value: Any, sign: bool = False) -> str:
 
 # ---- the circuit section: `attnprobe circuit`'s files -------------------------------------------------------
 
-CIRCUIT_EDGES, CIRCUIT_RECORD = "edges.csv", "circuit.json"  # the circuit command's edge scores and its record
+CIRCUIT_EDGES, CIRCUIT_RECORD = io.CIRCUIT_EDGES_FILE, io.CIRCUIT_RUN_FILE  # the circuit command's edges and record
 CIRCUIT_TOP = 20  # edges in the section's table, strongest |score| first
 CIRCUIT_FALLBACK = 50  # edges drawn when edges.csv marks no circuit (no in_circuit column): the strongest
 

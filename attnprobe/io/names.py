@@ -59,6 +59,12 @@ PATCHING_FILE = "patching.csv"  # patch: per head (and position), the patching e
 PATCH_RUN_FILE = "patch.json"  # patch: the pairs' sha256, metric, direction, LD clean and corrupt, settings, model
 PATCHING_FIGURE = "patching.png"
 PATCH_FILES = (PATCHING_FILE, PATCH_RUN_FILE, PATCHING_FIGURE)
+CIRCUIT_EDGES_FILE = "edges.csv"  # circuit: every edge (sender, receiver, input), its score, whether in the circuit
+CIRCUIT_RUN_FILE = "circuit.json"  # circuit: the circuit, settings, faithfulness curve, CPR/CMD, random baseline
+CIRCUIT_IMPORTANCES_FILE = "importances.json"  # circuit: MIB's submission layout (EAP-IG's Graph.to_json)
+CIRCUIT_FIGURE = "circuit.png"  # circuit: the circuit's nodes by layer, edges by score
+FAITHFULNESS_FIGURE = "faithfulness.png"  # circuit: faithfulness over circuit size beside random circuits
+CIRCUIT_FILES = (CIRCUIT_EDGES_FILE, CIRCUIT_RUN_FILE, CIRCUIT_IMPORTANCES_FILE, CIRCUIT_FIGURE, FAITHFULNESS_FIGURE)
 COMPOSITION_FILE = "composition.csv"  # compose: Q-, K- and V-composition of every pair of heads in different layers
 COMPOSITION_RUN_FILE = "composition.json"  # compose: provenance, folding, the random baseline, the strongest edges
 COMPOSITION_FIGURE = "composition.png"  # compose: the strongest edges, one panel per mode
@@ -91,6 +97,7 @@ MODEL_OUTPUTS = (
     ("ablate --method streaming", STREAMING_RUN_FILE, (STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE)),
     ("patch", PATCH_RUN_FILE, PATCH_FILES),
     ("compose", COMPOSITION_RUN_FILE, COMPOSITION_FILES),
+    ("circuit", CIRCUIT_RUN_FILE, CIRCUIT_FILES),
 )
 
 
@@ -120,7 +127,7 @@ def is_result_name(name: str) -> bool:
              IMPORTANCE_FILE, LAYER_IMPORTANCE_FILE, PRUNING_FILE, ABLATE_RUN_FILE, IMPORTANCE_FIGURE,
              IMPORTANCE_TYPE_FIGURE, ROLLOUT_FILE, ROLLOUT_FIGURE, TOP_TOKENS_FILE, RETRIEVAL_FILE,
              RETRIEVAL_SCORES_FILE, RETRIEVAL_RUN_FILE, STREAMING_FILE, STREAMING_RUN_FILE, STREAMING_FIGURE,
-             HEAD_EXAMPLES_FILE, *TRAINED_FILES, *PATCH_FILES, *COMPOSITION_FILES}
+             HEAD_EXAMPLES_FILE, *TRAINED_FILES, *PATCH_FILES, *COMPOSITION_FILES, *CIRCUIT_FILES}
     fixed |= {f"{stem}.{suffix}" for stem in (*PLOT_FIGURES, *ABLATE_PLOT_FIGURES) for suffix in FIGURE_FORMATS}
     fixed |= {f"{PROBE_FOLDER}/{name}" for name in _PROBE_FILES}
     fixed |= {f"{COMPARE_FOLDER}/{name}" for name in (COMPARE_HEADS_FILE, COMPARE_LAYERS_FILE, COMPARE_TYPES_FILE,

@@ -1,0 +1,467 @@
+"""`attnprobe circuit`: the edge graph, EAP, EAP-IG, exact edge patching and faithfulness against hand-written
+plain-transformers hook oracles on tiny models (GPT-2, Llama with grouped-query attention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zoo
+from test_patch import PAIRS as TEXT_PAIRS
+from test_patch import planted_model
+
+from attnprobe import circuit as cc
+from attnprobe.errors import AttnprobeError
+from attnprobe.model import load_model
+
+
+@dataclass(frozen=True)
+class TaskPair:
+    """The tasks module's pair (a stand-in written to its contract): token ids scored at the last position."""
+
+    clean: str
+    corrupt: str
+    good: tuple[int, ...]
+    bad: tuple[int, ...]
+
+
+def logit_diff(logits: torch.Tensor, pairs) -> torch.Tensor:
+    """The contract's logit-diff: mean logit of the good tokens minus mean logit of the bad ones, per row."""
+    good = torch.stack([logits[k, list(p.good)].mean() for k, p in enumerate(pairs)])  # [rows]
+    bad = torch.stack([logits[k, list(p.bad)].mean() for k, p in enumerate(pairs)])  # [rows]
+    return good - bad
+
+
+# the module names each family's source gives (the oracle's own lookup; circuit finds them by what they do)
+NAMES = {
+    "gpt2": {"layers": "transformer.h", "ln1": "ln_1", "ln2": "ln_2", "mlp": "mlp", "o": "attn.c_proj",
+             "qkv": ("attn.c_attn",) * 3, "final": "transformer.ln_f"},
+    "llama": {"layers": "model.layers", "ln1": "input_layernorm", "ln2": "post_attention_layernorm", "mlp": "mlp",
+              "o": "self_attn.o_proj", "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "final": "model.norm"},
+}
+FAMILIES = list(NAMES)
+
+
+def pairs_of(loaded) -> list[TaskPair]:
+    ids = lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"][0]  # noqa: E731
+    return [TaskPair(p.clean, p.corrupt, (ids(p.answer),), (ids(p.wrong),)) for p in TEXT_PAIRS]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    name = request.param
+    folder = zoo.make(name, tmp_path_factory.mktemp(f"circuit-{name}"), lm_head=True)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval().double()
+    return name, loaded, Oracle(name, model, loaded.num_heads, loaded.num_kv_heads)  # one oracle: its runs cached
+
+
+class Oracle:
+    """Edge patching by hand on one prompt, in float64: the senders' outputs from plain hooks, then one receiver's
+    input moved by eps x (corrupt_u - clean_u) before its own norm (a query/key/value slice recomputed from it)."""
+
+    def __init__(self, name: str, model, heads: int, kv_heads: int):
+        self.n, self.model, self.heads, self.kv = NAMES[name], model, heads, kv_heads
+        self.layers = list(model.get_submodule(self.n["layers"]))
+        self.d = model.config.hidden_size // heads
+
+    def part(self, layer: int, key: str):
+        return self.layers[layer].get_submodule(self.n[key])
+
+    def outputs(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        seen: dict[str, torch.Tensor] = {}
+        def embed(_m, args, kwargs):
+            seen["input"] = (args[0] if args else kwargs["hidden_states"])[0]
+
+        handles = [self.layers[0].register_forward_pre_hook(embed, with_kwargs=True)]
+        for layer in range(len(self.layers)):
+            def heads(_m, args, layer=layer):
+                o = self.part(layer, "o")
+                w = o.weight if isinstance(o, torch.nn.Linear) else o.weight.t()  # [hidden, heads * d]
+                for h in range(self.heads):
+                    cut = slice(h * self.d, (h + 1) * self.d)
+                    seen[f"a{layer}.h{h}"] = args[0][0][:, cut] @ w[:, cut].t()
+
+            handles.append(self.part(layer, "o").register_forward_pre_hook(heads))
+            handles.append(self.part(layer, "mlp").register_forward_hook(
+                lambda _m, _a, out, layer=layer: seen.__setitem__(f"m{layer}", out[0])))
+        try:
+            with torch.no_grad():
+                self.model(input_ids=torch.tensor([ids]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return seen
+
+    def metric(self, ids: list[int], pair: TaskPair, receiver: tuple[str, str] | None = None,
+               delta: torch.Tensor | None = None, frozen: tuple[int, torch.Tensor] | None = None) -> float:
+        handles = []
+        if receiver is not None:
+            handles = self.receiver_hooks(receiver, delta)
+        if frozen is not None:  # a block's contribution to the residual stream held at the given value
+            def hold(_m, args, kwargs, out):
+                x = args[0] if args else kwargs["hidden_states"]
+                held = x + frozen[1]
+                return (held, *out[1:]) if isinstance(out, tuple) else held
+
+            handles.append(self.layers[frozen[0]].register_forward_hook(hold, with_kwargs=True))
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1]
+        finally:
+            for handle in handles:
+                handle.remove()
+        return float(logits[list(pair.good)].mean() - logits[list(pair.bad)].mean())
+
+    def receiver_hooks(self, receiver: tuple[str, str], delta: torch.Tensor) -> list:
+        node, kind = receiver
+        if node == "logits":
+            return [self.model.get_submodule(self.n["final"]).register_forward_pre_hook(
+                lambda _m, args: (args[0] + delta, *args[1:]))]
+        layer = int(node[1:].split(".")[0])
+        if node.startswith("m"):
+            return [self.part(layer, "ln2").register_forward_pre_hook(lambda _m, args: (args[0] + delta, *args[1:]))]
+        index = int(node.split(".")[1].lstrip("hkv"))
+        width = self.heads * self.d if kind == "q" else self.kv * self.d
+        offset = {"q": 0, "k": self.heads * self.d, "v": self.heads * self.d + self.kv * self.d}[kind]
+        names = self.n["qkv"]
+        module = self.layers[layer].get_submodule(names["qkv".index(kind)])
+        combined = names[0] == names["qkv".index(kind)] and kind != "q"
+        start = (offset if combined else 0) + index * self.d
+        assert index * self.d < width
+        store = {}
+        def keep(_m, args, kwargs):
+            store["x"] = args[0] if args else kwargs["hidden_states"]
+
+        pre = self.layers[layer].register_forward_pre_hook(keep, with_kwargs=True)
+
+        def swap(_m, _a, out):
+            normed = self.part(layer, "ln1")(store["x"] + delta)
+            full = (torch.nn.functional.linear(normed, module.weight, module.bias)
+                    if isinstance(module, torch.nn.Linear) else normed @ module.weight + module.bias)
+            out = out.clone()
+            out[..., start : start + self.d] = full[..., start : start + self.d]
+            return out
+
+        return [pre, module.register_forward_hook(swap)]
+
+
+def ids_of(loaded, text: str) -> list[int]:
+    return loaded.tokenizer(text)["input_ids"]
+
+
+def some_edges(graph: cc.Graph, count: int, seed: int = 0) -> list[tuple[int, int]]:
+    """Edges into every kind of receiver: q, k, v, an MLP, the logits, drawn at random."""
+    rng = np.random.default_rng(seed)
+    logits = len(graph.receivers) - 1
+    groups = [[r for r, (_, k) in enumerate(graph.receivers[:logits]) if k == kind] for kind in ("q", "k", "v", "")]
+    edges = []
+    for group in [*groups, [logits]]:
+        for _ in range(count):
+            r = int(rng.choice(group))
+            edges.append((int(rng.integers(graph.prefix(r))), r))
+    return edges
+
+
+def oracle_change(oracle: Oracle, loaded, pairs, edge, graph, eps: float) -> float:
+    """The mean over pairs of metric(eps) - metric(0), by hand."""
+    s, r = edge
+    total = 0.0
+    for pair in pairs:
+        clean, a, b, base = oracle_runs(oracle, loaded, pair)
+        sender = graph.senders[s]
+        delta = eps * (b[sender] - a[sender])[None]
+        total += oracle.metric(clean, pair, graph.receivers[r], delta) - base
+    return total / len(pairs)
+
+
+def oracle_runs(oracle: Oracle, loaded, pair) -> tuple:
+    """A pair's clean ids, clean and corrupt sender outputs and clean metric, computed once per oracle."""
+    cache = oracle.__dict__.setdefault("cache", {})
+    if pair not in cache:
+        clean, corrupt = ids_of(loaded, pair.clean), ids_of(loaded, pair.corrupt)
+        cache[pair] = (clean, oracle.outputs(clean), oracle.outputs(corrupt), oracle.metric(clean, pair))
+    return cache[pair]
+
+
+def test_exact_edge_patching_equals_the_hook_oracle(family):
+    """Each edge patched alone (q, k, v of grouped heads, MLPs, logits): the mean metric change equals the hand
+    oracle's on every family."""
+    _, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)
+    prompts = cc.tokenize(loaded, pairs)
+    edges = some_edges(graph, 1)
+    got = cc.exact(loaded, layout, prompts, logit_diff, edges)
+    want = np.array([oracle_change(oracle, loaded, pairs, e, graph, 1.0) for e in edges])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(want).max()))
+    assert np.abs(want).max() > 1e-3  # the edges move the metric: the comparison is not of zeros
+
+
+def test_eap_is_the_first_order_change_of_the_exact_patch(family):
+    """EAP's score of an edge = (M(eps) - M(-eps)) / (2 eps) with eps x (corrupt_u - clean_u) added to the receiver's
+    input alone (float64 oracle, central difference)."""
+    _, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)
+    prompts = cc.tokenize(loaded, pairs)
+    scores = cc.attribute(loaded, layout, prompts, logit_diff)
+    eps = 1e-3
+    edges = some_edges(graph, 1, seed=1)
+    want = np.array([(oracle_change(oracle, loaded, pairs, e, graph, eps) -
+                      oracle_change(oracle, loaded, pairs, e, graph, -eps)) / (2 * eps) for e in edges])
+    got = np.array([scores[e] for e in edges])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * max(1.0, np.abs(want).max()))
+    assert np.abs(want).max() > 1e-3
+    assert (scores[~graph.mask] == 0).all()
+
+
+def contribution(oracle: Oracle, ids: list[int], layer: int) -> torch.Tensor:
+    """What a block adds to the residual stream on one prompt: output - input (computed once per oracle)."""
+    cache = oracle.__dict__.setdefault("contributions", {})
+    if (tuple(ids), layer) not in cache:
+        cache[(tuple(ids), layer)] = block_output_change(oracle, ids, layer)
+    return cache[(tuple(ids), layer)]
+
+
+def block_output_change(oracle: Oracle, ids: list[int], layer: int) -> torch.Tensor:
+    seen = {}
+
+    def keep(_m, args, kwargs, out):
+        seen["c"] = (out[0] if isinstance(out, tuple) else out) - (args[0] if args else kwargs["hidden_states"])
+
+    handle = oracle.layers[layer].register_forward_hook(keep, with_kwargs=True)
+    with torch.no_grad():
+        oracle.model(input_ids=torch.tensor([ids]))
+    handle.remove()
+    return seen["c"]
+
+
+def test_grad_drop_is_the_mean_magnitude_of_the_first_order_changes_with_a_block_held(family):
+    """GradDrop's score of an edge = sum over blocks l of |d metric / d eps| with eps x (corrupt_u - clean_u) added to
+    the receiver's input and block l's contribution to the residual stream held at its clean value, / (layers - 1)
+    (float64 oracle, central differences)."""
+    _, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)[:2]
+    scores = cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, grad_drop=True)
+    eps = 1e-3
+    edges = some_edges(graph, 1, seed=3)[1::2]  # a key, an MLP: a receiver before the last block and one in it
+    want = []
+    for s, r in edges:
+        total = 0.0
+        for layer in range(graph.layers):
+            change = 0.0
+            for pair in pairs:
+                clean, a, b, _ = oracle_runs(oracle, loaded, pair)
+                held = (layer, contribution(oracle, clean, layer))
+                sender = graph.senders[s]
+                up, down = (oracle.metric(clean, pair, graph.receivers[r], sign * eps * (b[sender] - a[sender])[None],
+                                          held) for sign in (1, -1))
+                change += (up - down) / (2 * eps) / len(pairs)
+            total += abs(change)
+        want.append(total / (graph.layers - 1))
+    got = np.array([scores[e] for e in edges])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * max(1.0, max(want)))
+    assert max(want) > 1e-3
+
+
+def test_eap_ig_with_one_step_is_eap_and_more_steps_move_it(family):
+    _, loaded, _ = family
+    layout = cc.find_layout(loaded)
+    prompts = cc.tokenize(loaded, pairs_of(loaded))
+    eap = cc.attribute(loaded, layout, prompts, logit_diff)
+    np.testing.assert_allclose(cc.attribute(loaded, layout, prompts, logit_diff, steps=1), eap, rtol=0, atol=1e-9)
+    ig = cc.attribute(loaded, layout, prompts, logit_diff, steps=3)
+    assert np.abs(ig - eap).max() > 1e-4  # the gradient is taken elsewhere on the path
+
+
+def test_circuit_evaluation_ends_at_the_clean_and_corrupt_runs_and_one_edge_out_is_its_exact_patch(family):
+    """Every edge in the circuit: the clean metric; none: the corrupt run's; all but one: the clean metric plus that
+    edge's exact patch (the sequential evaluator against the restarted copies)."""
+    _, loaded, _ = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)
+    prompts = cc.tokenize(loaded, pairs)
+    bases = cc.baselines(loaded, layout, prompts, logit_diff)
+    clean = float(torch.cat([b.clean for b in bases]).mean())
+    corrupt = float(torch.cat([b.corrupt for b in bases]).mean())
+    tol = 1e-4 * max(1.0, abs(clean), abs(corrupt))
+    assert cc.evaluate(loaded, layout, bases, logit_diff, graph.mask) == pytest.approx(clean, abs=tol)
+    assert cc.evaluate(loaded, layout, bases, logit_diff, np.zeros_like(graph.mask)) == pytest.approx(corrupt, abs=tol)
+    edges = some_edges(graph, 1, seed=2)
+    changes = cc.exact(loaded, layout, prompts, logit_diff, edges)
+    for edge, change in zip(edges, changes):
+        circuit = graph.mask.copy()
+        circuit[edge] = False
+        assert cc.evaluate(loaded, layout, bases, logit_diff, circuit) == pytest.approx(clean + change, abs=tol)
+
+
+def test_the_graph_counts_and_names_grouped_heads():
+    graph = cc.Graph(layers=2, heads=4, kv_heads=2)
+    assert graph.senders[:6] == ["input", "a0.h0", "a0.h1", "a0.h2", "a0.h3", "m0"]
+    assert graph.receivers[4:9] == [("a0.kv0", "k"), ("a0.kv1", "k"), ("a0.kv0", "v"), ("a0.kv1", "v"), ("m0", "")]
+    assert graph.serves("a1.kv1") == ["a1.h2", "a1.h3"]
+    # layer 0: 8 q/k/v receivers read the input, the MLP the input and 4 heads; layer 1: 6 and 10; logits: 11
+    assert graph.edge_count == 8 * 1 + 5 + 8 * 6 + 10 + 11
+    assert cc.Graph(1, 2, 2).receivers[2] == ("a0.h0", "k")
+
+
+def test_cpr_and_cmd_are_mibs_trapezoids():
+    """On a known curve, by hand: CPR = sum (x2 - x1)(f1 + f2)/2, CMD the same of |1 - f|, over the fractions."""
+    x = np.array([0.1, 0.5, 1.0])
+    f = np.array([0.0, 0.5, 1.5])
+    cpr, cmd = cc.areas(x, f)
+    assert cpr == pytest.approx(0.4 * 0.25 + 0.5 * 1.0)
+    assert cmd == pytest.approx(0.4 * (1 + 0.5) / 2 + 0.5 * (0.5 + 0.5) / 2)
+
+
+def test_a_planted_circuit_is_found_with_faithfulness_one(tmp_path):
+    """A model whose answer reaches the logits only through input -> a1.h0 (its value) -> logits: EAP-IG ranks those
+    two edges first, the circuit of two edges restores the clean metric (faithfulness 1), CPR >= 0.95, and random
+    circuits of two edges stay near 0."""
+    folder = planted_model(tmp_path / "planted")
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    token = lambda w: loaded.tokenizer(w, add_special_tokens=False)["input_ids"][0]  # noqa: E731
+    pairs = [TaskPair("b a a", "b c a", (token("a"),), (token("c"),)),
+             TaskPair("c b b", "c a b", (token("b"),), (token("a"),)),
+             TaskPair("a c c", "a b c", (token("c"),), (token("b"),))]
+    layout, result = cc.find_circuit(loaded, pairs, logit_diff, method="eap-ig", steps=3, top=2, randoms=0)
+    graph = layout.graph
+    table = cc.edge_table(graph, result.scores, result.circuit)
+    assert set(zip(table["sender"][:2], table["receiver"][:2], table["input"][:2])) == {
+        ("input", "a1.h0", "v"), ("a1.h0", "logits", "")}
+    curve = result.faithfulness.curve
+    at_two = curve[curve["edges"] >= 2].iloc[0]
+    assert at_two["faithfulness"] == pytest.approx(1.0, abs=1e-4)
+    assert result.faithfulness.cpr >= 0.95
+    two = cc.baselines(loaded, layout, cc.tokenize(loaded, pairs), logit_diff)
+    rng = np.random.default_rng(0)
+    drawn = [cc.normalized(cc.evaluate(loaded, layout, two, logit_diff, cc.random_edges(graph, 2, rng)),
+                           result.faithfulness.clean, result.faithfulness.corrupt) for _ in range(20)]
+    assert np.mean(drawn) <= 0.1
+
+
+def test_a_sandwich_norm_model_is_refused(tmp_path):
+    folder = zoo.make("gemma2", tmp_path / "gemma2", lm_head=True)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    with pytest.raises(AttnprobeError, match="circuit supports pre-norm decoders"):
+        cc.find_layout(loaded)
+
+
+def write_pairs(path: Path, pairs) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(p.__dict__) + "\n" for p in pairs), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tasks_module(monkeypatch):
+    """attnprobe.tasks as its contract has it; a stand-in where the module is not installed yet."""
+    import importlib.util
+    import sys
+    import types
+
+    import attnprobe
+
+    if importlib.util.find_spec("attnprobe.tasks") is not None:
+        return
+    from attnprobe import ioi
+    from attnprobe.patching import first_token, read_pairs
+
+    def convert(loaded, made):
+        return [TaskPair(p.clean, p.corrupt, (first_token(loaded, p.answer, "answer"),),
+                         (first_token(loaded, p.wrong, "wrong"),)) for p in made]
+
+    module = types.ModuleType("attnprobe.tasks")
+    module.TaskPair, module.TASKS, module.METRIC = TaskPair, ("ioi",), {"ioi": "logit-diff"}
+    module.task_pairs = lambda loaded, task, n, seed=0: convert(loaded, ioi.ioi_pairs(loaded, n, "abc", seed))
+    module.file_pairs = lambda loaded, path: convert(loaded, read_pairs(path))
+    module.metric_value = lambda logits, pairs, kind: logit_diff(logits, pairs)
+    monkeypatch.setitem(sys.modules, "attnprobe.tasks", module)
+    monkeypatch.setattr(attnprobe, "tasks", module, raising=False)
+
+
+def test_cli_writes_the_edges_the_circuit_and_mibs_importances(tmp_path, tasks_module):
+    """`attnprobe circuit --pairs`: edges.csv (every edge, by |score|), circuit.json (the top edges, the curve at the
+    sizes asked, CPR and CMD, the key/value groups), importances.json in MIB's layout (a grouped key/value edge once
+    per query head it serves)."""
+    import json
+
+    import pandas as pd
+    from test_cli import run
+
+    folder = zoo.make("llama", tmp_path / "llama", lm_head=True)
+    pairs = write_pairs(tmp_path / "pairs.jsonl", TEXT_PAIRS)
+    out = tmp_path / "out"
+    result = run("circuit", "--model", folder, "--pairs", pairs, "--out", out, "--method", "eap", "--top", "5",
+                 "--sizes", "0.1,0.5,1", "--random", "2")
+    assert result.exit_code == 0, result.output
+    graph = cc.Graph(2, 4, 2)
+    edges = pd.read_csv(out / "edges.csv", keep_default_na=False)
+    assert list(edges.columns) == ["sender", "receiver", "input", "score", "in_circuit"]
+    assert len(edges) == graph.edge_count and edges["in_circuit"].sum() == 5
+    assert (edges["score"].abs().diff().dropna() <= 0).all()
+    run_info = json.loads((out / "circuit.json").read_text())
+    assert [e["sender"] for e in run_info["circuit"]["edges"]] == list(edges["sender"][:5])
+    assert [row["fraction"] for row in run_info["faithfulness"]["curve"]] == [0.1, 0.5, 1.0]
+    assert run_info["faithfulness"]["curve"][-1]["faithfulness"] == pytest.approx(1.0, abs=1e-4)
+    assert run_info["graph"]["kv_groups"]["a1.kv1"] == ["a1.h2", "a1.h3"]
+    mib = json.loads((out / "importances.json").read_text())
+    assert set(mib) == {"cfg", "nodes", "edges"} and mib["cfg"]["n_heads"] == 4
+    kv = sum(1 for _, r in zip(*np.nonzero(graph.mask)) if graph.receivers[r][1] in "kv" and graph.receivers[r][1])
+    assert len(mib["edges"]) == graph.edge_count + kv  # each key/value edge twice (2 query heads a group)
+    assert mib["edges"]["input->a0.h3<k>"] == mib["edges"]["input->a0.h2<k>"]
+    assert "input->logits" in mib["edges"] and "a1.h0->m1" in mib["edges"]
+    import importlib.util
+
+    if importlib.util.find_spec("attnprobe.plotting.circuit") is not None:  # the figures where they can be drawn
+        assert (out / "circuit.png").is_file() and (out / "faithfulness.png").is_file()
+
+
+def test_mean_ablation_of_every_edge_reads_the_mean_residual(tmp_path):
+    """--ablation mean with the empty circuit: every receiver reads each sender's mean over the clean prompts' real
+    positions (plus the biases), so the logits read the clean run's final-norm input averaged over every real
+    position; computed by hand with a hook on the final norm."""
+    folder = zoo.make("gpt2", tmp_path / "gpt2", lm_head=True)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    layout = cc.find_layout(loaded)
+    pairs = pairs_of(loaded)
+    prompts = cc.tokenize(loaded, pairs)
+    bases = cc.baselines(loaded, layout, prompts, logit_diff, ablation="mean")
+    got = cc.evaluate(loaded, layout, bases, logit_diff, np.zeros_like(layout.graph.mask))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    seen = []
+    handle = model.transformer.ln_f.register_forward_pre_hook(lambda _m, args: seen.append(args[0][0]))
+    with torch.no_grad():
+        for pair in pairs:
+            model(input_ids=torch.tensor([ids_of(loaded, pair.clean)]))
+    handle.remove()
+    mean = torch.cat(seen).mean(0)  # [hidden]: over every real position of every pair
+    with torch.no_grad():
+        logits = model.lm_head(model.transformer.ln_f(mean))  # [vocab]
+    want = np.mean([float(logit_diff(logits[None], [p])[0]) for p in pairs])
+    assert got == pytest.approx(want, abs=1e-4 * max(1.0, abs(want)))
+
+
+def test_top_and_threshold_choose_the_circuit():
+    graph = cc.Graph(1, 2, 1)
+    scores = np.where(graph.mask, np.arange(graph.mask.size).reshape(graph.mask.shape) % 7 - 3.0, 0)
+    top = cc.choose(graph, scores, 3, None)
+    assert top.sum() == 3 and np.abs(scores[top]).min() >= np.abs(scores[graph.mask & ~top]).max()
+    assert (cc.choose(graph, scores, None, 2.5) == (graph.mask & (np.abs(scores) >= 2.5))).all()
+    with pytest.raises(AttnprobeError, match="--top and --threshold"):
+        cc.choose(graph, scores, 3, 1.0)
