@@ -9,4 +9,4 @@
 - figures/build.py: `python -m figures` (run, collect into figures/measured.json, render into the docs).
 """
 
-from figures import ablation, benchmarks, composition, gpu, moves, patching, related, results, training  # noqa: F401  (each registers its figures)
+from figures import ablation, benchmarks, circuits, composition, gpu, moves, patching, related, results, training  # noqa: F401,E501  (each registers its figures)
