@@ -24,43 +24,19 @@ top 100 <= 0.5 x the separate forwards. The ratios are measured side by side in 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_patch import measured  # noqa: E402  (benchmarks/ is on sys.path when a script there runs)
+
 TARGETS = {"eap": 3.0, "eap_ig": 6.0, "memory": 2.0, "exact": 0.5}
-
-
-def status_kib(field: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def measured(work):
-    """(seconds, peak MiB above the resident memory before, result) of work()."""
-    gc.collect()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-    before = status_kib("VmRSS")
-    started = time.perf_counter()
-    result = work()
-    seconds = time.perf_counter() - started
-    return seconds, max(0, status_kib("VmHWM") - before) / 1024, result
 
 
 def main() -> None:
