@@ -353,9 +353,9 @@ def measure(
         if shape.vocab:
             real = mask.bool()  # [batch, seq]
             totals.add_tokens(input_ids[real], taken["mass"][:, :, real], taken["uniform"][:, real])
-        check_finite(loaded, stats, sentences, [len(t) for t in ids])
-        check_values_finite(loaded, stats, sentences, [len(t) for t in ids])
-        totals.add(batch, stats, bins, [len(t) for t in ids], labels)
+        check_finite(loaded, stats, sentences, lengths)
+        check_values_finite(loaded, stats, sentences, lengths)
+        totals.add(batch, stats, bins, lengths, labels)
         if windows is not None:
             windows.offer(batch, stats)
         if on_batch is not None:
