@@ -1,0 +1,109 @@
+"""EAP and EAP-IG: every edge's score from clean and corrupt forwards and backward passes (GradDrop as an option)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from attnprobe.ablate import fast_attention
+from attnprobe.circuit.graph import Graph
+from attnprobe.circuit.layout import Layout, first, hidden_of, slice_weight
+from attnprobe.circuit.runs import Metric, Pass, Prompts, chunks, forward, measure, outputs, part, real_positions
+from attnprobe.model import LoadedModel
+
+
+def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, *, steps: int = 1,
+              grad_drop: bool = False, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """EAP (steps 1) or EAP-IG (steps m) scores of every edge, [senders, receivers] float64 (0 off the graph): the
+    first-order change of the mean metric when the edge is patched to the corrupt run. The score is linear in the
+    gradient, so EAP-IG sums each receiver's gradient over the steps and contracts once.
+
+    grad_drop (AtP*'s GradDrop, Kramar et al. 2024): the scores again with the gradient through each block's
+    contribution to the residual stream dropped in turn, sum over blocks l of |score_l| / (layers - 1): an edge
+    whose paths cancel in the full gradient shows where one block's paths are left out. Unsigned; layers times the
+    passes."""
+    graph = layout.graph
+    scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
+    parts_done, parts_list = 0, chunks(prompts, graph, layout.w_out[0].shape[0], gradients=True)
+    with fast_attention(loaded.model):
+        for rows in parts_list:
+            sub = part(prompts, rows)
+            diff, _ = outputs(loaded, layout, sub, sub.corrupt)
+            with torch.inference_mode():
+                run = Pass(record=diff, subtract=True)
+                forward(loaded, layout, sub.clean, sub.mask, run)  # corrupt_u - clean_u, in place
+                diff *= real_positions(sub)  # [senders, pairs, seq, hidden]
+            clean_in = run.xs[0]  # [pairs, seq, hidden]
+            start = clean_in - diff[0]  # [pairs, seq, hidden]: the corrupt input
+            drops: list[int | None] = list(range(graph.layers)) if grad_drop else [None]
+            for dropped in drops:
+                grads = torch.zeros(len(graph.receivers), *diff.shape[1:], device=diff.device)  # [receivers, ...]
+                for k in range(1, steps + 1):
+                    embed = (start + (k / steps) * (clean_in - start)).clone().requires_grad_(True)
+                    receiver_gradients(loaded, layout, sub, metric, embed, grads, dropped)
+                    if progress:
+                        parts_done += 1
+                        progress(parts_done, steps * len(drops) * len(parts_list))
+                part_scores = contract_all(graph, diff, grads) / steps
+                scores += part_scores if dropped is None else part_scores.abs() / max(1, graph.layers - 1)
+    return (scores / prompts.mask.shape[0]).numpy() * graph.mask
+
+
+def receiver_gradients(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, embed: Tensor,
+                       into: Tensor, dropped: int | None = None) -> None:
+    """Adds dM/d(input_v) of every receiver, summed over pairs' metrics, to into [receivers, pairs, seq, hidden],
+    from one forward and backward with the first block's input `embed` [pairs, seq, hidden] (and, `dropped`, no
+    gradient through that block's contribution to the residual stream)."""
+    graph = layout.graph
+    run = Pass(embed=embed, grads=True)
+    handles = [] if dropped is None else [layout.parts.blocks[dropped].register_forward_hook(drop_hook,
+                                                                                            with_kwargs=True)]
+    try:
+        with torch.enable_grad():
+            final = forward(loaded, layout, prompts.clean, prompts.mask, run)
+            value = measure(layout, metric, final, prompts).sum()
+            torch.autograd.grad(value, [embed])
+    finally:
+        for handle in handles:
+            handle.remove()
+    for layer in range(graph.layers):
+        base = layer * graph.per_layer
+        into[base : base + graph.per_layer - 1] += qkv_gradients(layout, run, layer)
+        if layer in run.g_mlp:  # none where a dropped block cut it off
+            into[base + graph.per_layer - 1] += run.g_mlp[layer]
+    into[-1] += run.g_logits[0]
+
+
+def drop_hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """Forward hook: the block's output with its contribution (output - input) cut from the backward pass."""
+    x = hidden_of(args, kwargs)  # [rows, seq, hidden]
+    out = first(output)
+    kept = x + (out - x).detach()  # [rows, seq, hidden]: the same values, gradient through the skip alone
+    return (kept, *output[1:]) if isinstance(output, (tuple, list)) else kept
+
+
+def contract_all(graph: Graph, diff: Tensor, grads: Tensor) -> Tensor:
+    """sum over pairs and positions of diff_u . grad_v for every pair of a sender and a receiver, as one matrix
+    product [senders, n x hidden] @ [n x hidden, receivers] (each operand read once), zero off the graph:
+    [senders, receivers] float64."""
+    product = diff.flatten(1) @ grads.flatten(1).to(diff.dtype).t()  # [senders, receivers]
+    return product.double() * torch.from_numpy(graph.mask).to(product.device)
+
+
+def qkv_gradients(layout: Layout, run: Pass, layer: int) -> Tensor:
+    """dM/d(the residual stream) through each q/k/v receiver's own path: its slice's gradient through its rows of
+    the map, then back through the block's input norm at the run's input: [receivers, rows, seq, hidden]."""
+    maps = layout.qkv[layer]
+    x = run.xs[layer].detach()  # [rows, seq, hidden]
+    if any((layer, id(m)) not in run.g_maps for m, _ in maps):  # no gradient reached them (a block dropped)
+        return x.new_zeros(len(maps), *x.shape)
+    cotangents = torch.stack([run.g_maps[(layer, id(m))][..., cut] @ slice_weight(m, cut).detach()
+                              for m, cut in maps])  # [receivers, rows, seq, hidden]
+    with torch.enable_grad():
+        stacked = x[None].expand(len(maps), *x.shape).clone().requires_grad_(True)  # [receivers, rows, seq, hidden]
+        (grads,) = torch.autograd.grad(layout.ln1[layer](stacked), [stacked], cotangents.to(x.dtype))
+    return grads

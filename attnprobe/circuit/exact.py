@@ -1,0 +1,132 @@
+"""Exact edge patching: each chosen edge alone patched to the corrupt run, many edges a batched pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from attnprobe.ablate import fast_attention, run_blocks, tile
+from attnprobe.circuit.graph import Graph
+from attnprobe.circuit.layout import Layout, hidden_of
+from attnprobe.circuit.runs import (
+    Deltas,
+    Metric,
+    Pass,
+    Prompts,
+    chunks,
+    instrumented,
+    measure,
+    outputs,
+    part,
+    real_positions,
+)
+from attnprobe.errors import AttnprobeError
+from attnprobe.model import LoadedModel
+
+COPY_TOKENS = 16_384  # positions (copies x pairs x seq) in one batched exact-patching pass
+
+
+@torch.inference_mode()
+def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
+          edges: Sequence[tuple[int, int]], progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """The mean metric with each edge (sender, receiver) alone patched to the corrupt run, minus the clean mean
+    [edges] float64: the pairs' copies run from the receiver's layer on, several edges a pass."""
+    graph = layout.graph
+    check_edges(graph, edges)
+    total = np.zeros(len(edges))
+    done = 0
+    with fast_attention(loaded.model):
+        for rows in chunks(prompts, graph, layout.w_out[0].shape[0]):
+            sub = part(prompts, rows)
+            diff, _ = outputs(loaded, layout, sub, sub.corrupt)
+            kept = keep_run(loaded, layout, sub)
+            diff -= kept.record
+            diff *= real_positions(sub)
+            clean = measure(layout, metric, kept.final, sub)[0].double()  # [pairs]
+            for chosen in passes(graph, edges, max(1, COPY_TOKENS // sub.mask.numel())):
+                patched = patched_copies(layout, kept, sub, metric, [edges[e] for e in chosen], diff)
+                total[chosen] += (patched.double() - clean).sum(1).cpu().numpy()
+                done += len(chosen)
+                if progress:
+                    progress(done, len(edges) * len(chunks(prompts, graph, layout.w_out[0].shape[0])))
+    return total / prompts.mask.shape[0]
+
+
+def passes(graph: Graph, edges: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
+    """The edges' indices in batched passes: edges whose receivers are in one layer together (a pass starts at its
+    receivers' layer), at most `size` copies a pass."""
+    by_layer: dict[int, list[int]] = {}
+    for e, (_, r) in enumerate(edges):
+        by_layer.setdefault(graph.receiver_layer(r), []).append(e)
+    return [mine[k : k + size] for _, mine in sorted(by_layer.items()) for k in range(0, len(mine), size)]
+
+
+@dataclass
+class Kept:
+    """The clean run kept to restart at any layer: each block's input and arguments, the final norm's input, every
+    sender's output."""
+
+    hidden: list[Tensor]
+    extras: list[tuple[tuple, dict]]
+    before_final: Tensor
+    final: Tensor
+    record: Tensor
+
+
+def keep_run(loaded: LoadedModel, layout: Layout, prompts: Prompts) -> Kept:
+    parts = layout.parts
+    count = len(parts.blocks)
+    hidden: list[Any] = [None] * count
+    extras: list[Any] = [None] * count
+    before: list[Tensor] = []
+
+    def block_hook(layer: int) -> Callable:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden[layer] = hidden_of(args, kwargs)
+            extras[layer] = (args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"})
+
+        return hook
+
+    handles = [b.register_forward_pre_hook(block_hook(i), with_kwargs=True) for i, b in enumerate(parts.blocks)]
+    handles.append(parts.final.register_forward_pre_hook(lambda _m, args: before.append(args[0])))
+    try:
+        record, final = outputs(loaded, layout, prompts, prompts.clean)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return Kept(hidden, extras, before[0], final, record)
+
+
+def patched_copies(layout: Layout, kept: Kept, prompts: Prompts, metric: Metric,
+                   edges: list[tuple[int, int]], diff: Tensor) -> Tensor:
+    """The metric [copies, pairs] with edge c alone patched in copy c, the copies run from the lowest receiver's layer
+    on (a receiver's input gets corrupt_u - clean_u: nothing upstream of it changed)."""
+    graph = layout.graph
+    pairs = prompts.last.shape[0]
+    wanted: dict[tuple[int, int], Deltas] = {}
+    for c, (s, r) in enumerate(edges):
+        layer, j = graph.receiver_layer(r), r - graph.receiver_layer(r) * graph.per_layer
+        wanted.setdefault((layer, j), []).append((j, slice(c * pairs, (c + 1) * pairs), diff[s]))
+
+    def patch(layer: int, low: int, high: int) -> Deltas:
+        return [d for j in range(low, high) for d in wanted.get((layer, j), [])]
+
+    start = min(graph.receiver_layer(r) for _, r in edges)
+    run = Pass(patch=patch)
+    with instrumented(layout, run):
+        if start == graph.layers:
+            final = layout.parts.final(tile(kept.before_final, len(edges), pairs))
+        else:
+            final = run_blocks(layout.parts.blocks, layout.parts.final, kept.hidden, kept.extras, start, len(edges))
+    return measure(layout, metric, final, prompts)
+
+
+def check_edges(graph: Graph, edges: Sequence[tuple[int, int]]) -> None:
+    for s, r in edges:
+        if not (0 <= r < len(graph.receivers) and 0 <= s < graph.prefix(r)):
+            raise AttnprobeError(f"edge ({s}, {r}) is not an edge of the graph: a sender feeds only receivers after it")

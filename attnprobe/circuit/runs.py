@@ -1,0 +1,234 @@
+"""One instrumented forward (senders' outputs recorded, receivers' inputs patched, their gradients kept) and the
+pairs it runs on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnprobe.batching import pad_batch
+from attnprobe.circuit.graph import Graph
+from attnprobe.circuit.layout import Layout, first, hidden_of, project
+from attnprobe.errors import AttnprobeError
+from attnprobe.model import LoadedModel, forward_kwargs
+from attnprobe.tokens import encode
+
+BUFFER_MIB = 1024  # one chunk's buffer of every sender's output [senders, rows, seq, hidden]
+
+Metric = Callable[[Tensor, Sequence[Any]], Tensor]  # (logits [rows, vocab] float32, the rows' pairs) -> [rows]
+Deltas = list[tuple[int, slice, Tensor]]  # (receiver within its layer, rows, delta [rows, seq, hidden])
+
+
+@dataclass
+class Pass:
+    """What one forward does besides the model's own computation.
+
+    record: [senders, rows, seq, hidden], each sender's output written (or, subtract, subtracted) as computed;
+    embed: the first block's input instead of the embeddings; patch(layer, j_first, j_last): the deltas of the
+    receivers [j_first, j_last) of a layer (layer = layers: the logits); grads: collect dM/d(input) per receiver."""
+
+    record: Tensor | None = None
+    subtract: bool = False
+    embed: Tensor | None = None
+    patch: Callable[[int, int, int], Deltas] | None = None
+    grads: bool = False
+    xs: dict[int, Tensor] = field(default_factory=dict)  # per layer, the block's input
+    g_maps: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, id(map)) -> dM/d(map output)
+    g_mlp: dict[int, Tensor] = field(default_factory=dict)  # per layer, dM/d(MLP's norm input) through the MLP
+    g_logits: list[Tensor] = field(default_factory=list)
+
+
+def write(run: Pass, start: int, values: Tensor) -> None:
+    """Senders [start, start + len(values)) of the record get values [n, rows, seq, hidden]."""
+    target = run.record[start : start + values.shape[0]]  # [n, rows, seq, hidden]
+    if run.subtract:
+        target -= values.to(target.dtype)
+    else:
+        target.copy_(values)
+
+
+@contextmanager
+def instrumented(layout: Layout, run: Pass) -> Iterator[None]:
+    """The hooks that carry out `run` on every block the model (or run_blocks) calls, for the duration."""
+    parts, graph = layout.parts, layout.graph
+    handles = []
+    nq = graph.heads + 2 * graph.kv_heads
+    for layer, block in enumerate(parts.blocks):
+        handles.append(block.register_forward_pre_hook(block_hook(layout, run, layer), with_kwargs=True))
+        handles.append(parts.projections[layer].register_forward_pre_hook(heads_hook(layout, run, layer)))
+        handles.append(layout.mlps[layer].register_forward_hook(mlp_hook(layout, run, layer)))
+        handles.append(layout.ln2[layer].register_forward_pre_hook(input_hook(run, layer, nq, layer)))
+        for module in {id(m): m for m, _ in layout.qkv[layer]}.values():
+            handles.append(module.register_forward_hook(qkv_hook(layout, run, layer, module)))
+    handles.append(parts.final.register_forward_pre_hook(input_hook(run, graph.layers, 0, None)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def block_hook(layout: Layout, run: Pass, layer: int) -> Callable:
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        changed = None
+        if layer == 0 and run.embed is not None:
+            if args:
+                args = (run.embed, *args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": run.embed}
+            changed = (args, kwargs)
+        x = hidden_of(args, kwargs)  # [rows, seq, hidden]
+        run.xs[layer] = x.detach()  # no graph held: the gradient hooks refer to `run`, a cycle through autograd
+        if layer == 0 and run.record is not None:
+            write(run, 0, x.detach()[None])
+        return changed
+
+    return hook
+
+
+def heads_hook(layout: Layout, run: Pass, layer: int) -> Callable:
+    def hook(_module: nn.Module, args: tuple) -> None:
+        if run.record is None:
+            return
+        z = args[0].detach().unflatten(-1, (layout.parts.heads, layout.parts.head_dim))  # [rows, seq, heads, dim]
+        contributions = torch.einsum("bshd,ohd->hbso", z, layout.w_out[layer].detach())  # [heads, rows, seq, hidden]
+        write(run, layout.graph.sender_index(layer, 0), contributions)
+
+    return hook
+
+
+def mlp_hook(layout: Layout, run: Pass, layer: int) -> Callable:
+    def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+        if run.record is not None:
+            write(run, layout.graph.sender_index(layer), first(output).detach()[None])
+
+    return hook
+
+
+def input_hook(run: Pass, layer: int, j: int, grad_layer: int | None) -> Callable:
+    """Pre-hook on an MLP's input norm (or the final norm): its deltas added, its gradient kept."""
+
+    def hook(_module: nn.Module, args: tuple) -> tuple | None:
+        x = args[0]  # [rows, seq, hidden]
+        deltas = run.patch(layer, j, j + 1) if run.patch else []
+        for _, rows, delta in deltas:
+            x = x.clone() if x is args[0] else x
+            x[rows] = x[rows] + delta.to(x.dtype)
+        if run.grads and x.requires_grad:
+            x = x.view_as(x)  # a node of its own: the gradient through this norm alone
+            store = run.g_logits.append if grad_layer is None else (lambda g: run.g_mlp.__setitem__(grad_layer, g))
+            x.register_hook(lambda g: store(g.detach()))
+        return None if x is args[0] else (x, *args[1:])
+
+    return hook
+
+
+def qkv_hook(layout: Layout, run: Pass, layer: int, module: nn.Module) -> Callable:
+    """Forward hook on a query/key/value map: the slices of receivers with deltas recomputed from norm(x + delta);
+    its output's gradient kept."""
+    mine = [j for j, (m, _) in enumerate(layout.qkv[layer]) if m is module]
+
+    def hook(_module: nn.Module, _args: tuple, output: Tensor) -> Tensor | None:
+        out = output
+        if run.patch:
+            for j, rows, delta in run.patch(layer, mine[0], mine[-1] + 1):
+                if j not in mine:
+                    continue
+                out = out.clone() if out is output else out
+                x = run.xs[layer][rows]  # [rows, seq, hidden]
+                cut = layout.qkv[layer][j][1]
+                normed = layout.ln1[layer](x + delta.to(x.dtype))  # [rows, seq, hidden]
+                out[rows, :, cut] = project(module, normed, cut).to(out.dtype)
+        if run.grads and out.requires_grad:
+            out = out.view_as(out)
+            out.register_hook(lambda g: run.g_maps.__setitem__((layer, id(module)), g.detach()))
+        return None if out is output else out
+
+    return hook
+
+
+# ---- pairs -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompts:
+    """Tokenized pairs: clean and corrupt ids of one length per pair, right-padded to the longest pair."""
+
+    clean: Tensor  # [pairs, seq]
+    corrupt: Tensor  # [pairs, seq]
+    mask: Tensor  # [pairs, seq]
+    last: Tensor  # [pairs]
+    pairs: list[Any]
+
+
+def tokenize(loaded: LoadedModel, pairs: Sequence[Any]) -> Prompts:
+    """The pairs' prompts tokenized as `analyze` does (under --bos); a pair whose prompts differ in length is
+    refused with its number."""
+    if not pairs:
+        raise AttnprobeError("no prompt pairs: give at least one")
+    clean = encode(loaded, [p.clean for p in pairs])["input_ids"]
+    corrupt = encode(loaded, [p.corrupt for p in pairs])["input_ids"]
+    for k, (a, b) in enumerate(zip(clean, corrupt), start=1):
+        if len(a) != len(b):
+            raise AttnprobeError(f"pair {k}: the clean prompt is {len(a)} tokens and the corrupt one {len(b)}: "
+                                 "edge patching needs both of one length (change a word so they tokenize alike)")
+    clean_ids, mask = pad_batch([list(t) for t in clean], loaded.device)  # [pairs, seq]
+    corrupt_ids, _ = pad_batch([list(t) for t in corrupt], loaded.device)  # [pairs, seq]
+    return Prompts(clean_ids, corrupt_ids, mask, mask.sum(1) - 1, list(pairs))
+
+
+def chunks(prompts: Prompts, graph: Graph, hidden: int, gradients: bool = False) -> list[slice]:
+    """Pairs in chunks whose buffer of every sender's output [senders, pairs, seq, hidden] (and with `gradients`,
+    of every receiver's gradient) fits BUFFER_MIB."""
+    rows = len(graph.senders) + (len(graph.receivers) if gradients else 0)
+    per_pair = rows * prompts.mask.shape[1] * hidden * 4
+    size = max(1, (BUFFER_MIB << 20) // per_pair)
+    count = prompts.mask.shape[0]
+    return [slice(s, min(s + size, count)) for s in range(0, count, size)]
+
+
+def part(prompts: Prompts, rows: slice) -> Prompts:
+    return Prompts(prompts.clean[rows], prompts.corrupt[rows], prompts.mask[rows], prompts.last[rows],
+                   prompts.pairs[rows])
+
+
+def logits_of(layout: Layout, final: Tensor, prompts: Prompts) -> Tensor:
+    """The logits at each row's last position, float32 [rows, vocab], from the final hidden state [rows, seq, hid]."""
+    rows = torch.arange(final.shape[0], device=final.device)  # [rows]
+    last = prompts.last.repeat(final.shape[0] // prompts.last.shape[0])  # [rows]
+    return layout.parts.logits(layout.parts.head(final[rows, last])).float()  # [rows, vocab]
+
+
+def measure(layout: Layout, metric: Metric, final: Tensor, prompts: Prompts) -> Tensor:
+    """The metric of every row of final [copies x pairs, seq, hidden]: [copies, pairs]."""
+    copies = final.shape[0] // prompts.last.shape[0]
+    values = metric(logits_of(layout, final, prompts), list(prompts.pairs) * copies)  # [rows]
+    return values.view(copies, -1)  # [copies, pairs]
+
+
+def forward(loaded: LoadedModel, layout: Layout, ids: Tensor, mask: Tensor, run: Pass) -> Tensor:
+    """The model on ids with `run`'s hooks: the last hidden state [rows, seq, hidden]."""
+    with instrumented(layout, run):
+        return loaded.model(**forward_kwargs(loaded.model, ids, mask)).last_hidden_state
+
+
+def sender_buffer(layout: Layout, rows: int, seq: int, device: torch.device) -> Tensor:
+    hidden = layout.w_out[0].shape[0]
+    return torch.zeros(len(layout.graph.senders), rows, seq, hidden, device=device)  # [senders, rows, seq, hidden]
+
+
+@torch.inference_mode()
+def outputs(loaded: LoadedModel, layout: Layout, prompts: Prompts, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Every sender's output on ids [senders, pairs, seq, hidden] and the last hidden state."""
+    buffer = sender_buffer(layout, *ids.shape, loaded.device)
+    final = forward(loaded, layout, ids, prompts.mask, Pass(record=buffer))
+    return buffer, final
+
+
+def real_positions(prompts: Prompts) -> Tensor:
+    return prompts.mask.bool()[None, :, :, None]  # [1, pairs, seq, 1]
