@@ -428,6 +428,11 @@ def test_cli_writes_the_edges_the_circuit_and_mibs_importances(tmp_path, tasks_m
 
     if importlib.util.find_spec("attnprobe.plotting.circuit") is not None:  # the figures where they can be drawn
         assert (out / "circuit.png").is_file() and (out / "faithfulness.png").is_file()
+    again = run("circuit", "--model", folder, "--pairs", pairs, "--out", out, "--method", "eap", "--top", "5",
+                "--sizes", "none")  # a rerun without the curve leaves no earlier curve beside its circuit.json
+    assert again.exit_code == 0, again.output
+    assert json.loads((out / "circuit.json").read_text())["faithfulness"] is None
+    assert not (out / "faithfulness.png").exists()
 
 
 def test_mean_ablation_of_every_edge_reads_the_mean_residual(tmp_path):

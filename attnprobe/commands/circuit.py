@@ -145,6 +145,7 @@ def circuit(
                  threshold=threshold, random=random, ablation=ablation.value, kind=kind, seed=seed)
     run["threads"] = threads_used
     written = write(out, layout, result, run, f"{model}: {len(made)} pairs, {method.value}")
+    folder.sweep()
     for note in run["notes"]:
         err_console.print(f"Warning: {note}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(summary(layout, result, run))
@@ -239,7 +240,10 @@ def write(out, layout, result, run: dict, title: str) -> list[Path]:
              io.CIRCUIT_IMPORTANCES_FILE: io.compact_json_writer(
                  cc.mib_importances(graph, result.scores, result.circuit, layout.w_out[0].shape[0]))}
     files.update(figures(graph, edges, result, title))
-    return io.write_files(out, files)
+    written = io.write_files(out, files)
+    if result.faithfulness is None:  # an earlier run's curve would stand beside a circuit.json without one
+        (Path(out) / io.FAITHFULNESS_FIGURE).unlink(missing_ok=True)
+    return written
 
 
 def figures(graph, edges, result, title: str) -> dict[str, Any]:
