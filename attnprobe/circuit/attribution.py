@@ -12,7 +12,18 @@ from torch import Tensor, nn
 from attnprobe.ablate import fast_attention
 from attnprobe.circuit.graph import Graph
 from attnprobe.circuit.layout import Layout, first, hidden_of, slice_weight
-from attnprobe.circuit.runs import Metric, Pass, Prompts, chunks, forward, measure, outputs, part, real_positions
+from attnprobe.circuit.runs import (
+    Metric,
+    Pass,
+    Prompts,
+    chunks,
+    first_input,
+    forward,
+    measure,
+    part,
+    real_positions,
+    sender_buffer,
+)
 from attnprobe.model import LoadedModel
 
 
@@ -32,34 +43,36 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
     with fast_attention(loaded.model):
         for rows in parts_list:
             sub = part(prompts, rows)
-            diff, _ = outputs(loaded, layout, sub, sub.corrupt)
-            with torch.inference_mode():
-                run = Pass(record=diff, subtract=True)
-                forward(loaded, layout, sub.clean, sub.mask, run)  # corrupt_u - clean_u, in place
-                diff *= real_positions(sub)  # [senders, pairs, seq, hidden]
-            clean_in = run.xs[0]  # [pairs, seq, hidden]
-            start = clean_in - diff[0]  # [pairs, seq, hidden]: the corrupt input
+            diff = corrupt_outputs(loaded, layout, sub)  # [senders, pairs, seq, hidden]: corrupt_u, then - clean_u
+            start = diff[0].clone()  # [pairs, seq, hidden]: the corrupt input
+            clean_in = first_input(loaded, layout, sub.clean, sub.mask)  # [pairs, seq, hidden]
             drops: list[int | None] = list(range(graph.layers)) if grad_drop else [None]
-            for dropped in drops:
+            for i, dropped in enumerate(drops):
                 grads = torch.zeros(len(graph.receivers), *diff.shape[1:], device=diff.device)  # [receivers, ...]
                 for k in range(1, steps + 1):
-                    embed = (start + (k / steps) * (clean_in - start)).clone().requires_grad_(True)
-                    receiver_gradients(loaded, layout, sub, metric, embed, grads, dropped)
+                    point = clean_in if k == steps else start + (k / steps) * (clean_in - start)  # [pairs, seq, hid]
+                    # the clean point's pass also subtracts clean_u from the record: no forward of its own
+                    record = diff if i == 0 and k == steps else None
+                    receiver_gradients(loaded, layout, sub, metric, point.clone().requires_grad_(True), grads,
+                                       dropped, record)
                     if progress:
                         parts_done += 1
                         progress(parts_done, steps * len(drops) * len(parts_list))
+                if i == 0:
+                    diff *= real_positions(sub)  # [senders, pairs, seq, hidden]: corrupt_u - clean_u
                 part_scores = contract_all(graph, diff, grads) / steps
                 scores += part_scores if dropped is None else part_scores.abs() / max(1, graph.layers - 1)
     return (scores / prompts.mask.shape[0]).numpy() * graph.mask
 
 
 def receiver_gradients(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, embed: Tensor,
-                       into: Tensor, dropped: int | None = None) -> None:
+                       into: Tensor, dropped: int | None = None, record: Tensor | None = None) -> None:
     """Adds dM/d(input_v) of every receiver, summed over pairs' metrics, to into [receivers, pairs, seq, hidden],
     from one forward and backward with the first block's input `embed` [pairs, seq, hidden] (and, `dropped`, no
-    gradient through that block's contribution to the residual stream)."""
+    gradient through that block's contribution to the residual stream); `record` [senders, pairs, seq, hidden], if
+    given, has each sender's output in this forward subtracted."""
     graph = layout.graph
-    run = Pass(embed=embed, grads=True)
+    run = Pass(embed=embed, grads=True, record=record, subtract=True)
     handles = [] if dropped is None else [layout.parts.blocks[dropped].register_forward_hook(drop_hook,
                                                                                             with_kwargs=True)]
     try:
@@ -76,6 +89,15 @@ def receiver_gradients(loaded: LoadedModel, layout: Layout, prompts: Prompts, me
         if layer in run.g_mlp:  # none where a dropped block cut it off
             into[base + graph.per_layer - 1] += run.g_mlp[layer]
     into[-1] += run.g_logits[0]
+
+
+@torch.no_grad()
+def corrupt_outputs(loaded: LoadedModel, layout: Layout, prompts: Prompts) -> Tensor:
+    """Every sender's output in the corrupt run [senders, pairs, seq, hidden], a tensor the gradient passes may
+    write into (not an inference tensor)."""
+    buffer = sender_buffer(layout, *prompts.corrupt.shape, loaded.device)
+    forward(loaded, layout, prompts.corrupt, prompts.mask, Pass(record=buffer))
+    return buffer
 
 
 def drop_hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:

@@ -217,6 +217,30 @@ def forward(loaded: LoadedModel, layout: Layout, ids: Tensor, mask: Tensor, run:
         return loaded.model(**forward_kwargs(loaded.model, ids, mask)).last_hidden_state
 
 
+class Reached(Exception):
+    """Raised by first_input's hook: the run has what it came for."""
+
+
+@torch.no_grad()
+def first_input(loaded: LoadedModel, layout: Layout, ids: Tensor, mask: Tensor) -> Tensor:
+    """The first block's input on ids [rows, seq, hidden] (the embeddings as the model sums them), without running
+    the blocks."""
+    seen: list[Tensor] = []
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.append(hidden_of(args, kwargs))
+        raise Reached
+
+    handle = layout.parts.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        loaded.model(**forward_kwargs(loaded.model, ids, mask))
+    except Reached:
+        pass
+    finally:
+        handle.remove()
+    return seen[0]
+
+
 def sender_buffer(layout: Layout, rows: int, seq: int, device: torch.device) -> Tensor:
     hidden = layout.w_out[0].shape[0]
     return torch.zeros(len(layout.graph.senders), rows, seq, hidden, device=device)  # [senders, rows, seq, hidden]
