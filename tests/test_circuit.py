@@ -1,5 +1,6 @@
 """`attnprobe circuit`: the edge graph, EAP, EAP-IG, exact edge patching and faithfulness against hand-written
-plain-transformers hook oracles on tiny models (GPT-2, Llama with grouped-query attention)."""
+plain-transformers hook oracles on tiny models (GPT-2, Llama with grouped-query attention, Gemma 2's sandwich norms
+with attention-logit and final-logit soft-capping)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,23 @@ NAMES = {
     "llama": {"layers": "model.layers", "ln1": "input_layernorm", "ln2": "post_attention_layernorm", "mlp": "mlp",
               "o": "self_attn.o_proj", "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               "final": "model.norm"},
+    # sandwich norms: the MLP sender is the post-feedforward norm's output; the heads pass the post-attention norm
+    "gemma2": {"layers": "model.layers", "ln1": "input_layernorm", "ln2": "pre_feedforward_layernorm",
+               "mlp": "post_feedforward_layernorm", "post_attn": "post_attention_layernorm", "o": "self_attn.o_proj",
+               "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "final": "model.norm"},
 }
 FAMILIES = list(NAMES)
+# the zoo's model of each family and its settings: Gemma 2 with both soft-caps small enough to bend its logits
+MADE = {"gemma2": ("gemma2", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 4.0})}
+
+
+def float64_rms(norm: torch.nn.Module) -> None:
+    """Gemma's RMSNorm computes in float32 whatever the model's dtype: the oracle's own, in float64."""
+
+    def forward(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight)
+
+    norm.forward = forward
 
 
 def pairs_of(loaded) -> list[TaskPair]:
@@ -54,11 +70,15 @@ def pairs_of(loaded) -> list[TaskPair]:
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     name = request.param
-    folder = zoo.make(name, tmp_path_factory.mktemp(f"circuit-{name}"), lm_head=True)
+    made, settings = MADE.get(name, (name, {}))
+    folder = zoo.make(made, tmp_path_factory.mktemp(f"circuit-{name}"), lm_head=True, **settings)
     loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval().double()
+    for module in model.modules():
+        if type(module).__name__ == "Gemma2RMSNorm":
+            float64_rms(module)
     return name, loaded, Oracle(name, model, loaded.num_heads, loaded.num_kv_heads)  # one oracle: its runs cached
 
 
@@ -88,7 +108,14 @@ class Oracle:
                     cut = slice(h * self.d, (h + 1) * self.d)
                     seen[f"a{layer}.h{h}"] = args[0][0][:, cut] @ w[:, cut].t()
 
+            def sandwich(norm, args, layer=layer):  # each head through the post-attention norm at this run's rms
+                scale = (1 + norm.weight) / (args[0][0].pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+                for h in range(self.heads):
+                    seen[f"a{layer}.h{h}"] = seen[f"a{layer}.h{h}"] * scale
+
             handles.append(self.part(layer, "o").register_forward_pre_hook(heads))
+            if "post_attn" in self.n:
+                handles.append(self.part(layer, "post_attn").register_forward_pre_hook(sandwich))
             handles.append(self.part(layer, "mlp").register_forward_hook(
                 lambda _m, _a, out, layer=layer: seen.__setitem__(f"m{layer}", out[0])))
         try:
@@ -352,11 +379,43 @@ def test_a_planted_circuit_is_found_with_faithfulness_one(tmp_path):
     assert np.mean(drawn) <= 0.1
 
 
-def test_a_sandwich_norm_model_is_refused(tmp_path):
-    folder = zoo.make("gemma2", tmp_path / "gemma2", lm_head=True)
+def test_a_parallel_block_model_is_refused_in_one_line(tmp_path):
+    """GPT-NeoX's parallel attention and MLP (both read x): neither pre-norm, sandwich nor post-norm."""
+    folder = zoo.make("gpt_neox", tmp_path / "neox", lm_head=True, use_parallel_residual=True)
     loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
-    with pytest.raises(AttnprobeError, match="circuit supports pre-norm decoders"):
+    with pytest.raises(AttnprobeError, match="neither a pre-norm, a sandwich-norm nor a post-norm block") as info:
         cc.find_layout(loaded)
+    assert "\n" not in str(info.value)
+
+
+def test_gemma2s_soft_caps_bend_its_logits_and_circuit_reads_them(family):
+    """The Gemma 2 family's caps matter (raw attention and final logits beyond them) and circuit's clean metric is
+    the model's own, capped."""
+    name, loaded, oracle = family
+    if name != "gemma2":
+        pytest.skip("Gemma 2 only")
+    config = oracle.model.config
+    raw = {}
+    handle = oracle.model.lm_head.register_forward_hook(lambda _m, _a, out: raw.__setitem__("logits", out))
+    pair = pairs_of(loaded)[0]
+    ids = ids_of(loaded, pair.clean)
+    with torch.no_grad():
+        capped = oracle.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    handle.remove()
+    assert float(raw["logits"].abs().max()) > config.final_logit_softcapping  # tanh bends them by 24% or more
+    assert float(capped.abs().max()) < config.final_logit_softcapping
+    attentions = [layer.self_attn for layer in oracle.layers]
+    for attention in attentions:
+        attention.attn_logit_softcapping = None
+    with torch.no_grad():
+        uncapped = oracle.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    for attention in attentions:
+        attention.attn_logit_softcapping = config.attn_logit_softcapping
+    assert float((uncapped - capped).abs().max()) > 1e-2  # the attention cap changes the logits too
+    layout = cc.find_layout(loaded)
+    assert layout.shape == "sandwich"
+    bases = cc.baselines(loaded, layout, cc.tokenize(loaded, [pair]), logit_diff)
+    assert float(bases[0].clean[0]) == pytest.approx(oracle_runs(oracle, loaded, pair)[3], abs=1e-4)
 
 
 def write_pairs(path: Path, pairs) -> Path:

@@ -24,9 +24,15 @@ Faithfulness (MIB, Mueller et al. 2025): the metric with every edge outside the 
 (or mean-ablated), (M_circuit - M_corrupt) / (M_clean - M_corrupt), at circuit sizes given as fractions of the
 edges (top |score|); CPR and CMD are the trapezoid areas of f and |1 - f| over the fractions.
 
-Supported: decoders whose blocks add the attention's and the MLP's outputs to the residual stream after a norm at
-their input (GPT-2, Llama, Qwen, Mistral, OPT's pre-norm...); post-norm blocks, norms after attention or the MLP
-(Gemma 2) and parallel blocks (GPT-NeoX, Phi) are refused by a check that the stream is that sum.
+Supported: pre-norm decoders whose blocks add the attention's and the MLP's outputs to the residual stream after a
+norm at their input (GPT-2, Llama, Qwen, Mistral, OPT...), and sandwich-norm decoders (Gemma 2 and 3: x +
+post_attn_norm(attn(ln1 x)), then + post_mlp_norm(mlp(ln2 .))). A sandwich block's stream is still a sum: the MLP
+sender's output is its post-feedforward norm's output, and a head's output is its contribution through the
+post-attention norm with that norm's statistics (Gemma's 1 / rms of the attention's whole output, times 1 + weight, in
+float32) frozen at the run's own value, so that the heads add up to the norm's output in every run; patching an edge
+moves v's input by u's output in the corrupt run minus u's output in the clean run, each at its own run's scale, and
+EAP stays that patch's first-order change. Parallel blocks (GPT-NeoX, Phi) are refused by a check that the stream is
+one of these sums.
 """
 
 from __future__ import annotations
