@@ -13,6 +13,8 @@ from attnprobe.ablate import fast_attention
 from attnprobe.circuit.graph import Graph
 from attnprobe.circuit.layout import Layout, first, hidden_of, slice_weight
 from attnprobe.circuit.runs import Metric, Pass, Prompts, chunks, forward, measure, outputs, part, real_positions
+from attnprobe.circuit.stream import Transported, transported
+from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel
 
 
@@ -27,30 +29,41 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
     whose paths cancel in the full gradient shows where one block's paths are left out. Unsigned; layers times the
     passes."""
     graph = layout.graph
+    if grad_drop and layout.post_norm:
+        raise AttnprobeError("--grad-drop on a post-norm decoder: a block's contribution passes its norms, so there is "
+                             "no residual add to drop; use it on pre-norm or sandwich-norm decoders")
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
     parts_done, parts_list = 0, chunks(prompts, graph, layout.w_out[0].shape[0], gradients=True)
     with fast_attention(loaded.model):
         for rows in parts_list:
             sub = part(prompts, rows)
-            diff, _ = outputs(loaded, layout, sub, sub.corrupt)
-            with torch.inference_mode():
-                run = Pass(record=diff, subtract=True)
-                forward(loaded, layout, sub.clean, sub.mask, run)  # corrupt_u - clean_u, in place
-                diff *= real_positions(sub)  # [senders, pairs, seq, hidden]
-            clean_in = run.xs[0]  # [pairs, seq, hidden]
-            start = clean_in - diff[0]  # [pairs, seq, hidden]: the corrupt input
+            diff, clean_in, start = sender_diffs(loaded, layout, sub)  # start: the corrupt input [pairs, seq, hidden]
             drops: list[int | None] = list(range(graph.layers)) if grad_drop else [None]
             for dropped in drops:
-                grads = torch.zeros(len(graph.receivers), *diff.shape[1:], device=diff.device)  # [receivers, ...]
+                grads = torch.zeros(len(graph.receivers), *clean_in.shape, device=clean_in.device)  # [receivers, ...]
                 for k in range(1, steps + 1):
                     embed = (start + (k / steps) * (clean_in - start)).clone().requires_grad_(True)
                     receiver_gradients(loaded, layout, sub, metric, embed, grads, dropped)
                     if progress:
                         parts_done += 1
                         progress(parts_done, steps * len(drops) * len(parts_list))
-                part_scores = contract_all(graph, diff, grads) / steps
+                part_scores = (diff.scores(grads) if layout.post_norm else contract_all(graph, diff, grads)) / steps
                 scores += part_scores if dropped is None else part_scores.abs() / max(1, graph.layers - 1)
     return (scores / prompts.mask.shape[0]).numpy() * graph.mask
+
+
+def sender_diffs(loaded: LoadedModel, layout: Layout, sub: Prompts) -> tuple[Tensor | Transported, Tensor, Tensor]:
+    """corrupt_u - clean_u of every sender [senders, pairs, seq, hidden] (post-norm: both runs' records, carried to
+    each receiver's point as they are contracted), the clean and the corrupt first-block inputs."""
+    if layout.post_norm:
+        return transported(loaded, layout, sub)
+    diff, _ = outputs(loaded, layout, sub, sub.corrupt)
+    with torch.inference_mode():
+        run = Pass(record=diff, subtract=True)
+        forward(loaded, layout, sub.clean, sub.mask, run)  # corrupt_u - clean_u, in place
+        diff *= real_positions(sub)  # [senders, pairs, seq, hidden]
+    clean_in = run.xs[0]  # [pairs, seq, hidden]
+    return diff, clean_in, clean_in - diff[0]
 
 
 def receiver_gradients(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, embed: Tensor,

@@ -155,8 +155,9 @@ def input_hook(run: Pass, layer: int, j: int, grad_layer: int | None) -> Callabl
         given = args[0]  # [rows, seq, hidden] (OPT's fc1: [rows x seq, hidden])
         x = given if given.dim() == 3 else given.view(*run.xs[layer].shape[:2], -1)  # [rows, seq, hidden]
         deltas = run.patch(layer, j, j + 1) if run.patch else []
+        if deltas:
+            x = x.clone()  # given may be the residual stream itself (post-norm): the receiver's copy alone moves
         for _, rows, delta in deltas:
-            x = x.clone() if x is given else x
             x[rows] = x[rows] + delta.to(x.dtype)
         if run.grads and x.requires_grad:
             x = x.view_as(x)  # a node of its own: the gradient through this norm alone
