@@ -55,7 +55,7 @@ NAMES = {
 FAMILIES = list(NAMES)
 # the zoo's model of each family and its settings: Gemma 2 with both soft-caps small enough to bend its logits
 MADE = {"gemma2": ("gemma2", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 4.0}),
-        "opt-post": ("opt", {"do_layer_norm_before": False})}
+        "opt-post": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 16})}  # project_in, _out: 350m's
 
 
 def vary_norms_and_biases(model):
@@ -468,6 +468,47 @@ def test_a_parallel_block_model_is_refused_in_one_line(tmp_path):
     with pytest.raises(AttnprobeError, match="neither a pre-norm, a sandwich-norm nor a post-norm block") as info:
         cc.find_layout(loaded)
     assert "\n" not in str(info.value)
+
+
+SHAPES = {"gpt2": "pre-norm", "llama": "pre-norm", "gemma2": "sandwich", "opt-post": "post-norm"}
+
+
+def test_each_family_is_read_as_its_block_shape(family):
+    """The layout finder names each block shape; a post-norm model's tail is its project_out (OPT-350m's), and mean
+    ablation, which has no statistics to carry a mean through the stream's norms with, is refused there."""
+    name, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    assert layout.shape == SHAPES[name]
+    if name == "opt-post":
+        assert type(layout.tail).__name__ == "Linear" and layout.tail.out_features == 16
+        with pytest.raises(AttnprobeError, match="--ablation mean on a post-norm decoder"):
+            cc.baselines(loaded, layout, cc.tokenize(loaded, pairs_of(loaded)), logit_diff, ablation="mean")
+
+
+def test_gemma3s_senders_add_up_to_the_stream_its_final_norm_reads(tmp_path):
+    """Gemma 3 (sandwich norms, per-head query and key norms): the input, every head's output through the
+    post-attention norm at the run's own rms and every post-feedforward norm's output add up to the final norm's
+    input (a plain hook on the model) at every real position."""
+    folder = zoo.make("gemma3_text", tmp_path / "gemma3", lm_head=True)
+    from transformers import AutoModelForCausalLM
+
+    vary_norms_and_biases(AutoModelForCausalLM.from_pretrained(folder)).save_pretrained(folder)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    layout = cc.find_layout(loaded)
+    assert layout.shape == "sandwich"
+    prompts = cc.tokenize(loaded, pairs_of(loaded))
+    record, _ = cc.outputs(loaded, layout, prompts, prompts.clean)  # [senders, pairs, seq, hidden]
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    seen: list[torch.Tensor] = []
+    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: seen.insert(0, args[0][0]))
+    for k, pair in enumerate(pairs_of(loaded)):
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids_of(loaded, pair.clean)]))
+        got = record[:, k, : seen[0].shape[0]].sum(0)  # [seq, hidden]
+        torch.testing.assert_close(got, seen[0], rtol=0, atol=1e-4 * float(seen[0].abs().max()))
+        heads = record[1 : 1 + layout.graph.heads, k, : seen[0].shape[0]]  # [heads, seq, hidden]
+        assert float(heads.abs().max()) > 1e-2  # the heads send something
+    handle.remove()
 
 
 def test_gemma2s_soft_caps_bend_its_logits_and_circuit_reads_them(family):
