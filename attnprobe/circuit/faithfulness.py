@@ -69,11 +69,7 @@ def baselines(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
               ablation: str = "patch") -> list[Baseline]:
     """Per chunk of pairs, the clean and corrupt metric and the senders' replacement outputs: the corrupt run's
     (patch), or each sender's mean over every pair's real positions in the clean run (mean)."""
-    if ablation not in ABLATIONS:
-        raise AttnprobeError(f"--ablation {ablation!r}: use one of {', '.join(ABLATIONS)}")
-    if ablation == "mean" and layout.post_norm:
-        raise AttnprobeError("--ablation mean on a post-norm decoder: a sender's mean output has no statistics of its "
-                             "own to pass the stream's norms with; use --ablation patch")
+    check_ablation(layout, ablation)
     out = []
     total = None
     count = 0
@@ -94,6 +90,15 @@ def baselines(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
         for base in out:
             base.replaced = mean[:, None, None, :].expand_as(base.replaced).clone()
     return out
+
+
+def check_ablation(layout: Layout, ablation: str) -> None:
+    """Refuses an unknown --ablation, and mean ablation on a post-norm decoder."""
+    if ablation not in ABLATIONS:
+        raise AttnprobeError(f"--ablation {ablation!r}: use one of {', '.join(ABLATIONS)}")
+    if ablation == "mean" and layout.post_norm:
+        raise AttnprobeError("--ablation mean on a post-norm decoder: a sender's mean output has no statistics of its "
+                             "own to pass the stream's norms with; use --ablation patch")
 
 
 @torch.inference_mode()
