@@ -1,6 +1,6 @@
 """`attnprobe circuit`: the edge graph, EAP, EAP-IG, exact edge patching and faithfulness against hand-written
-plain-transformers hook oracles on tiny models (GPT-2, Llama with grouped-query attention, Gemma 2's sandwich norms
-with attention-logit and final-logit soft-capping)."""
+plain-transformers hook oracles on tiny models (GPT-2, Llama with grouped-query attention, OPT pre-norm, Gemma 2's
+sandwich norms with attention-logit and final-logit soft-capping, OPT post-norm as OPT-350m)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ NAMES = {
     "gemma2": {"layers": "model.layers", "ln1": "input_layernorm", "ln2": "pre_feedforward_layernorm",
                "mlp": "post_feedforward_layernorm", "post_attn": "post_attention_layernorm", "o": "self_attn.o_proj",
                "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "final": "model.norm"},
+    # OPT's other sizes: pre-norm, the MLP's maps called by the block itself on [seq, hidden]
+    "opt": {"layers": "model.decoder.layers", "ln1": "self_attn_layer_norm", "ln2": "final_layer_norm", "mlp": "fc2",
+            "o": "self_attn.out_proj", "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "final": "model.decoder.final_layer_norm"},
     # post-norm (OPT-350m's layout): heads and the MLP read the stream bare, which two LayerNorms a block renormalise
     "opt-post": {"layers": "model.decoder.layers", "ln2": "fc1", "mlp": "fc2", "o": "self_attn.out_proj",
                  "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -54,7 +58,7 @@ NAMES = {
 }
 FAMILIES = list(NAMES)
 # the zoo's model of each family and its settings: Gemma 2 with both soft-caps small enough to bend its logits
-MADE = {"gemma2": ("gemma2", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 4.0}),
+MADE = {"opt": ("opt", {}), "gemma2": ("gemma2", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 4.0}),
         "opt-post": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 16})}  # project_in, _out: 350m's
 
 
@@ -470,7 +474,7 @@ def test_a_parallel_block_model_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(info.value)
 
 
-SHAPES = {"gpt2": "pre-norm", "llama": "pre-norm", "gemma2": "sandwich", "opt-post": "post-norm"}
+SHAPES = {"gpt2": "pre-norm", "llama": "pre-norm", "opt": "pre-norm", "gemma2": "sandwich", "opt-post": "post-norm"}
 
 
 def test_each_family_is_read_as_its_block_shape(family):
