@@ -1,5 +1,6 @@
 """`attnprobe circuit`: the edge graph, EAP, EAP-IG, exact edge patching and faithfulness against hand-written
-plain-transformers hook oracles on tiny models (GPT-2, Llama with grouped-query attention)."""
+plain-transformers hook oracles on tiny models (GPT-2, Llama with grouped-query attention, OPT pre-norm, Gemma 2's
+sandwich norms with attention-logit and final-logit soft-capping, OPT post-norm as OPT-350m)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,43 @@ NAMES = {
     "llama": {"layers": "model.layers", "ln1": "input_layernorm", "ln2": "post_attention_layernorm", "mlp": "mlp",
               "o": "self_attn.o_proj", "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               "final": "model.norm"},
+    # sandwich norms: the MLP sender is the post-feedforward norm's output; the heads pass the post-attention norm
+    "gemma2": {"layers": "model.layers", "ln1": "input_layernorm", "ln2": "pre_feedforward_layernorm",
+               "mlp": "post_feedforward_layernorm", "post_attn": "post_attention_layernorm", "o": "self_attn.o_proj",
+               "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "final": "model.norm"},
+    # OPT's other sizes: pre-norm, the MLP's maps called by the block itself on [seq, hidden]
+    "opt": {"layers": "model.decoder.layers", "ln1": "self_attn_layer_norm", "ln2": "final_layer_norm", "mlp": "fc2",
+            "o": "self_attn.out_proj", "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "final": "model.decoder.final_layer_norm"},
+    # post-norm (OPT-350m's layout): heads and the MLP read the stream bare, which two LayerNorms a block renormalise
+    "opt-post": {"layers": "model.decoder.layers", "ln2": "fc1", "mlp": "fc2", "o": "self_attn.out_proj",
+                 "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "stream": ("self_attn_layer_norm", "final_layer_norm")},
 }
 FAMILIES = list(NAMES)
+# the zoo's model of each family and its settings: Gemma 2 with both soft-caps small enough to bend its logits
+MADE = {"opt": ("opt", {}), "gemma2": ("gemma2", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 4.0}),
+        "opt-post": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 16})}  # project_in, _out: 350m's
+
+
+def vary_norms_and_biases(model):
+    """Every 1-d parameter (norm weights, biases) moved off its initial 1 or 0, so that a norm's gain, its bias and
+    the projections' biases all count."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def float64_rms(norm: torch.nn.Module) -> None:
+    """Gemma's RMSNorm computes in float32 whatever the model's dtype: the oracle's own, in float64."""
+
+    def forward(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight)
+
+    norm.forward = forward
 
 
 def pairs_of(loaded) -> list[TaskPair]:
@@ -54,11 +90,18 @@ def pairs_of(loaded) -> list[TaskPair]:
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     name = request.param
-    folder = zoo.make(name, tmp_path_factory.mktemp(f"circuit-{name}"), lm_head=True)
-    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    made, settings = MADE.get(name, (name, {}))
+    folder = zoo.make(made, tmp_path_factory.mktemp(f"circuit-{name}"), lm_head=True, **settings)
     from transformers import AutoModelForCausalLM
 
+    if name in MADE:
+        vary_norms_and_biases(AutoModelForCausalLM.from_pretrained(folder)).save_pretrained(folder)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval().double()
+    for module in model.modules():
+        if type(module).__name__ == "Gemma2RMSNorm":
+            float64_rms(module)
     return name, loaded, Oracle(name, model, loaded.num_heads, loaded.num_kv_heads)  # one oracle: its runs cached
 
 
@@ -88,9 +131,17 @@ class Oracle:
                     cut = slice(h * self.d, (h + 1) * self.d)
                     seen[f"a{layer}.h{h}"] = args[0][0][:, cut] @ w[:, cut].t()
 
+            def sandwich(norm, args, layer=layer):  # each head through the post-attention norm at this run's rms
+                scale = (1 + norm.weight) / (args[0][0].pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+                for h in range(self.heads):
+                    seen[f"a{layer}.h{h}"] = seen[f"a{layer}.h{h}"] * scale
+
             handles.append(self.part(layer, "o").register_forward_pre_hook(heads))
-            handles.append(self.part(layer, "mlp").register_forward_hook(
-                lambda _m, _a, out, layer=layer: seen.__setitem__(f"m{layer}", out[0])))
+            if "post_attn" in self.n:
+                handles.append(self.part(layer, "post_attn").register_forward_pre_hook(sandwich))
+            handles.append(self.part(layer, "mlp").register_forward_hook(  # OPT's fc2: [seq, hidden]
+                lambda _m, _a, out, layer=layer: seen.__setitem__(f"m{layer}", out.reshape(-1, out.shape[-1]))))
+            handles += self.stream_hooks(layer, seen)
         try:
             with torch.no_grad():
                 self.model(input_ids=torch.tensor([ids]))
@@ -98,6 +149,60 @@ class Oracle:
             for handle in handles:
                 handle.remove()
         return seen
+
+    def stream_hooks(self, layer: int, seen: dict) -> list:
+        """Post-norm: each stream norm's 1 / sigma by hand (inv{k}, [seq, 1]) and the stream at each point (at{p})."""
+        if "stream" not in self.n:
+            return []
+        handles = []
+        for second, name in enumerate(self.n["stream"]):
+            k = 2 * layer + second
+
+            def stats(_m, args, k=k):
+                x = args[0].reshape(-1, args[0].shape[-1])  # [seq, hidden]
+                centred = x - x.mean(-1, keepdim=True)
+                seen[f"inv{k}"] = 1 / (centred.pow(2).mean(-1, keepdim=True) + _m.eps).sqrt()
+
+            norm = self.layers[layer].get_submodule(name)
+            handles.append(norm.register_forward_pre_hook(stats))
+            handles.append(norm.register_forward_hook(
+                lambda _m, _a, out, k=k: seen.__setitem__(f"at{k + 1}", out.reshape(-1, out.shape[-1]))))
+        if layer == 0:
+            handles.append(self.layers[0].register_forward_pre_hook(
+                lambda _m, args, kwargs: seen.__setitem__("at0", (args[0] if args else kwargs["hidden_states"])[0]),
+                with_kwargs=True))
+        return handles
+
+    def carried(self, seen: dict, sender: str, point: int) -> torch.Tensor:
+        """Post-norm: a sender's contribution to the stream at a point [seq, hidden]: its output through each stream
+        norm between, centred, times 1 / sigma and the norm's weight; the input's is what the others leave of the
+        stream there (the embeddings and every bias)."""
+        if sender == "input":
+            others = [u for u in seen if u[0] in "am" and u[1].isdigit() and self.first_norm(u) < point]
+            return seen[f"at{point}"] - sum((self.carried(seen, u, point) for u in others),
+                                            torch.zeros_like(seen["input"]))
+        value = seen[sender]
+        for k in range(self.first_norm(sender), point):
+            norm = self.layers[k // 2].get_submodule(self.n["stream"][k % 2])
+            value = (value - value.mean(-1, keepdim=True)) * seen[f"inv{k}"] * norm.weight
+        return value
+
+    @staticmethod
+    def first_norm(sender: str) -> int:
+        return 2 * int(sender[1:].split(".")[0]) + (sender[0] == "m")
+
+    def point(self, receiver: tuple[str, str]) -> int:
+        node = receiver[0]
+        if node == "logits":
+            return 2 * len(self.layers)
+        return 2 * int(node[1:].split(".")[0]) + node.startswith("m")
+
+    def diff(self, clean: dict, corrupt: dict, sender: str, receiver: tuple[str, str]) -> torch.Tensor:
+        """What patching the edge adds to the receiver's input [seq, hidden]: corrupt - clean output (post-norm:
+        each carried to the receiver's point at its own run's statistics)."""
+        if "stream" not in self.n:
+            return corrupt[sender] - clean[sender]
+        return self.carried(corrupt, sender, self.point(receiver)) - self.carried(clean, sender, self.point(receiver))
 
     def metric(self, ids: list[int], pair: TaskPair, receiver: tuple[str, str] | None = None,
                delta: torch.Tensor | None = None, frozen: tuple[int, torch.Tensor] | None = None) -> float:
@@ -121,12 +226,15 @@ class Oracle:
 
     def receiver_hooks(self, receiver: tuple[str, str], delta: torch.Tensor) -> list:
         node, kind = receiver
+        if node == "logits" and "stream" in self.n:  # post-norm: the logits read the last block's output
+            return [self.layers[-1].register_forward_hook(lambda _m, _a, out: out + delta)]
         if node == "logits":
             return [self.model.get_submodule(self.n["final"]).register_forward_pre_hook(
                 lambda _m, args: (args[0] + delta, *args[1:]))]
         layer = int(node[1:].split(".")[0])
-        if node.startswith("m"):
-            return [self.part(layer, "ln2").register_forward_pre_hook(lambda _m, args: (args[0] + delta, *args[1:]))]
+        if node.startswith("m"):  # OPT's fc1 reads [seq, hidden]
+            return [self.part(layer, "ln2").register_forward_pre_hook(
+                lambda _m, args: (args[0] + delta.reshape(args[0].shape), *args[1:]))]
         index = int(node.split(".")[1].lstrip("hkv"))
         width = self.heads * self.d if kind == "q" else self.kv * self.d
         offset = {"q": 0, "k": self.heads * self.d, "v": self.heads * self.d + self.kv * self.d}[kind]
@@ -142,7 +250,8 @@ class Oracle:
         pre = self.layers[layer].register_forward_pre_hook(keep, with_kwargs=True)
 
         def swap(_m, _a, out):
-            normed = self.part(layer, "ln1")(store["x"] + delta)
+            moved = store["x"] + delta
+            normed = self.part(layer, "ln1")(moved) if "ln1" in self.n else moved  # post-norm: read bare
             full = (torch.nn.functional.linear(normed, module.weight, module.bias)
                     if isinstance(module, torch.nn.Linear) else normed @ module.weight + module.bias)
             out = out.clone()
@@ -176,7 +285,7 @@ def oracle_change(oracle: Oracle, loaded, pairs, edge, graph, eps: float) -> flo
     for pair in pairs:
         clean, a, b, base = oracle_runs(oracle, loaded, pair)
         sender = graph.senders[s]
-        delta = eps * (b[sender] - a[sender])[None]
+        delta = eps * oracle.diff(a, b, sender, graph.receivers[r])[None]
         total += oracle.metric(clean, pair, graph.receivers[r], delta) - base
     return total / len(pairs)
 
@@ -249,10 +358,14 @@ def test_grad_drop_is_the_mean_magnitude_of_the_first_order_changes_with_a_block
     """GradDrop's score of an edge = sum over blocks l of |d metric / d eps| with eps x (corrupt_u - clean_u) added to
     the receiver's input and block l's contribution to the residual stream held at its clean value, / (layers - 1)
     (float64 oracle, central differences)."""
-    _, loaded, oracle = family
+    name, loaded, oracle = family
     layout = cc.find_layout(loaded)
     graph = layout.graph
     pairs = pairs_of(loaded)[:2]
+    if name == "opt-post":  # no residual add to drop: refused in one line
+        with pytest.raises(AttnprobeError, match="--grad-drop on a post-norm decoder"):
+            cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, grad_drop=True)
+        return
     scores = cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, grad_drop=True)
     eps = 1e-3
     edges = some_edges(graph, 1, seed=3)[1::2]  # a key, an MLP: a receiver before the last block and one in it
@@ -352,11 +465,84 @@ def test_a_planted_circuit_is_found_with_faithfulness_one(tmp_path):
     assert np.mean(drawn) <= 0.1
 
 
-def test_a_sandwich_norm_model_is_refused(tmp_path):
-    folder = zoo.make("gemma2", tmp_path / "gemma2", lm_head=True)
+def test_a_parallel_block_model_is_refused_in_one_line(tmp_path):
+    """GPT-NeoX's parallel attention and MLP (both read x): neither pre-norm, sandwich nor post-norm."""
+    folder = zoo.make("gpt_neox", tmp_path / "neox", lm_head=True, use_parallel_residual=True)
     loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
-    with pytest.raises(AttnprobeError, match="circuit supports pre-norm decoders"):
+    with pytest.raises(AttnprobeError, match="neither a pre-norm, a sandwich-norm nor a post-norm block") as info:
         cc.find_layout(loaded)
+    assert "\n" not in str(info.value)
+
+
+SHAPES = {"gpt2": "pre-norm", "llama": "pre-norm", "opt": "pre-norm", "gemma2": "sandwich", "opt-post": "post-norm"}
+
+
+def test_each_family_is_read_as_its_block_shape(family):
+    """The layout finder names each block shape; a post-norm model's tail is its project_out (OPT-350m's), and mean
+    ablation, which has no statistics to carry a mean through the stream's norms with, is refused there."""
+    name, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    assert layout.shape == SHAPES[name]
+    if name == "opt-post":
+        assert type(layout.tail).__name__ == "Linear" and layout.tail.out_features == 16
+        with pytest.raises(AttnprobeError, match="--ablation mean on a post-norm decoder"):
+            cc.baselines(loaded, layout, cc.tokenize(loaded, pairs_of(loaded)), logit_diff, ablation="mean")
+
+
+def test_gemma3s_senders_add_up_to_the_stream_its_final_norm_reads(tmp_path):
+    """Gemma 3 (sandwich norms, per-head query and key norms): the input, every head's output through the
+    post-attention norm at the run's own rms and every post-feedforward norm's output add up to the final norm's
+    input (a plain hook on the model) at every real position."""
+    folder = zoo.make("gemma3_text", tmp_path / "gemma3", lm_head=True)
+    from transformers import AutoModelForCausalLM
+
+    vary_norms_and_biases(AutoModelForCausalLM.from_pretrained(folder)).save_pretrained(folder)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    layout = cc.find_layout(loaded)
+    assert layout.shape == "sandwich"
+    prompts = cc.tokenize(loaded, pairs_of(loaded))
+    record, _ = cc.outputs(loaded, layout, prompts, prompts.clean)  # [senders, pairs, seq, hidden]
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    seen: list[torch.Tensor] = []
+    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: seen.insert(0, args[0][0]))
+    for k, pair in enumerate(pairs_of(loaded)):
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids_of(loaded, pair.clean)]))
+        got = record[:, k, : seen[0].shape[0]].sum(0)  # [seq, hidden]
+        torch.testing.assert_close(got, seen[0], rtol=0, atol=1e-4 * float(seen[0].abs().max()))
+        heads = record[1 : 1 + layout.graph.heads, k, : seen[0].shape[0]]  # [heads, seq, hidden]
+        assert float(heads.abs().max()) > 1e-2  # the heads send something
+    handle.remove()
+
+
+def test_gemma2s_soft_caps_bend_its_logits_and_circuit_reads_them(family):
+    """The Gemma 2 family's caps matter (raw attention and final logits beyond them) and circuit's clean metric is
+    the model's own, capped."""
+    name, loaded, oracle = family
+    if name != "gemma2":
+        pytest.skip("Gemma 2 only")
+    config = oracle.model.config
+    raw = {}
+    handle = oracle.model.lm_head.register_forward_hook(lambda _m, _a, out: raw.__setitem__("logits", out))
+    pair = pairs_of(loaded)[0]
+    ids = ids_of(loaded, pair.clean)
+    with torch.no_grad():
+        capped = oracle.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    handle.remove()
+    assert float(raw["logits"].abs().max()) > config.final_logit_softcapping  # tanh bends them by 24% or more
+    assert float(capped.abs().max()) < config.final_logit_softcapping
+    attentions = [layer.self_attn for layer in oracle.layers]
+    for attention in attentions:
+        attention.attn_logit_softcapping = None
+    with torch.no_grad():
+        uncapped = oracle.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    for attention in attentions:
+        attention.attn_logit_softcapping = config.attn_logit_softcapping
+    assert float((uncapped - capped).abs().max()) > 1e-2  # the attention cap changes the logits too
+    layout = cc.find_layout(loaded)
+    assert layout.shape == "sandwich"
+    bases = cc.baselines(loaded, layout, cc.tokenize(loaded, [pair]), logit_diff)
+    assert float(bases[0].clean[0]) == pytest.approx(oracle_runs(oracle, loaded, pair)[3], abs=1e-4)
 
 
 def write_pairs(path: Path, pairs) -> Path:

@@ -24,9 +24,32 @@ Faithfulness (MIB, Mueller et al. 2025): the metric with every edge outside the 
 (or mean-ablated), (M_circuit - M_corrupt) / (M_clean - M_corrupt), at circuit sizes given as fractions of the
 edges (top |score|); CPR and CMD are the trapezoid areas of f and |1 - f| over the fractions.
 
-Supported: decoders whose blocks add the attention's and the MLP's outputs to the residual stream after a norm at
-their input (GPT-2, Llama, Qwen, Mistral, OPT's pre-norm...); post-norm blocks, norms after attention or the MLP
-(Gemma 2) and parallel blocks (GPT-NeoX, Phi) are refused by a check that the stream is that sum.
+Supported block shapes (layout.py finds which, and checks it on one short run):
+
+- pre-norm (GPT-2, Llama, Qwen, Mistral, OPT's pre-norm sizes...): x + attn(ln1 x), then + mlp(ln2 .). The stream
+  is the sum of the senders' outputs plus constant biases.
+- sandwich (Gemma 2 and 3): x + post_attn_norm(attn(ln1 x)), then + post_mlp_norm(mlp(ln2 .)). Still a sum: the
+  MLP sender's output is its post-feedforward norm's output, and a head's output is its contribution through the
+  post-attention norm with that norm's statistics (Gemma's 1 / rms of the attention's whole output, times 1 + weight,
+  in float32) frozen at the run's own value, so that the heads add up to the norm's output in every run. Patching an
+  edge moves v's input by u's output in the corrupt run minus u's output in the clean run, each at its own run's
+  scale, and EAP stays that patch's first-order change. Gemma 2's attention and final soft-caps are the model's own
+  (the logits through patching's logit transform).
+- post-norm (OPT-350m: h = ln_a(x + attn(x)), then ln_f(h + mlp(h)); the logits read the last block's output, through
+  project_out where the model has one). The stream is renormalised after each add, so it is not a plain sum. With
+  each stream LayerNorm's mean-centring and 1 / sigma frozen at the run's own values, the norms are linear: a
+  sender's contribution at a receiver is its output carried through every norm between (centred, times 1 / sigma,
+  times the norm's weight, per norm), and the stream is exactly the sum of the carried contributions plus constant
+  terms (the norms' and the output projection's biases, carried the same way), which ride with `input` so that
+  patching every edge gives the corrupt run. Receivers read the stream bare (no input norm): the queries, keys and
+  values the block's input, the MLP its input h, the logits the last block's output. Patching u -> v moves v's input
+  by u's contribution carried to v's point in the corrupt run (its outputs, its statistics) minus the same in the
+  clean run; EAP contracts that diff with dM/d(input_v) point by point (stream.py keeps both runs' records and
+  statistics and carries them along), and exact patching and faithfulness use the same carried diffs. GradDrop (no
+  residual add to drop) and mean ablation (a mean output has no statistics to pass the norms with) are refused there.
+
+Parallel blocks (GPT-NeoX, Phi: attention and MLP both read x) and attention that normalises every head's queries
+or keys together (OLMo 2) are refused in one line.
 """
 
 from __future__ import annotations
@@ -47,6 +70,7 @@ from attnprobe.circuit.faithfulness import (
     Faithfulness,
     areas,
     baselines,
+    check_ablation,
     check_fractions,
     evaluate,
     faithfulness,
@@ -123,6 +147,8 @@ def find_circuit(loaded: LoadedModel, pairs: Sequence[Any], metric: Metric, *, m
     if grad_drop and method == "exact":
         raise AttnprobeError("--grad-drop applies to --method eap or eap-ig: exact patching has no gradient to drop")
     layout = find_layout(loaded)
+    if fractions:
+        check_ablation(layout, ablation)
     graph = layout.graph
     prompts = tokenize(loaded, pairs)
     seconds: dict[str, float] = {}

@@ -24,6 +24,8 @@ from attnprobe.circuit.runs import (
     real_positions,
     sender_buffer,
 )
+from attnprobe.circuit.stream import Transported, transported
+from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel
 
 
@@ -38,31 +40,43 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
     whose paths cancel in the full gradient shows where one block's paths are left out. Unsigned; layers times the
     passes."""
     graph = layout.graph
+    if grad_drop and layout.post_norm:
+        raise AttnprobeError("--grad-drop on a post-norm decoder: a block's contribution passes its norms, so there is "
+                             "no residual add to drop; use it on pre-norm or sandwich-norm decoders")
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
     parts_done, parts_list = 0, chunks(prompts, graph, layout.w_out[0].shape[0], gradients=True)
     with fast_attention(loaded.model):
         for rows in parts_list:
             sub = part(prompts, rows)
-            diff = corrupt_outputs(loaded, layout, sub)  # [senders, pairs, seq, hidden]: corrupt_u, then - clean_u
-            start = diff[0].clone()  # [pairs, seq, hidden]: the corrupt input
-            clean_in = first_input(loaded, layout, sub.clean, sub.mask)  # [pairs, seq, hidden]
+            diff, clean_in, start = sender_diffs(loaded, layout, sub)  # start: the corrupt input [pairs, seq, hidden]
+            folded = not layout.post_norm  # clean_u still to subtract from diff, in the clean point's pass
             drops: list[int | None] = list(range(graph.layers)) if grad_drop else [None]
             for i, dropped in enumerate(drops):
-                grads = torch.zeros(len(graph.receivers), *diff.shape[1:], device=diff.device)  # [receivers, ...]
+                grads = torch.zeros(len(graph.receivers), *clean_in.shape, device=clean_in.device)  # [receivers, ...]
                 for k in range(1, steps + 1):
                     point = clean_in if k == steps else start + (k / steps) * (clean_in - start)  # [pairs, seq, hid]
                     # the clean point's pass also subtracts clean_u from the record: no forward of its own
-                    record = diff if i == 0 and k == steps else None
+                    record = diff if folded and i == 0 and k == steps else None
                     receiver_gradients(loaded, layout, sub, metric, point.clone().requires_grad_(True), grads,
                                        dropped, record)
                     if progress:
                         parts_done += 1
                         progress(parts_done, steps * len(drops) * len(parts_list))
-                if i == 0:
+                if folded and i == 0:
                     diff *= real_positions(sub)  # [senders, pairs, seq, hidden]: corrupt_u - clean_u
-                part_scores = contract_all(graph, diff, grads) / steps
+                part_scores = (diff.scores(grads) if layout.post_norm else contract_all(graph, diff, grads)) / steps
                 scores += part_scores if dropped is None else part_scores.abs() / max(1, graph.layers - 1)
     return (scores / prompts.mask.shape[0]).numpy() * graph.mask
+
+
+def sender_diffs(loaded: LoadedModel, layout: Layout, sub: Prompts) -> tuple[Tensor | Transported, Tensor, Tensor]:
+    """The senders' diffs, the clean and the corrupt first-block inputs. Pre-norm: the corrupt run's outputs
+    [senders, pairs, seq, hidden], from which the gradient pass at the clean point subtracts clean_u (no forward of
+    its own); post-norm: both runs' records, carried to each receiver's point as they are contracted."""
+    if layout.post_norm:
+        return transported(loaded, layout, sub)
+    diff = corrupt_outputs(loaded, layout, sub)  # [senders, pairs, seq, hidden]
+    return diff, first_input(loaded, layout, sub.clean, sub.mask), diff[0].clone()
 
 
 def receiver_gradients(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, embed: Tensor,

@@ -21,10 +21,11 @@ from attnprobe.circuit.runs import (
     chunks,
     instrumented,
     measure,
-    outputs,
     part,
     real_positions,
+    recorded,
 )
+from attnprobe.circuit.stream import Transported
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel
 
@@ -43,10 +44,13 @@ def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
     with fast_attention(loaded.model):
         for rows in chunks(prompts, graph, layout.w_out[0].shape[0]):
             sub = part(prompts, rows)
-            diff, _ = outputs(loaded, layout, sub, sub.corrupt)
+            diff, _, stats = recorded(loaded, layout, sub, sub.corrupt)
             kept = keep_run(loaded, layout, sub)
-            diff -= kept.record
-            diff *= real_positions(sub)
+            if layout.post_norm:  # each edge's diff carried to its receiver's point
+                diff = Transported(layout, diff, stats, kept.record, kept.stats, real_positions(sub))
+            else:
+                diff -= kept.record
+                diff *= real_positions(sub)
             clean = measure(layout, metric, kept.final, sub)[0].double()  # [pairs]
             for chosen in passes(graph, edges, max(1, COPY_TOKENS // sub.mask.numel())):
                 patched = patched_copies(layout, kept, sub, metric, [edges[e] for e in chosen], diff)
@@ -73,9 +77,10 @@ class Kept:
 
     hidden: list[Tensor]
     extras: list[tuple[tuple, dict]]
-    before_final: Tensor
+    before_final: Tensor | None  # post-norm: None (the logits read the last block's output)
     final: Tensor
     record: Tensor
+    stats: dict[int, Tensor]  # post-norm: each stream norm's statistics
 
 
 def keep_run(loaded: LoadedModel, layout: Layout, prompts: Prompts) -> Kept:
@@ -93,36 +98,42 @@ def keep_run(loaded: LoadedModel, layout: Layout, prompts: Prompts) -> Kept:
         return hook
 
     handles = [b.register_forward_pre_hook(block_hook(i), with_kwargs=True) for i, b in enumerate(parts.blocks)]
-    handles.append(parts.final.register_forward_pre_hook(lambda _m, args: before.append(args[0])))
+    if not layout.post_norm:
+        handles.append(parts.final.register_forward_pre_hook(lambda _m, args: before.append(args[0])))
     try:
-        record, final = outputs(loaded, layout, prompts, prompts.clean)
+        record, final, stats = recorded(loaded, layout, prompts, prompts.clean)
     finally:
         for handle in handles:
             handle.remove()
-    return Kept(hidden, extras, before[0], final, record)
+    return Kept(hidden, extras, before[0] if before else None, final, record, stats)
 
 
 def patched_copies(layout: Layout, kept: Kept, prompts: Prompts, metric: Metric,
-                   edges: list[tuple[int, int]], diff: Tensor) -> Tensor:
+                   edges: list[tuple[int, int]], diff: Tensor | Transported) -> Tensor:
     """The metric [copies, pairs] with edge c alone patched in copy c, the copies run from the lowest receiver's layer
-    on (a receiver's input gets corrupt_u - clean_u: nothing upstream of it changed)."""
+    on (a receiver's input gets corrupt_u - clean_u: nothing upstream of it changed; post-norm: each carried to the
+    receiver's point)."""
     graph = layout.graph
     pairs = prompts.last.shape[0]
     wanted: dict[tuple[int, int], Deltas] = {}
     for c, (s, r) in enumerate(edges):
         layer, j = graph.receiver_layer(r), r - graph.receiver_layer(r) * graph.per_layer
-        wanted.setdefault((layer, j), []).append((j, slice(c * pairs, (c + 1) * pairs), diff[s]))
+        delta = diff.edge(s, r) if isinstance(diff, Transported) else diff[s]  # [pairs, seq, hidden]
+        wanted.setdefault((layer, j), []).append((j, slice(c * pairs, (c + 1) * pairs), delta))
 
     def patch(layer: int, low: int, high: int) -> Deltas:
         return [d for j in range(low, high) for d in wanted.get((layer, j), [])]
 
     start = min(graph.receiver_layer(r) for _, r in edges)
+    if layout.post_norm:  # the logits' deltas go in at the last block's output: that block runs again
+        start = min(start, graph.layers - 1)
     run = Pass(patch=patch)
     with instrumented(layout, run):
         if start == graph.layers:
             final = layout.parts.final(tile(kept.before_final, len(edges), pairs))
         else:
-            final = run_blocks(layout.parts.blocks, layout.parts.final, kept.hidden, kept.extras, start, len(edges))
+            final = run_blocks(layout.parts.blocks, layout.parts.final if not layout.post_norm else layout.tail,
+                               kept.hidden, kept.extras, start, len(edges))
     return measure(layout, metric, final, prompts)
 
 

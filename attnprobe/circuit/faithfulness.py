@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -24,7 +24,9 @@ from attnprobe.circuit.runs import (
     outputs,
     part,
     real_positions,
+    recorded,
 )
+from attnprobe.circuit.stream import Walk, point
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel
 
@@ -59,6 +61,7 @@ class Baseline:
     clean: Tensor  # [pairs]
     corrupt: Tensor  # [pairs]
     replaced: Tensor  # [senders, pairs, seq, hidden]: what a patched edge's sender sends
+    stats: dict[int, Tensor] = field(default_factory=dict)  # post-norm: the corrupt run's stream statistics
 
 
 @torch.inference_mode()
@@ -66,15 +69,14 @@ def baselines(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
               ablation: str = "patch") -> list[Baseline]:
     """Per chunk of pairs, the clean and corrupt metric and the senders' replacement outputs: the corrupt run's
     (patch), or each sender's mean over every pair's real positions in the clean run (mean)."""
-    if ablation not in ABLATIONS:
-        raise AttnprobeError(f"--ablation {ablation!r}: use one of {', '.join(ABLATIONS)}")
+    check_ablation(layout, ablation)
     out = []
     total = None
     count = 0
     with fast_attention(loaded.model):
         for rows in chunks(prompts, layout.graph, layout.w_out[0].shape[0]):
             sub = part(prompts, rows)
-            corrupt, corrupt_final = outputs(loaded, layout, sub, sub.corrupt)
+            corrupt, corrupt_final, stats = recorded(loaded, layout, sub, sub.corrupt)
             clean_out, clean_final = outputs(loaded, layout, sub, sub.clean)
             if ablation == "mean":
                 real = real_positions(sub)  # [1, pairs, seq, 1]
@@ -82,12 +84,21 @@ def baselines(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
                 total = sums if total is None else total + sums
                 count += int(real.sum())
             out.append(Baseline(sub, measure(layout, metric, clean_final, sub)[0].double(),
-                                measure(layout, metric, corrupt_final, sub)[0].double(), corrupt))
+                                measure(layout, metric, corrupt_final, sub)[0].double(), corrupt, stats))
     if ablation == "mean":
         mean = total / count  # [senders, hidden]
         for base in out:
             base.replaced = mean[:, None, None, :].expand_as(base.replaced).clone()
     return out
+
+
+def check_ablation(layout: Layout, ablation: str) -> None:
+    """Refuses an unknown --ablation, and mean ablation on a post-norm decoder."""
+    if ablation not in ABLATIONS:
+        raise AttnprobeError(f"--ablation {ablation!r}: use one of {', '.join(ABLATIONS)}")
+    if ablation == "mean" and layout.post_norm:
+        raise AttnprobeError("--ablation mean on a post-norm decoder: a sender's mean output has no statistics of its "
+                             "own to pass the stream's norms with; use --ablation patch")
 
 
 @torch.inference_mode()
@@ -101,7 +112,8 @@ def evaluate(loaded: LoadedModel, layout: Layout, bases: list[Baseline], metric:
     with fast_attention(loaded.model):
         for base in bases:
             sub = base.prompts
-            buffer = base.replaced.clone()  # [senders, pairs, seq, hidden]: replaced - current as they are computed
+            # [senders, pairs, seq, hidden]: replaced - current as they are computed (post-norm: post_norm_pass's)
+            buffer = base.replaced if layout.post_norm else base.replaced.clone()
             real = real_positions(sub)[0]  # [pairs, seq, 1]
 
             def patch(layer: int, low: int, high: int, buffer: Tensor = buffer, real: Tensor = real) -> Deltas:
@@ -114,10 +126,39 @@ def evaluate(loaded: LoadedModel, layout: Layout, bases: list[Baseline], metric:
                 delta = delta.unflatten(1, buffer.shape[1:3]) * real  # [receivers, pairs, seq, hidden]
                 return [(low + i, slice(None), delta[i]) for i in range(high - low) if bool(weights[:, i].any())]
 
-            final = forward(loaded, layout, sub.clean, sub.mask, Pass(record=buffer, subtract=True, patch=patch))
+            run = (post_norm_pass(layout, base, outside) if layout.post_norm
+                   else Pass(record=buffer, subtract=True, patch=patch))
+            final = forward(loaded, layout, sub.clean, sub.mask, run)
             total += float(measure(layout, metric, final, sub)[0].double().sum())
             count += sub.last.shape[0]
     return total / count
+
+
+def post_norm_pass(layout: Layout, base: Baseline, outside: Tensor) -> Pass:
+    """evaluate()'s pass on a post-norm decoder: each receiver's input moved by sum over its edges outside the circuit
+    of (the sender's corrupt contribution at the receiver's point - its contribution in this run), both records
+    carried through the stream's norms as the forward reaches them, each at its own run's statistics."""
+    graph = layout.graph
+    real = real_positions(base.prompts)[0]  # [pairs, seq, 1]
+    run = Pass(record=torch.zeros_like(base.replaced), stats={})
+    replaced = Walk(layout, base.replaced.clone(), base.stats)
+    current = Walk(layout, run.record, run.stats)
+
+    def patch(layer: int, low: int, high: int) -> Deltas:
+        r0 = layer * graph.per_layer + low
+        p = graph.prefix(r0)
+        weights = outside[:p, r0 : r0 + high - low]  # [prefix, receivers]
+        if not bool(weights.any()):
+            return []
+        target = point(graph, r0)
+        sent = replaced.at(target)[:p].flatten(1, 2)  # [prefix, pairs x seq, hidden]
+        now = current.at(target)[:p].flatten(1, 2)  # [prefix, pairs x seq, hidden]
+        delta = torch.einsum("sr,snh->rnh", weights, sent) - torch.einsum("sr,snh->rnh", weights, now)
+        delta = delta.unflatten(1, real.shape[:2]) * real  # [receivers, pairs, seq, hidden]
+        return [(low + i, slice(None), delta[i]) for i in range(high - low) if bool(weights[:, i].any())]
+
+    run.patch = patch
+    return run
 
 
 @dataclass

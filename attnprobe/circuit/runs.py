@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from attnprobe.batching import pad_batch
 from attnprobe.circuit.graph import Graph
-from attnprobe.circuit.layout import Layout, first, hidden_of, project
+from attnprobe.circuit.layout import Layout, Norm, first, hidden_of, project
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, forward_kwargs
 from attnprobe.tokens import encode
@@ -30,13 +30,15 @@ class Pass:
 
     record: [senders, rows, seq, hidden], each sender's output written (or, subtract, subtracted) as computed;
     embed: the first block's input instead of the embeddings; patch(layer, j_first, j_last): the deltas of the
-    receivers [j_first, j_last) of a layer (layer = layers: the logits); grads: collect dM/d(input) per receiver."""
+    receivers [j_first, j_last) of a layer (layer = layers: the logits); grads: collect dM/d(input) per receiver;
+    stats (post-norm): a dict to fill with each stream norm's statistics."""
 
     record: Tensor | None = None
     subtract: bool = False
     embed: Tensor | None = None
     patch: Callable[[int, int, int], Deltas] | None = None
     grads: bool = False
+    stats: dict[int, Tensor] | None = None  # post-norm: per stream norm, the run's 1 / sigma [rows, seq, 1]
     xs: dict[int, Tensor] = field(default_factory=dict)  # per layer, the block's input
     g_maps: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, id(map)) -> dM/d(map output)
     g_mlp: dict[int, Tensor] = field(default_factory=dict)  # per layer, dM/d(MLP's norm input) through the MLP
@@ -44,8 +46,10 @@ class Pass:
 
 
 def write(run: Pass, start: int, values: Tensor) -> None:
-    """Senders [start, start + len(values)) of the record get values [n, rows, seq, hidden]."""
+    """Senders [start, start + len(values)) of the record get values [n, rows, seq, hidden] (never part of a
+    gradient: a gradient pass records too)."""
     target = run.record[start : start + values.shape[0]]  # [n, rows, seq, hidden]
+    values = values.detach()
     if run.subtract:
         target -= values.to(target.dtype)
     else:
@@ -60,12 +64,21 @@ def instrumented(layout: Layout, run: Pass) -> Iterator[None]:
     nq = graph.heads + 2 * graph.kv_heads
     for layer, block in enumerate(parts.blocks):
         handles.append(block.register_forward_pre_hook(block_hook(layout, run, layer), with_kwargs=True))
-        handles.append(parts.projections[layer].register_forward_pre_hook(heads_hook(layout, run, layer)))
+        if layout.shape == "sandwich":
+            handles.append(parts.projections[layer].register_forward_hook(sandwich_heads_hook(layout, run, layer)))
+        else:
+            handles.append(parts.projections[layer].register_forward_pre_hook(heads_hook(layout, run, layer)))
         handles.append(layout.mlps[layer].register_forward_hook(mlp_hook(layout, run, layer)))
         handles.append(layout.ln2[layer].register_forward_pre_hook(input_hook(run, layer, nq, layer)))
         for module in {id(m): m for m, _ in layout.qkv[layer]}.values():
             handles.append(module.register_forward_hook(qkv_hook(layout, run, layer, module)))
-    handles.append(parts.final.register_forward_pre_hook(input_hook(run, graph.layers, 0, None)))
+    if layout.post_norm:
+        handles.append(parts.blocks[-1].register_forward_hook(output_hook(run, graph.layers)))
+        if run.stats is not None:
+            handles += [norm.module.register_forward_pre_hook(stats_hook(run, k, norm))
+                        for k, norm in enumerate(layout.stream)]
+    else:
+        handles.append(parts.final.register_forward_pre_hook(input_hook(run, graph.layers, 0, None)))
     try:
         yield
     finally:
@@ -102,28 +115,70 @@ def heads_hook(layout: Layout, run: Pass, layer: int) -> Callable:
     return hook
 
 
+def sandwich_heads_hook(layout: Layout, run: Pass, layer: int) -> Callable:
+    """Forward hook on a sandwich block's output projection: each head's contribution through the post-attention
+    norm at this run's own statistics (so that the heads add up to the norm's output)."""
+    norm = layout.post_attn[layer]
+
+    def hook(_module: nn.Module, args: tuple, output: Tensor) -> None:
+        if run.record is None:
+            return
+        z = args[0].detach().unflatten(-1, (layout.parts.heads, layout.parts.head_dim))  # [rows, seq, heads, dim]
+        contributions = torch.einsum("bshd,ohd->hbso", z, layout.w_out[layer].detach())  # [heads, rows, seq, hidden]
+        write(run, layout.graph.sender_index(layer, 0), norm.frozen(contributions, norm.inverse(output)))
+
+    return hook
+
+
 def mlp_hook(layout: Layout, run: Pass, layer: int) -> Callable:
     def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
         if run.record is not None:
-            write(run, layout.graph.sender_index(layer), first(output).detach()[None])
+            value = first(output).detach().reshape(run.xs[layer].shape)  # [rows, seq, hidden] (OPT's fc2: flattened)
+            write(run, layout.graph.sender_index(layer), value[None])
+
+    return hook
+
+
+def stats_hook(run: Pass, k: int, norm: Norm) -> Callable:
+    """Pre-hook on a post-norm stream norm: the run's 1 / sigma kept."""
+
+    def hook(_module: nn.Module, args: tuple) -> None:
+        shape = run.xs[k // 2].shape[:2]
+        run.stats[k] = norm.inverse(args[0]).view(*shape, 1)  # [rows, seq, 1]
 
     return hook
 
 
 def input_hook(run: Pass, layer: int, j: int, grad_layer: int | None) -> Callable:
-    """Pre-hook on an MLP's input norm (or the final norm): its deltas added, its gradient kept."""
+    """Pre-hook on an MLP's input norm (or the final norm; post-norm: on the MLP's first map): its deltas added, its
+    gradient kept."""
 
     def hook(_module: nn.Module, args: tuple) -> tuple | None:
-        x = args[0]  # [rows, seq, hidden]
+        given = args[0]  # [rows, seq, hidden] (OPT's fc1: [rows x seq, hidden])
+        x = given if given.dim() == 3 else given.view(*run.xs[layer].shape[:2], -1)  # [rows, seq, hidden]
         deltas = run.patch(layer, j, j + 1) if run.patch else []
+        if deltas:
+            x = x.clone()  # given may be the residual stream itself (post-norm): the receiver's copy alone moves
         for _, rows, delta in deltas:
-            x = x.clone() if x is args[0] else x
             x[rows] = x[rows] + delta.to(x.dtype)
         if run.grads and x.requires_grad:
             x = x.view_as(x)  # a node of its own: the gradient through this norm alone
             store = run.g_logits.append if grad_layer is None else (lambda g: run.g_mlp.__setitem__(grad_layer, g))
             x.register_hook(lambda g: store(g.detach()))
-        return None if x is args[0] else (x, *args[1:])
+        return None if x is given else (x.view(given.shape), *args[1:])
+
+    return hook
+
+
+def output_hook(run: Pass, layers: int) -> Callable:
+    """Forward hook on a post-norm model's last block: the logits receiver's deltas and gradient at its output."""
+    inner = input_hook(run, layers, 0, None)
+
+    def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+        changed = inner(_module, (first(output),))
+        if changed is None:
+            return None
+        return (changed[0], *output[1:]) if isinstance(output, (tuple, list)) else changed[0]
 
     return hook
 
@@ -249,9 +304,18 @@ def sender_buffer(layout: Layout, rows: int, seq: int, device: torch.device) -> 
 @torch.inference_mode()
 def outputs(loaded: LoadedModel, layout: Layout, prompts: Prompts, ids: Tensor) -> tuple[Tensor, Tensor]:
     """Every sender's output on ids [senders, pairs, seq, hidden] and the last hidden state."""
-    buffer = sender_buffer(layout, *ids.shape, loaded.device)
-    final = forward(loaded, layout, ids, prompts.mask, Pass(record=buffer))
+    buffer, final, _ = recorded(loaded, layout, prompts, ids)
     return buffer, final
+
+
+@torch.inference_mode()
+def recorded(loaded: LoadedModel, layout: Layout, prompts: Prompts,
+             ids: Tensor) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+    """outputs() and, post-norm, each stream norm's statistics (see stream.py)."""
+    buffer = sender_buffer(layout, *ids.shape, loaded.device)
+    run = Pass(record=buffer, stats={} if layout.post_norm else None)
+    final = forward(loaded, layout, ids, prompts.mask, run)
+    return buffer, final, run.stats or {}
 
 
 def real_positions(prompts: Prompts) -> Tensor:
