@@ -44,7 +44,7 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
         raise AttnprobeError("--grad-drop on a post-norm decoder: a block's contribution passes its norms, so there is "
                              "no residual add to drop; use it on pre-norm or sandwich-norm decoders")
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
-    parts_done, parts_list = 0, chunks(prompts, graph, layout.w_out[0].shape[0], gradients=True)
+    parts_done, parts_list = 0, chunks(prompts, layout, gradients=True)
     with fast_attention(loaded.model):
         for rows in parts_list:
             sub = part(prompts, rows)

@@ -42,7 +42,7 @@ def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
     total = np.zeros(len(edges))
     done = 0
     with fast_attention(loaded.model):
-        for rows in chunks(prompts, graph, layout.w_out[0].shape[0]):
+        for rows in chunks(prompts, layout):
             sub = part(prompts, rows)
             diff, _, stats = recorded(loaded, layout, sub, sub.corrupt)
             kept = keep_run(loaded, layout, sub)
@@ -57,7 +57,7 @@ def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
                 total[chosen] += (patched.double() - clean).sum(1).cpu().numpy()
                 done += len(chosen)
                 if progress:
-                    progress(done, len(edges) * len(chunks(prompts, graph, layout.w_out[0].shape[0])))
+                    progress(done, len(edges) * len(chunks(prompts, layout)))
     return total / prompts.mask.shape[0]
 
 

@@ -74,7 +74,7 @@ def baselines(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
     total = None
     count = 0
     with fast_attention(loaded.model):
-        for rows in chunks(prompts, layout.graph, layout.w_out[0].shape[0]):
+        for rows in chunks(prompts, layout):
             sub = part(prompts, rows)
             corrupt, corrupt_final, stats = recorded(loaded, layout, sub, sub.corrupt)
             clean_out, clean_final = outputs(loaded, layout, sub, sub.clean)

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 
 from attnprobe.batching import pad_batch
-from attnprobe.circuit.graph import Graph
 from attnprobe.circuit.layout import Layout, Norm, first, hidden_of, project
 from attnprobe.errors import AttnprobeError
 from attnprobe.model import LoadedModel, forward_kwargs
@@ -237,10 +236,11 @@ def tokenize(loaded: LoadedModel, pairs: Sequence[Any]) -> Prompts:
     return Prompts(clean_ids, corrupt_ids, mask, mask.sum(1) - 1, list(pairs))
 
 
-def chunks(prompts: Prompts, graph: Graph, hidden: int, gradients: bool = False) -> list[slice]:
-    """Pairs in chunks whose buffer of every sender's output [senders, pairs, seq, hidden] (and with `gradients`,
-    of every receiver's gradient) fits BUFFER_MIB."""
-    rows = len(graph.senders) + (len(graph.receivers) if gradients else 0)
+def chunks(prompts: Prompts, layout: Layout, gradients: bool = False) -> list[slice]:
+    """Pairs in chunks whose buffer of every sender's output [senders, pairs, seq, hidden] (post-norm: three, both
+    runs' records and their carried diff) and with `gradients`, of every receiver's gradient, fits BUFFER_MIB."""
+    graph, hidden = layout.graph, layout.w_out[0].shape[0]
+    rows = len(graph.senders) * (3 if layout.post_norm else 1) + (len(graph.receivers) if gradients else 0)
     per_pair = rows * prompts.mask.shape[1] * hidden * 4
     size = max(1, (BUFFER_MIB << 20) // per_pair)
     count = prompts.mask.shape[0]
