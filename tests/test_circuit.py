@@ -275,6 +275,84 @@ def test_grad_drop_is_the_mean_magnitude_of_the_first_order_changes_with_a_block
     assert max(want) > 1e-3
 
 
+def oracle_qk(oracle: Oracle, loaded, pairs, edge, graph) -> float:
+    """AtP*'s QK-fixed score of a query or key edge by hand, mean over pairs: the receiver's q or k slice patched
+    exactly in a forward, the heads' new patterns A' read from eager attention, and sum over positions and the
+    heads that read the slice of dM/dz_h . ((A'_h - A_h) V_h), dM/dz_h from a clean backward, V from the clean
+    run."""
+    s, r = edge
+    node, kind = graph.receivers[r]
+    layer = int(node[1:].split(".")[0])
+    index = int(node.split(".")[1].lstrip("hkv"))
+    heads = [index] if kind == "q" else list(range(index * graph.group, (index + 1) * graph.group))
+    total = 0.0
+    for pair in pairs:
+        clean, a, b, _ = oracle_runs(oracle, loaded, pair)
+        delta = (b[graph.senders[s]] - a[graph.senders[s]])[None]  # [1, seq, hidden]
+        before, values, grad_z = clean_attention(oracle, clean, pair, layer)
+        handles = oracle.receiver_hooks(graph.receivers[r], delta)
+        try:
+            with torch.no_grad():
+                after = oracle.model(input_ids=torch.tensor([clean]), output_attentions=True).attentions[layer][0]
+        finally:
+            for handle in handles:
+                handle.remove()
+        for h in heads:  # after, before: [heads, seq, seq]; values: [kv heads, seq, dim]; grad_z: [seq, heads, dim]
+            total += float(((after[h] - before[h]) @ values[h // graph.group] * grad_z[:, h]).sum())
+    return total / len(pairs)
+
+
+def clean_attention(oracle: Oracle, ids: list[int], pair: TaskPair, layer: int) -> tuple:
+    """One clean prompt's patterns at a layer [heads, seq, seq], its values [kv heads, seq, dim] and dM/dz
+    [seq, heads, dim] (a clean forward and backward with plain hooks)."""
+    seen = {}
+    names = oracle.n["qkv"]
+    v_map = oracle.layers[layer].get_submodule(names[2])
+    offset = (oracle.heads + oracle.kv) * oracle.d if names[0] == names[2] else 0
+
+    def keep_v(_m, _a, out):
+        seen["v"] = out[0, :, offset : offset + oracle.kv * oracle.d].detach()  # [seq, kv heads x dim]
+
+    def keep_z(_m, args):
+        seen["z"] = args[0]
+        args[0].retain_grad()
+
+    handles = [v_map.register_forward_hook(keep_v), oracle.part(layer, "o").register_forward_pre_hook(keep_z)]
+    try:
+        out = oracle.model(input_ids=torch.tensor([ids]), output_attentions=True)
+        logits = out.logits[0, -1]
+        (logits[list(pair.good)].mean() - logits[list(pair.bad)].mean()).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        oracle.model.zero_grad(set_to_none=True)
+    values = seen["v"].unflatten(-1, (oracle.kv, oracle.d)).transpose(0, 1)  # [kv heads, seq, dim]
+    grad_z = seen["z"].grad[0].unflatten(-1, (oracle.heads, oracle.d))  # [seq, heads, dim]
+    return out.attentions[layer][0].detach(), values, grad_z
+
+
+def qk_edges(graph: cc.Graph, count: int, seed: int = 0) -> list[tuple[int, int]]:
+    """Edges into queries and keys of every layer, drawn at random."""
+    return [e for e in some_edges(graph, count, seed) if graph.receivers[e[1]][1] in ("q", "k")]
+
+
+def test_qk_fix_equals_the_hook_oracle(family):
+    """--qk-fix's score of query and key edges (grouped keys summed over their query heads) equals the hand-written
+    oracle: the slice patched exactly, the new pattern read, linear only after it (float64 oracle; attnprobe runs
+    float32: rtol 1e-3)."""
+    _, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)
+    scores = cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, qk_fix=True)
+    edges = qk_edges(graph, 3, seed=4)
+    want = np.array([oracle_qk(oracle, loaded, pairs, e, graph) for e in edges])
+    got = np.array([scores[e] for e in edges])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * max(1.0, np.abs(want).max()))
+    assert np.abs(want).max() > 1e-3
+    assert {graph.receivers[r][1] for _, r in edges} == {"q", "k"}
+
+
 def test_eap_ig_with_one_step_is_eap_and_more_steps_move_it(family):
     _, loaded, _ = family
     layout = cc.find_layout(loaded)

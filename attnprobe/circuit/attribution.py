@@ -12,12 +12,14 @@ from torch import Tensor, nn
 from attnprobe.ablate import fast_attention
 from attnprobe.circuit.graph import Graph
 from attnprobe.circuit.layout import Layout, first, hidden_of, slice_weight
+from attnprobe.circuit.qkfix import keep_attention, qk_receivers, qk_scores
 from attnprobe.circuit.runs import Metric, Pass, Prompts, chunks, forward, measure, outputs, part, real_positions
 from attnprobe.model import LoadedModel
 
 
 def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, *, steps: int = 1,
-              grad_drop: bool = False, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+              grad_drop: bool = False, qk_fix: bool = False,
+              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """EAP (steps 1) or EAP-IG (steps m) scores of every edge, [senders, receivers] float64 (0 off the graph): the
     first-order change of the mean metric when the edge is patched to the corrupt run. The score is linear in the
     gradient, so EAP-IG sums each receiver's gradient over the steps and contracts once.
@@ -25,7 +27,10 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
     grad_drop (AtP*'s GradDrop, Kramar et al. 2024): the scores again with the gradient through each block's
     contribution to the residual stream dropped in turn, sum over blocks l of |score_l| / (layers - 1): an edge
     whose paths cancel in the full gradient shows where one block's paths are left out. Unsigned; layers times the
-    passes."""
+    passes.
+
+    qk_fix (AtP*'s QK fix, qkfix.py): the edges into queries and keys scored with the patched attention pattern
+    recomputed exactly, from the clean run's gradient (the k = m point: see qkfix.py)."""
     graph = layout.graph
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
     parts_done, parts_list = 0, chunks(prompts, graph, layout.w_out[0].shape[0], gradients=True)
@@ -39,16 +44,24 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
                 diff *= real_positions(sub)  # [senders, pairs, seq, hidden]
             clean_in = run.xs[0]  # [pairs, seq, hidden]
             start = clean_in - diff[0]  # [pairs, seq, hidden]: the corrupt input
+            kept = keep_attention(loaded, layout, sub) if qk_fix else None
             drops: list[int | None] = list(range(graph.layers)) if grad_drop else [None]
             for dropped in drops:
                 grads = torch.zeros(len(graph.receivers), *diff.shape[1:], device=diff.device)  # [receivers, ...]
-                for k in range(1, steps + 1):
+                fixed = None
+                for k in (steps, *range(1, steps)):  # the clean point first: the QK fix reads its gradient alone
                     embed = (start + (k / steps) * (clean_in - start)).clone().requires_grad_(True)
                     receiver_gradients(loaded, layout, sub, metric, embed, grads, dropped)
+                    if kept is not None and k == steps:
+                        with torch.inference_mode():
+                            fixed = qk_scores(layout, kept, sub, diff, grads, dropped)
                     if progress:
                         parts_done += 1
                         progress(parts_done, steps * len(drops) * len(parts_list))
                 part_scores = contract_all(graph, diff, grads) / steps
+                if fixed is not None:
+                    part_scores = torch.where(qk_receivers(graph).to(part_scores.device), fixed.to(part_scores.device),
+                                              part_scores)
                 scores += part_scores if dropped is None else part_scores.abs() / max(1, graph.layers - 1)
     return (scores / prompts.mask.shape[0]).numpy() * graph.mask
 

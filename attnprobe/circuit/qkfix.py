@@ -1,0 +1,176 @@
+"""AtP*'s QK fix (Kramar et al. 2024): the scores of the edges into a query or a key with the attention pattern
+recomputed exactly, linear only after it.
+
+EAP's score of an edge u -> (a head's query or a key head's key) is linear through the softmax, and says nothing
+where attention is saturated: a patched query that moves the head's attention to another key has a near-zero
+gradient. Here the patched pattern is computed: the receiver's input moved by delta = corrupt_u - clean_u, its
+queries (or keys) recomputed from norm(x + delta) through the receiver's map, and the layer's own attention module
+run on them with the clean run's values and arguments (rotary embeddings, q/k norms, soft-capping, masks, sliding
+windows, grouped heads: whatever the model applies), so that head h's output becomes z'_h = A'_h V. Then
+
+    score(u -> q of h) = sum over positions of dM/dz_h . (z'_h - z_h)      (= dM/dz_h . ((A'_h - A_h) V))
+
+and a key head's score is that sum over the query heads of its group (each sees the new keys). dM/dz_h is read as
+W_O_h^T times the sum of the gradients of the receivers the head's output feeds: the gradient its outgoing edges
+contract with, so GradDrop's dropped gradients carry over (a head whose own block is dropped gets 0, as its edges'
+receivers in that block do).
+
+Cost: per (receiver layer, sender) one attention call on two copies of the pairs (every query head's query moved in
+one, every key head's key in the other: each head's output depends on its own query and its group's keys only), the
+senders in chunks; roughly one attention recomputation per (sender, layer) pair, plus one clean forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnprobe.ablate import tile
+from attnprobe.circuit.graph import Graph
+from attnprobe.circuit.layout import Layout, project
+from attnprobe.circuit.runs import BUFFER_MIB, Pass, Prompts, forward, real_positions
+from attnprobe.errors import AttnprobeError
+from attnprobe.model import LoadedModel
+
+CALL_MIB = BUFFER_MIB // 4  # one recomputation's copies: [2 x senders x pairs, seq, max(hidden, heads x seq)]
+
+
+@dataclass
+class Kept:
+    """The clean run's attention, per layer: the block's input, the attention module's arguments (its input the
+    normed stream) and the heads' outputs z."""
+
+    x: list[Tensor]  # per layer [pairs, seq, hidden]
+    calls: list[tuple[tuple, dict]]  # per layer, the attention module's args and kwargs
+    z: list[Tensor]  # per layer [pairs, seq, heads, head_dim]
+
+
+@torch.inference_mode()
+def keep_attention(loaded: LoadedModel, layout: Layout, prompts: Prompts) -> Kept:
+    """One clean forward keeping what the recomputation reads."""
+    parts = layout.parts
+    calls: list[Any] = [None] * len(parts.blocks)
+    z: list[Any] = [None] * len(parts.blocks)
+
+    def call_hook(layer: int) -> Callable:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            calls[layer] = (args, kwargs)
+
+        return hook
+
+    def z_hook(layer: int) -> Callable:
+        def hook(_module: nn.Module, args: tuple) -> None:
+            z[layer] = args[0].unflatten(-1, (parts.heads, parts.head_dim))  # [pairs, seq, heads, head_dim]
+
+        return hook
+
+    handles = [a.register_forward_pre_hook(call_hook(i), with_kwargs=True) for i, a in enumerate(parts.attentions)]
+    handles += [p.register_forward_pre_hook(z_hook(i)) for i, p in enumerate(parts.projections)]
+    run = Pass()
+    try:
+        forward(loaded, layout, prompts.clean, prompts.mask, run)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return Kept([run.xs[i] for i in range(len(parts.blocks))], calls, z)
+
+
+def qk_receivers(graph: Graph) -> Tensor:
+    """[receivers] bool: the query and key receivers, whose scores the fix replaces."""
+    return torch.tensor([kind in ("q", "k") for _, kind in graph.receivers])
+
+
+def qk_scores(layout: Layout, kept: Kept, prompts: Prompts, diff: Tensor, grads: Tensor,
+              dropped: int | None = None) -> Tensor:
+    """The QK-fixed score of every edge into a query or a key, summed over the pairs, [senders, receivers] float64
+    (0 in the other columns): diff [senders, pairs, seq, hidden] is corrupt_u - clean_u, grads [receivers, pairs,
+    seq, hidden] each receiver's dM/d(input) (with `dropped`, that block's gradient dropped)."""
+    graph = layout.graph
+    out = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
+    streams = stream_gradients(graph, grads)
+    real = real_positions(prompts)[0, :, :, None]  # [pairs, seq, 1, 1]
+    for layer in range(graph.layers):
+        if layer == dropped:
+            continue
+        g_z = torch.einsum("pso,ohd->pshd", streams[layer], layout.w_out[layer].detach().to(streams[layer].dtype))
+        base = layer * graph.per_layer
+        count = graph.prefix(base)  # the senders before this layer
+        for start in range(0, count, sender_chunk(layout, kept, layer)):
+            senders = slice(start, min(start + sender_chunk(layout, kept, layer), count))
+            moved = patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
+            change = (moved - kept.z[layer].to(moved.dtype)) * real  # [2, senders, pairs, seq, heads, dim]
+            per_head = torch.einsum("ksphd,phd->ksh", change.flatten(2, 3).double(),
+                                    g_z.flatten(0, 1).double())  # [2, senders, heads]
+            out[senders, base : base + graph.heads] = per_head[0].cpu()
+            keys = per_head[1].unflatten(-1, (graph.kv_heads, graph.group)).sum(-1)  # [senders, kv_heads]
+            out[senders, base + graph.heads : base + graph.heads + graph.kv_heads] = keys.cpu()
+    return out
+
+
+def stream_gradients(graph: Graph, grads: Tensor) -> list[Tensor]:
+    """Per layer, the sum of the gradients of the receivers its heads feed (its MLP, every later receiver, the
+    logits): [pairs, seq, hidden] each, accumulated from the top."""
+    out: list[Tensor] = []
+    running, end = grads[-1], len(graph.receivers) - 1  # [pairs, seq, hidden]: the logits
+    for layer in reversed(range(graph.layers)):
+        mlp = (layer + 1) * graph.per_layer - 1
+        running = running + grads[mlp:end].sum(0)  # [pairs, seq, hidden]
+        out.insert(0, running)
+        end = mlp
+    return out
+
+
+def sender_chunk(layout: Layout, kept: Kept, layer: int) -> int:
+    """Senders a recomputation takes at once: two copies of the pairs each, within CALL_MIB."""
+    pairs, seq = kept.x[layer].shape[:2]
+    width = max(kept.x[layer].shape[-1], layout.graph.heads * seq)
+    return max(1, (CALL_MIB << 20) // (2 * pairs * seq * width * 4))
+
+
+def patched_outputs(layout: Layout, kept: Kept, layer: int, deltas: Tensor) -> Tensor:
+    """The heads' outputs with every query head's query (copy 0) or every key head's key (copy 1) recomputed from
+    norm(x + delta), one delta [pairs, seq, hidden] a sender: [2, senders, pairs, seq, heads, head_dim]."""
+    parts, graph = layout.parts, layout.graph
+    senders, pairs = deltas.shape[:2]
+    x = kept.x[layer]  # [pairs, seq, hidden]
+    moved = layout.ln1[layer]((x[None] + deltas.to(x.dtype)).flatten(0, 1))  # [senders x pairs, seq, hidden]
+    maps = layout.qkv[layer]
+    q_map, k_map = maps[0][0], maps[graph.heads][0]
+    q_cut = slice(maps[0][1].start, maps[graph.heads - 1][1].stop)
+    k_cut = slice(maps[graph.heads][1].start, maps[graph.heads + graph.kv_heads - 1][1].stop)
+    rows = senders * pairs
+    writes: dict[int, list[tuple[slice, slice, Tensor]]] = {}
+    writes.setdefault(id(q_map), []).append((slice(0, rows), q_cut, project(q_map, moved, q_cut)))
+    writes.setdefault(id(k_map), []).append((slice(rows, 2 * rows), k_cut, project(k_map, moved, k_cut)))
+    seen: list[Tensor] = []
+    handles = [module.register_forward_hook(write_hook(writes[id(module)]))
+               for module in {id(q_map): q_map, id(k_map): k_map}.values()]
+    handles.append(parts.projections[layer].register_forward_pre_hook(lambda _m, args: seen.append(args[0])))
+    args, kwargs = tile(kept.calls[layer], 2 * senders, pairs)
+    try:
+        parts.attentions[layer](*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    z = seen[0].unflatten(-1, (parts.heads, parts.head_dim))  # [2 x senders x pairs, seq, heads, head_dim]
+    return z.unflatten(0, (2, senders, pairs))  # [2, senders, pairs, seq, heads, head_dim]
+
+
+def write_hook(writes: list[tuple[slice, slice, Tensor]]) -> Callable:
+    """Forward hook on a query/key map: the given rows' slices of its output replaced."""
+
+    def hook(_module: nn.Module, _args: tuple, output: Tensor) -> Tensor:
+        out = output.clone()
+        for rows, cut, value in writes:
+            if out.shape[0] != 2 * value.shape[0]:
+                raise AttnprobeError(f"--qk-fix: the attention module called its query/key map on {out.shape[0]} "
+                                     f"rows, not {2 * value.shape[0]}: this architecture cannot be recomputed "
+                                     "here; drop --qk-fix")
+            out[rows, :, cut] = value.to(out.dtype)
+        return out
+
+    return hook
