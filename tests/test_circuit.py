@@ -570,6 +570,68 @@ def test_qk_fix_is_refused_for_exact_patching(family):
         cc.find_circuit(loaded, pairs_of(loaded), logit_diff, method="exact", qk_fix=True)
 
 
+QK_FAMILIES = ["gpt2", "llama", "qwen3", "mistral (sliding window)", "gemma", "stablelm", "gpt_bigcode", "granite",
+               "gpt_oss", "starcoder2"]
+
+
+@pytest.mark.parametrize("name", QK_FAMILIES)
+def test_qk_fix_recomputes_the_heads_outputs_a_patched_forward_gives(tmp_path, name):
+    """The fix's attention call (the clean run's arguments tiled: rotary, q/k norms, sliding windows, sinks, soft
+    scales, grouped and multi-query heads, a padded row) gives the heads' outputs that the whole model gives with
+    every query (or key) slice of the layer recomputed from norm(x + delta) by circuit's own receiver hooks."""
+    from attnprobe.ablate import fast_attention
+    from attnprobe.circuit import qkfix, runs
+
+    loaded = load_model(str(zoo.make(name, tmp_path / "m", lm_head=True)), "cpu", "float32", lm_head=True)
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    gen = torch.Generator().manual_seed(0)
+    clean = torch.randint(3, 60, (2, 7), generator=gen)  # [pairs, seq]
+    corrupt = torch.where(torch.rand(2, 7, generator=gen) < 0.4, torch.randint(3, 60, (2, 7), generator=gen), clean)
+    mask = torch.ones_like(clean)
+    mask[1, 5:] = 0
+    prompts = runs.Prompts(clean, corrupt, mask, mask.sum(1) - 1, [None, None])
+    layer, senders = graph.layers - 1, [0, graph.sender_index(0, 1), graph.sender_index(0)]
+    with fast_attention(loaded.model), torch.inference_mode():
+        diff = cc.outputs(loaded, layout, prompts, corrupt)[0] - cc.outputs(loaded, layout, prompts, clean)[0]
+        diff *= runs.real_positions(prompts)  # [senders, pairs, seq, hidden]
+        kept = qkfix.keep_attention(loaded, layout, prompts)
+        moved = qkfix.patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
+        for c, kind in enumerate("qk"):
+            js = [j for j, (_, k) in enumerate(graph.receivers[: graph.per_layer]) if k == kind]
+            for i, s in enumerate(senders):
+                seen: list[torch.Tensor] = []
+                patch = lambda lay, lo, hi, s=s, js=js: ([(j, slice(None), diff[s]) for j in range(lo, hi)  # noqa: E731
+                                                         if j in js] if lay == layer else [])
+                handle = layout.parts.projections[layer].register_forward_pre_hook(
+                    lambda _m, args, seen=seen: seen.append(args[0].unflatten(-1, (graph.heads, -1))))
+                try:
+                    cc.forward(loaded, layout, clean, mask, runs.Pass(patch=patch))
+                finally:
+                    handle.remove()
+                real = mask.bool()[:, :, None, None]  # [pairs, seq, 1, 1]
+                want, got = seen[0] * real, moved[c, i] * real
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+                if i == 0:
+                    assert float((want - kept.z[layer] * real).abs().max()) > 1e-3  # the patch moves the outputs
+
+
+def test_qk_fix_refuses_heads_that_read_each_others_queries(tmp_path):
+    """A Llama whose queries pass a norm over every head's query at once (as OLMo 2's): recomputing the heads'
+    patterns together would be wrong, so --qk-fix refuses it in one line."""
+    from torch import nn
+
+    loaded = load_model(str(zoo.make("llama", tmp_path / "m", lm_head=True)), "cpu", "float32", lm_head=True)
+    for block in loaded.model.layers:
+        q = block.self_attn.q_proj
+        block.self_attn.q_proj = nn.Sequential(q, nn.LayerNorm(q.out_features))
+    layout = cc.find_layout(loaded)
+    prompts = cc.tokenize(loaded, pairs_of(loaded))
+    cc.attribute(loaded, layout, prompts, logit_diff)  # EAP itself reads the slices before the norm: it runs
+    with pytest.raises(AttnprobeError, match="mixes its heads' queries or keys"):
+        cc.attribute(loaded, layout, prompts, logit_diff, qk_fix=True)
+
+
 def test_a_sandwich_norm_model_is_refused(tmp_path):
     folder = zoo.make("gemma2", tmp_path / "gemma2", lm_head=True)
     loaded = load_model(str(folder), "cpu", "float32", lm_head=True)

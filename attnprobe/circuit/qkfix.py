@@ -98,10 +98,12 @@ def qk_scores(layout: Layout, kept: Kept, prompts: Prompts, diff: Tensor, grads:
             continue
         g_z = torch.einsum("pso,ohd->pshd", streams[layer], layout.w_out[layer].detach().to(streams[layer].dtype))
         base = layer * graph.per_layer
-        count = graph.prefix(base)  # the senders before this layer
-        for start in range(0, count, sender_chunk(layout, kept, layer)):
-            senders = slice(start, min(start + sender_chunk(layout, kept, layer), count))
+        count, size = graph.prefix(base), sender_chunk(layout, kept, layer)  # the senders before this layer
+        for start in range(0, count, size):
+            senders = slice(start, min(start + size, count))
             moved = patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
+            if start == 0 and layer == (1 if dropped == 0 else 0):
+                check_apart(layout, kept, layer, diff[0], moved[:, 0])
             change = (moved - kept.z[layer].to(moved.dtype)) * real  # [2, senders, pairs, seq, heads, dim]
             per_head = torch.einsum("ksphd,phd->ksh", change.flatten(2, 3).double(),
                                     g_z.flatten(0, 1).double())  # [2, senders, heads]
@@ -131,17 +133,19 @@ def sender_chunk(layout: Layout, kept: Kept, layer: int) -> int:
     return max(1, (CALL_MIB << 20) // (2 * pairs * seq * width * 4))
 
 
-def patched_outputs(layout: Layout, kept: Kept, layer: int, deltas: Tensor) -> Tensor:
+def patched_outputs(layout: Layout, kept: Kept, layer: int, deltas: Tensor, first: bool = False) -> Tensor:
     """The heads' outputs with every query head's query (copy 0) or every key head's key (copy 1) recomputed from
-    norm(x + delta), one delta [pairs, seq, hidden] a sender: [2, senders, pairs, seq, heads, head_dim]."""
+    norm(x + delta), one delta [pairs, seq, hidden] a sender: [2, senders, pairs, seq, heads, head_dim]. first: the
+    first query head's query and the first key head's key alone."""
     parts, graph = layout.parts, layout.graph
     senders, pairs = deltas.shape[:2]
     x = kept.x[layer]  # [pairs, seq, hidden]
     moved = layout.ln1[layer]((x[None] + deltas.to(x.dtype)).flatten(0, 1))  # [senders x pairs, seq, hidden]
     maps = layout.qkv[layer]
     q_map, k_map = maps[0][0], maps[graph.heads][0]
-    q_cut = slice(maps[0][1].start, maps[graph.heads - 1][1].stop)
-    k_cut = slice(maps[graph.heads][1].start, maps[graph.heads + graph.kv_heads - 1][1].stop)
+    q_last, k_last = (0, graph.heads) if first else (graph.heads - 1, graph.heads + graph.kv_heads - 1)
+    q_cut = slice(maps[0][1].start, maps[q_last][1].stop)
+    k_cut = slice(maps[graph.heads][1].start, maps[k_last][1].stop)
     rows = senders * pairs
     writes: dict[int, list[tuple[slice, slice, Tensor]]] = {}
     writes.setdefault(id(q_map), []).append((slice(0, rows), q_cut, project(q_map, moved, q_cut)))
@@ -158,6 +162,21 @@ def patched_outputs(layout: Layout, kept: Kept, layer: int, deltas: Tensor) -> T
             handle.remove()
     z = seen[0].unflatten(-1, (parts.heads, parts.head_dim))  # [2 x senders x pairs, seq, heads, head_dim]
     return z.unflatten(0, (2, senders, pairs))  # [2, senders, pairs, seq, heads, head_dim]
+
+
+def check_apart(layout: Layout, kept: Kept, layer: int, delta: Tensor, moved: Tensor) -> None:
+    """Refuses a model whose heads read each other's queries or keys after their maps (a norm over every head's
+    query at once): there the first query head's output with its query alone moved differs from `moved` [2, pairs,
+    seq, heads, head_dim], every head's moved at once (likewise the first key head's)."""
+    alone = patched_outputs(layout, kept, layer, delta[None], first=True)[:, 0]  # [2, pairs, seq, heads, dim]
+    group = layout.graph.group
+    bound = max(1e-3, 8 * torch.finfo(moved.dtype).eps) * (float(kept.z[layer].abs().max()) or 1.0)  # rounding
+    apart = (float((alone[0, ..., 0, :] - moved[0, ..., 0, :]).abs().max()) <= bound and
+             float((alone[1, ..., :group, :] - moved[1, ..., :group, :]).abs().max()) <= bound)
+    if not apart:
+        raise AttnprobeError(f"--qk-fix: {type(layout.parts.attentions[layer]).__name__} mixes its heads' queries or "
+                             "keys after their maps (a norm over every head at once), so the heads' patterns cannot "
+                             "be recomputed together; drop --qk-fix")
 
 
 def write_hook(writes: list[tuple[slice, slice, Tensor]]) -> Callable:
