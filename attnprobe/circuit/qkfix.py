@@ -16,13 +16,17 @@ contract with, so GradDrop's dropped gradients carry over (a head whose own bloc
 receivers in that block do).
 
 Cost: per (receiver layer, sender) one attention call on two copies of the pairs (every query head's query moved in
-one, every key head's key in the other: each head's output depends on its own query and its group's keys only), the
-senders in chunks; roughly one attention recomputation per (sender, layer) pair, plus one clean forward.
+one, every key head's key in the other: each head's output depends on its own query and its group's keys only;
+check_apart refuses a model where that fails), the senders in chunks. In that call the query/key/value maps serve
+the clean run's outputs with the moved slices written in (norm(x + delta) once per sender, then the layer's queries
+and keys in one matmul each), and the call stops at the output projection, whose input z' is all it reads: roughly
+one attention recomputation per (sender, layer) pair, plus one clean forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +46,12 @@ CALL_MIB = BUFFER_MIB // 4  # one recomputation's copies: [2 x senders x pairs, 
 @dataclass
 class Kept:
     """The clean run's attention, per layer: the block's input, the attention module's arguments (its input the
-    normed stream) and the heads' outputs z."""
+    normed stream), its query/key/value maps' outputs and the heads' outputs z."""
 
     x: list[Tensor]  # per layer [pairs, seq, hidden]
     calls: list[tuple[tuple, dict]]  # per layer, the attention module's args and kwargs
     z: list[Tensor]  # per layer [pairs, seq, heads, head_dim]
+    maps: list[dict[int, Tensor]]  # per layer, each q/k/v map's output by id(map) [pairs, seq, width]
 
 
 @torch.inference_mode()
@@ -68,15 +73,25 @@ def keep_attention(loaded: LoadedModel, layout: Layout, prompts: Prompts) -> Kep
 
         return hook
 
+    maps: list[dict[int, Tensor]] = [{} for _ in parts.blocks]
+
+    def map_hook(layer: int) -> Callable:
+        def hook(module: nn.Module, _args: tuple, output: Tensor) -> None:
+            maps[layer][id(module)] = output  # [pairs, seq, width]
+
+        return hook
+
     handles = [a.register_forward_pre_hook(call_hook(i), with_kwargs=True) for i, a in enumerate(parts.attentions)]
     handles += [p.register_forward_pre_hook(z_hook(i)) for i, p in enumerate(parts.projections)]
+    handles += [m.register_forward_hook(map_hook(i)) for i in range(len(parts.blocks))
+                for m in {id(m): m for m, _ in layout.qkv[i]}.values()]
     run = Pass()
     try:
         forward(loaded, layout, prompts.clean, prompts.mask, run)
     finally:
         for handle in handles:
             handle.remove()
-    return Kept([run.xs[i] for i in range(len(parts.blocks))], calls, z)
+    return Kept([run.xs[i] for i in range(len(parts.blocks))], calls, z, maps)
 
 
 def qk_receivers(graph: Graph) -> Tensor:
@@ -96,7 +111,8 @@ def qk_scores(layout: Layout, kept: Kept, prompts: Prompts, diff: Tensor, grads:
     for layer in range(graph.layers):
         if layer == dropped:
             continue
-        g_z = torch.einsum("pso,ohd->pshd", streams[layer], layout.w_out[layer].detach().to(streams[layer].dtype))
+        w_out = layout.w_out[layer].detach().float()  # [hidden, heads, head_dim]
+        g_z = torch.einsum("pso,ohd->pshd", streams[layer].float(), w_out) * real  # [pairs, seq, heads, head_dim]
         base = layer * graph.per_layer
         count, size = graph.prefix(base), sender_chunk(layout, kept, layer)  # the senders before this layer
         for start in range(0, count, size):
@@ -104,9 +120,9 @@ def qk_scores(layout: Layout, kept: Kept, prompts: Prompts, diff: Tensor, grads:
             moved = patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
             if start == 0 and layer == (1 if dropped == 0 else 0):
                 check_apart(layout, kept, layer, diff[0], moved[:, 0])
-            change = (moved - kept.z[layer].to(moved.dtype)) * real  # [2, senders, pairs, seq, heads, dim]
-            per_head = torch.einsum("ksphd,phd->ksh", change.flatten(2, 3).double(),
-                                    g_z.flatten(0, 1).double())  # [2, senders, heads]
+            change = moved.float() - kept.z[layer].float()  # [2, senders, pairs, seq, heads, dim]
+            per_head = torch.einsum("ksphd,phd->ksh", change.flatten(2, 3),
+                                    g_z.flatten(0, 1)).double()  # [2, senders, heads]
             out[senders, base : base + graph.heads] = per_head[0].cpu()
             keys = per_head[1].unflatten(-1, (graph.kv_heads, graph.group)).sum(-1)  # [senders, kv_heads]
             out[senders, base + graph.heads : base + graph.heads + graph.kv_heads] = keys.cpu()
@@ -147,19 +163,14 @@ def patched_outputs(layout: Layout, kept: Kept, layer: int, deltas: Tensor, firs
     q_cut = slice(maps[0][1].start, maps[q_last][1].stop)
     k_cut = slice(maps[graph.heads][1].start, maps[k_last][1].stop)
     rows = senders * pairs
-    writes: dict[int, list[tuple[slice, slice, Tensor]]] = {}
-    writes.setdefault(id(q_map), []).append((slice(0, rows), q_cut, project(q_map, moved, q_cut)))
-    writes.setdefault(id(k_map), []).append((slice(rows, 2 * rows), k_cut, project(k_map, moved, k_cut)))
+    outputs = {key: clean.repeat(2 * senders, 1, 1) for key, clean in kept.maps[layer].items()}  # [2 x rows, ...]
+    outputs[id(q_map)][:rows, :, q_cut] = project(q_map, moved, q_cut)
+    outputs[id(k_map)][rows:, :, k_cut] = project(k_map, moved, k_cut)
     seen: list[Tensor] = []
-    handles = [module.register_forward_hook(write_hook(writes[id(module)]))
-               for module in {id(q_map): q_map, id(k_map): k_map}.values()]
-    handles.append(parts.projections[layer].register_forward_pre_hook(lambda _m, args: seen.append(args[0])))
     args, kwargs = tile(kept.calls[layer], 2 * senders, pairs)
-    try:
+    modules = {id(m): m for m, _ in maps}
+    with served(modules, outputs), stopped_at(parts.projections[layer], seen):
         parts.attentions[layer](*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
     z = seen[0].unflatten(-1, (parts.heads, parts.head_dim))  # [2 x senders x pairs, seq, heads, head_dim]
     return z.unflatten(0, (2, senders, pairs))  # [2, senders, pairs, seq, heads, head_dim]
 
@@ -179,17 +190,50 @@ def check_apart(layout: Layout, kept: Kept, layer: int, delta: Tensor, moved: Te
                              "be recomputed together; drop --qk-fix")
 
 
-def write_hook(writes: list[tuple[slice, slice, Tensor]]) -> Callable:
-    """Forward hook on a query/key map: the given rows' slices of its output replaced."""
+class Stop(Exception):
+    """Raised at the output projection: the heads' outputs are read, the rest of the attention is not needed."""
 
-    def hook(_module: nn.Module, _args: tuple, output: Tensor) -> Tensor:
-        out = output.clone()
-        for rows, cut, value in writes:
-            if out.shape[0] != 2 * value.shape[0]:
-                raise AttnprobeError(f"--qk-fix: the attention module called its query/key map on {out.shape[0]} "
-                                     f"rows, not {2 * value.shape[0]}: this architecture cannot be recomputed "
-                                     "here; drop --qk-fix")
-            out[rows, :, cut] = value.to(out.dtype)
-        return out
 
-    return hook
+@contextmanager
+def stopped_at(projection: nn.Module, seen: list[Tensor]) -> Iterator[None]:
+    """For the duration, a call of `projection` appends its input to `seen` and ends the attention's call there."""
+
+    def hook(_module: nn.Module, args: tuple) -> None:
+        seen.append(args[0])
+        raise Stop
+
+    handle = projection.register_forward_pre_hook(hook)
+    try:
+        yield
+    except Stop:
+        pass
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def served(modules: dict[int, nn.Module], outputs: dict[int, Tensor]) -> Iterator[None]:
+    """For the duration, each query/key/value map returns its prepared output [rows, seq, width] instead of
+    computing it (the clean outputs with the moved slices written in: no projection computed twice)."""
+    before = {key: module.__dict__.get("forward") for key, module in modules.items()}
+
+    def serve(key: int) -> Callable:
+        def forward(x: Tensor, *_args: Any, **_kwargs: Any) -> Tensor:
+            if x.shape[:-1] != outputs[key].shape[:-1]:
+                raise AttnprobeError(f"--qk-fix: the attention module called a query/key/value map on {tuple(x.shape)} "
+                                     "values, not the layer's input: this architecture cannot be recomputed here; "
+                                     "drop --qk-fix")
+            return outputs[key]
+
+        return forward
+
+    for key, module in modules.items():
+        module.forward = serve(key)
+    try:
+        yield
+    finally:
+        for key, module in modules.items():
+            if before[key] is None:
+                del module.forward
+            else:
+                module.forward = before[key]
