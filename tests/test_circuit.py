@@ -87,6 +87,12 @@ def pairs_of(loaded) -> list[TaskPair]:
     return [TaskPair(p.clean, p.corrupt, (ids(p.answer),), (ids(p.wrong),)) for p in TEXT_PAIRS]
 
 
+def pre_norm_only(family) -> None:
+    """The QK fix's tests run where it applies (pre-norm blocks; the others are refused, tested apart)."""
+    if cc.find_layout(family[1]).shape != "pre-norm":
+        pytest.skip("--qk-fix applies to pre-norm decoders")
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     name = request.param
@@ -388,6 +394,158 @@ def test_grad_drop_is_the_mean_magnitude_of_the_first_order_changes_with_a_block
     assert max(want) > 1e-3
 
 
+def oracle_qk(oracle: Oracle, loaded, pairs, edge, graph) -> float:
+    """AtP*'s QK-fixed score of a query or key edge by hand, mean over pairs: the receiver's q or k slice patched
+    exactly in a forward, the heads' new patterns A' read from eager attention, and sum over positions and the
+    heads that read the slice of dM/dz_h . ((A'_h - A_h) V_h), dM/dz_h from a clean backward, V from the clean
+    run."""
+    s, r = edge
+    node, kind = graph.receivers[r]
+    layer = int(node[1:].split(".")[0])
+    index = int(node.split(".")[1].lstrip("hkv"))
+    heads = [index] if kind == "q" else list(range(index * graph.group, (index + 1) * graph.group))
+    total = 0.0
+    for pair in pairs:
+        clean, a, b, _ = oracle_runs(oracle, loaded, pair)
+        delta = (b[graph.senders[s]] - a[graph.senders[s]])[None]  # [1, seq, hidden]
+        before, values, grad_z = clean_attention(oracle, clean, pair, layer)
+        handles = oracle.receiver_hooks(graph.receivers[r], delta)
+        try:
+            with torch.no_grad():
+                after = oracle.model(input_ids=torch.tensor([clean]), output_attentions=True).attentions[layer][0]
+        finally:
+            for handle in handles:
+                handle.remove()
+        for h in heads:  # after, before: [heads, seq, seq]; values: [kv heads, seq, dim]; grad_z: [seq, heads, dim]
+            total += float(((after[h] - before[h]) @ values[h // graph.group] * grad_z[:, h]).sum())
+    return total / len(pairs)
+
+
+def clean_attention(oracle: Oracle, ids: list[int], pair: TaskPair, layer: int,
+                    frozen: tuple[int, torch.Tensor] | None = None) -> tuple:
+    """One clean prompt's patterns at a layer [heads, seq, seq], its values [kv heads, seq, dim] and dM/dz
+    [seq, heads, dim] (a clean forward and backward with plain hooks; `frozen`: that block's contribution to the
+    residual stream replaced by the given constant)."""
+    seen = {}
+    names = oracle.n["qkv"]
+    v_map = oracle.layers[layer].get_submodule(names[2])
+    offset = (oracle.heads + oracle.kv) * oracle.d if names[0] == names[2] else 0
+
+    def keep_v(_m, _a, out):
+        seen["v"] = out[0, :, offset : offset + oracle.kv * oracle.d].detach()  # [seq, kv heads x dim]
+
+    def keep_z(_m, args):
+        seen["z"] = args[0]
+        args[0].retain_grad()
+
+    def hold(_m, args, kwargs, out):
+        held = (args[0] if args else kwargs["hidden_states"]) + frozen[1]
+        return (held, *out[1:]) if isinstance(out, tuple) else held
+
+    handles = [v_map.register_forward_hook(keep_v), oracle.part(layer, "o").register_forward_pre_hook(keep_z)]
+    if frozen is not None:
+        handles.append(oracle.layers[frozen[0]].register_forward_hook(hold, with_kwargs=True))
+    try:
+        out = oracle.model(input_ids=torch.tensor([ids]), output_attentions=True)
+        logits = out.logits[0, -1]
+        (logits[list(pair.good)].mean() - logits[list(pair.bad)].mean()).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        oracle.model.zero_grad(set_to_none=True)
+    values = seen["v"].unflatten(-1, (oracle.kv, oracle.d)).transpose(0, 1)  # [kv heads, seq, dim]
+    grad = seen["z"].grad if seen["z"].grad is not None else torch.zeros_like(seen["z"])  # none: its block held
+    grad_z = grad[0].unflatten(-1, (oracle.heads, oracle.d))  # [seq, heads, dim]
+    return out.attentions[layer][0].detach(), values, grad_z
+
+
+def qk_edges(graph: cc.Graph, count: int, seed: int = 0) -> list[tuple[int, int]]:
+    """Edges into queries and keys of every layer, drawn at random."""
+    return [e for e in some_edges(graph, count, seed) if graph.receivers[e[1]][1] in ("q", "k")]
+
+
+def test_qk_fix_equals_the_hook_oracle(family):
+    """--qk-fix's score of query and key edges (grouped keys summed over their query heads) equals the hand-written
+    oracle: the slice patched exactly, the new pattern read, linear only after it (float64 oracle; attnprobe runs
+    float32: rtol 1e-3)."""
+    pre_norm_only(family)
+    _, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)
+    scores = cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, qk_fix=True)
+    edges = qk_edges(graph, 3, seed=4)
+    want = np.array([oracle_qk(oracle, loaded, pairs, e, graph) for e in edges])
+    got = np.array([scores[e] for e in edges])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * max(1.0, np.abs(want).max()))
+    assert np.abs(want).max() > 1e-3
+    assert {graph.receivers[r][1] for _, r in edges} == {"q", "k"}
+
+
+def test_qk_fix_moves_only_query_and_key_edges_and_reads_eap_igs_clean_point(family):
+    """With --qk-fix the value, MLP and logits edges keep their scores bit for bit, the query and key edges move;
+    under EAP-IG the fixed edges are those of EAP (the fix is taken at the clean run, the k = m point)."""
+    pre_norm_only(family)
+    _, loaded, _ = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    prompts = cc.tokenize(loaded, pairs_of(loaded))
+    qk = np.array([kind in ("q", "k") for _, kind in graph.receivers])
+    ig = cc.attribute(loaded, layout, prompts, logit_diff, steps=3)
+    ig_fixed = cc.attribute(loaded, layout, prompts, logit_diff, steps=3, qk_fix=True)
+    eap_fixed = cc.attribute(loaded, layout, prompts, logit_diff, qk_fix=True)
+    assert (ig_fixed[:, ~qk] == ig[:, ~qk]).all()
+    assert np.abs(ig_fixed[:, qk] - ig[:, qk]).max() > 1e-3
+    np.testing.assert_allclose(ig_fixed[:, qk], eap_fixed[:, qk], rtol=0, atol=1e-12)
+    assert (ig_fixed[~graph.mask] == 0).all()
+
+
+def test_qk_fix_with_grad_drop_is_the_mean_magnitude_of_the_fixed_changes_with_a_block_held(family):
+    """--qk-fix with --grad-drop: a query or key edge's score = sum over blocks l of |dM/dz . (A' - A) V| with dM/dz
+    from a backward in which block l's contribution to the residual stream is held at its clean value (a constant),
+    / (layers - 1). The edges are into the last block: held, it gives 0 (the heads' own block); the first block
+    held leaves the full gradient. attnprobe runs float32 (rtol 1e-3, as the other oracle tests)."""
+    pre_norm_only(family)
+    _, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)[:2]
+    scores = cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, grad_drop=True, qk_fix=True)
+    edges = [(graph.senders.index("m0"), graph.receivers.index(("a1.h1", "q"))),
+             (graph.senders.index("m0"), graph.receivers.index((graph.kv_name(1, 0), "k")))]
+    want = [sum(abs(held_qk_change(oracle, loaded, pairs, edge, graph, held)) for held in range(graph.layers)) /
+            (graph.layers - 1) for edge in edges]
+    got = np.array([scores[e] for e in edges])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * max(1.0, max(want)))
+    assert min(want) > 1e-4
+
+
+def held_qk_change(oracle: Oracle, loaded, pairs, edge, graph, held: int) -> float:
+    """dM/dz . (A' - A) V summed over the receiving heads, mean over pairs, with dM/dz from a backward in which block
+    `held`'s contribution to the residual stream is a constant (its clean value): no gradient passes through it."""
+    s, r = edge
+    node, kind = graph.receivers[r]
+    layer = int(node[1:].split(".")[0])
+    index = int(node.split(".")[1].lstrip("hkv"))
+    heads = [index] if kind == "q" else list(range(index * graph.group, (index + 1) * graph.group))
+    total = 0.0
+    for pair in pairs:
+        clean, a, b, _ = oracle_runs(oracle, loaded, pair)
+        before, values, grad_z = clean_attention(oracle, clean, pair, layer,
+                                                 (held, contribution(oracle, clean, held)))
+        delta = (b[graph.senders[s]] - a[graph.senders[s]])[None]  # [1, seq, hidden]
+        handles = oracle.receiver_hooks(graph.receivers[r], delta)
+        try:
+            with torch.no_grad():
+                after = oracle.model(input_ids=torch.tensor([clean]), output_attentions=True).attentions[layer][0]
+        finally:
+            for handle in handles:
+                handle.remove()
+        for h in heads:
+            total += float(((after[h] - before[h]) @ values[h // graph.group] * grad_z[:, h]).sum())
+    return total / len(pairs)
+
+
 def test_eap_ig_with_one_step_is_eap_and_more_steps_move_it(family):
     _, loaded, _ = family
     layout = cc.find_layout(loaded)
@@ -463,6 +621,149 @@ def test_a_planted_circuit_is_found_with_faithfulness_one(tmp_path):
     drawn = [cc.normalized(cc.evaluate(loaded, layout, two, logit_diff, cc.random_edges(graph, 2, rng)),
                            result.faithfulness.clean, result.faithfulness.corrupt) for _ in range(20)]
     assert np.mean(drawn) <= 0.1
+
+
+def saturated_model(folder: Path, sharpness: float = 2.0) -> Path:
+    """A 2-layer GPT-2 (4 heads of 4) whose weights are zero but for one saturated head: layer 1's head 0 at the
+    last position attends to position 0 when the last token is `a` and to position 1 when it is `b` (its query reads
+    a - b, its key position 0's marker - position 1's; the logits differ by ~ 46 at sharpness 2, so the pattern is
+    0/1 to e^-46), and copies that position's token to the channels the LM head reads. The output projection's bias
+    puts +-1000 on two channels the LM head ignores: the final norm's spread then moves by ~ 1e-5 of itself when the
+    head copies another token, so the metric is linear in the head's output to that precision. Vocabulary: a, b,
+    c."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True)
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "a": 1, "b": 2, "c": 3}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>").save_pretrained(folder)
+    hidden = 16
+    config = GPT2Config(vocab_size=4, n_embd=hidden, n_layer=2, n_head=4, n_positions=8, pad_token_id=0,
+                        tie_word_embeddings=False)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name, p in model.named_parameters():
+            if ".ln_" in name and name.endswith("weight") or name.startswith("transformer.ln_f.weight"):
+                p.fill_(1.0)
+        model.transformer.wte.weight[:, :4] = torch.eye(4) * 4  # token t: 4 on channel t
+        model.transformer.wte.weight[:, 4] = -1.0
+        model.transformer.wpe.weight[0, 8], model.transformer.wpe.weight[1, 9] = 4.0, 4.0  # the positions' markers
+        attn = model.transformer.h[1].attn
+        w = attn.c_attn.weight  # [hidden, q | k | v]
+        w[1, 0], w[2, 0], w[1, 1], w[2, 1] = sharpness, -sharpness, -sharpness, sharpness  # query: +-(a - b)
+        w[8, hidden], w[9, hidden], w[8, hidden + 1], w[9, hidden + 1] = sharpness, -sharpness, -sharpness, sharpness
+        for j in range(4):
+            w[j, 2 * hidden + j] = 1.0  # head 0's value <- token channel j
+            attn.c_proj.weight[j, 10 + j] = 1.0  # head 0's output -> channel 10 + j
+            model.lm_head.weight[j, 10 + j] = 100.0  # token j's logit <- channel 10 + j
+        attn.c_proj.bias[14], attn.c_proj.bias[15] = 1000.0, -1000.0
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_qk_fix_recovers_a_saturated_head_that_eap_misses(tmp_path):
+    """A saturated head whose patched query attends to another key: EAP's score of the query edge is ~0 (the
+    softmax's gradient is e^-46), the exact patch is large, and the QK-fixed score equals the exact patch to 1e-3:
+    everything after the pattern is linear here but the final norm, whose spread moves by ~ 1e-5 of itself (the
+    planted +-1000 channels), and float32 rounds the norm's input of ~ 1000 to ~ 1e-4 of the head's ~ 3."""
+    loaded = load_model(str(saturated_model(tmp_path / "saturated")), "cpu", "float32", lm_head=True)
+    token = lambda w: loaded.tokenizer(w, add_special_tokens=False)["input_ids"][0]  # noqa: E731
+    pairs = [TaskPair("b c a", "b c b", (token("b"),), (token("c"),)),
+             TaskPair("c b a", "c b b", (token("c"),), (token("b"),)),
+             TaskPair("a c a", "a c b", (token("a"),), (token("c"),))]
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    prompts = cc.tokenize(loaded, pairs)
+    edge = (graph.senders.index("input"), graph.receivers.index(("a1.h0", "q")))
+    exact = cc.exact(loaded, layout, prompts, logit_diff, [edge])[0]
+    eap = cc.attribute(loaded, layout, prompts, logit_diff)[edge]
+    fixed = cc.attribute(loaded, layout, prompts, logit_diff, qk_fix=True)[edge]
+    assert exact < -1.0  # the patched query copies the other token: the metric flips sign
+    assert abs(eap) < 1e-3 * abs(exact)
+    assert fixed == pytest.approx(exact, rel=1e-3)
+
+
+def test_qk_fix_is_refused_for_exact_patching(family):
+    _, loaded, _ = family
+    with pytest.raises(AttnprobeError, match="--qk-fix applies to --method eap or eap-ig"):
+        cc.find_circuit(loaded, pairs_of(loaded), logit_diff, method="exact", qk_fix=True)
+
+
+QK_FAMILIES = ["gpt2", "llama", "qwen3", "mistral (sliding window)", "gemma", "stablelm", "gpt_bigcode", "granite",
+               "gpt_oss", "starcoder2"]
+
+
+@pytest.mark.parametrize("name", QK_FAMILIES)
+def test_qk_fix_recomputes_the_heads_outputs_a_patched_forward_gives(tmp_path, name):
+    """The fix's attention call (the clean run's arguments tiled: rotary, q/k norms, sliding windows, sinks, soft
+    scales, grouped and multi-query heads, a padded row) gives the heads' outputs that the whole model gives with
+    every query (or key) slice of the layer recomputed from norm(x + delta) by circuit's own receiver hooks."""
+    from attnprobe.ablate import fast_attention
+    from attnprobe.circuit import qkfix, runs
+
+    loaded = load_model(str(zoo.make(name, tmp_path / "m", lm_head=True)), "cpu", "float32", lm_head=True)
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    gen = torch.Generator().manual_seed(0)
+    clean = torch.randint(3, 60, (2, 7), generator=gen)  # [pairs, seq]
+    corrupt = torch.where(torch.rand(2, 7, generator=gen) < 0.4, torch.randint(3, 60, (2, 7), generator=gen), clean)
+    mask = torch.ones_like(clean)
+    mask[1, 5:] = 0
+    prompts = runs.Prompts(clean, corrupt, mask, mask.sum(1) - 1, [None, None])
+    layer, senders = graph.layers - 1, [0, graph.sender_index(0, 1), graph.sender_index(0)]
+    with fast_attention(loaded.model), torch.inference_mode():
+        diff = cc.outputs(loaded, layout, prompts, corrupt)[0] - cc.outputs(loaded, layout, prompts, clean)[0]
+        diff *= runs.real_positions(prompts)  # [senders, pairs, seq, hidden]
+        kept = qkfix.keep_attention(loaded, layout, prompts)
+        moved = qkfix.patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
+        for c, kind in enumerate("qk"):
+            js = [j for j, (_, k) in enumerate(graph.receivers[: graph.per_layer]) if k == kind]
+            for i, s in enumerate(senders):
+                seen: list[torch.Tensor] = []
+                patch = lambda lay, lo, hi, s=s, js=js: ([(j, slice(None), diff[s]) for j in range(lo, hi)  # noqa: E731
+                                                         if j in js] if lay == layer else [])
+                handle = layout.parts.projections[layer].register_forward_pre_hook(
+                    lambda _m, args, seen=seen: seen.append(args[0].unflatten(-1, (graph.heads, -1))))
+                try:
+                    cc.forward(loaded, layout, clean, mask, runs.Pass(patch=patch))
+                finally:
+                    handle.remove()
+                real = mask.bool()[:, :, None, None]  # [pairs, seq, 1, 1]
+                want, got = seen[0] * real, moved[c, i] * real
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+                if i == 0:
+                    assert float((want - kept.z[layer] * real).abs().max()) > 1e-3  # the patch moves the outputs
+
+
+def test_heads_that_read_each_others_queries_are_refused(tmp_path):
+    """A Llama whose queries pass a norm over every head's query at once (as OLMo 2's): patching one head's query
+    input alone (and the QK fix's patterns recomputed together) would be wrong, so the layout refuses it in one
+    line."""
+    from torch import nn
+
+    loaded = load_model(str(zoo.make("llama", tmp_path / "m", lm_head=True)), "cpu", "float32", lm_head=True)
+    cc.find_layout(loaded)  # the plain model is read
+    for block in loaded.model.layers:
+        q = block.self_attn.q_proj
+        block.self_attn.q_proj = nn.Sequential(q, nn.LayerNorm(q.out_features))
+    with pytest.raises(AttnprobeError, match="normalises every head's queries or keys together") as info:
+        cc.find_layout(loaded)
+    assert "\n" not in str(info.value)
+
+
+def test_qk_fix_is_refused_where_heads_are_not_added_unchanged(family):
+    """--qk-fix reads each head's output as pre-norm blocks add it: a sandwich or post-norm model is refused in one
+    line."""
+    name, loaded, _ = family
+    layout = cc.find_layout(loaded)
+    if layout.shape == "pre-norm":
+        pytest.skip("pre-norm: the fix applies")
+    with pytest.raises(AttnprobeError, match="--qk-fix on a") as info:
+        cc.attribute(loaded, layout, cc.tokenize(loaded, pairs_of(loaded)), logit_diff, qk_fix=True)
+    assert "\n" not in str(info.value)
 
 
 def test_a_parallel_block_model_is_refused_in_one_line(tmp_path):
@@ -619,6 +920,27 @@ def test_cli_writes_the_edges_the_circuit_and_mibs_importances(tmp_path, tasks_m
     assert again.exit_code == 0, again.output
     assert json.loads((out / "circuit.json").read_text())["faithfulness"] is None
     assert not (out / "faithfulness.png").exists()
+
+
+def test_cli_qk_fix_is_recorded_and_refused_for_exact(tmp_path, tasks_module):
+    """`--qk-fix` (with --grad-drop) writes qk_fix and what the scores are into circuit.json; with --method exact it
+    is refused in one line."""
+    import json
+
+    from test_cli import assert_one_line_error, run
+
+    folder = zoo.make("llama", tmp_path / "llama", lm_head=True)
+    pairs = write_pairs(tmp_path / "pairs.jsonl", TEXT_PAIRS)
+    out = tmp_path / "out"
+    result = run("circuit", "--model", folder, "--pairs", pairs, "--out", out, "--method", "eap", "--qk-fix",
+                 "--grad-drop", "--top", "5", "--sizes", "none")
+    assert result.exit_code == 0, result.output
+    run_info = json.loads((out / "circuit.json").read_text())
+    assert run_info["qk_fix"] is True and run_info["grad_drop"] is True
+    assert "QK fix" in run_info["score"] and "GradDrop" in run_info["score"]
+    refused = run("circuit", "--model", folder, "--pairs", pairs, "--out", tmp_path / "exact", "--method", "exact",
+                  "--qk-fix", "--sizes", "none")
+    assert_one_line_error(refused, "--qk-fix applies to --method eap or eap-ig")
 
 
 def test_mean_ablation_of_every_edge_reads_the_mean_residual(tmp_path):

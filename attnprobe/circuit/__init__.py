@@ -17,8 +17,11 @@ Scores (the first-order change of the mean metric when the edge is patched to th
 signs them): EAP = sum over positions of (corrupt_u - clean_u) . dM/d(input_v), every edge from one clean and one
 corrupt forward and one backward; EAP-IG = the same with the gradient averaged over m points on the straight line
 from the corrupt to the clean input embeddings (alpha = k/m, k = 1..m, so m = 1 is EAP; EAP-IG's code takes
-k = 0..m-1); GradDrop (AtP*, Kramar et al. 2024) as an option. Exact edge patching: the patched mean metric minus
-the clean one, each edge a copy of the pairs run from its receiver's layer on.
+k = 0..m-1); GradDrop (AtP*, Kramar et al. 2024) as an option, and AtP*'s QK fix as another (qkfix.py): the edges
+into queries and keys scored with the patched attention pattern recomputed exactly, dM/dz_h . ((A' - A) V), linear
+only after the softmax whose gradient saturated attention makes blind (with EAP-IG at the clean point, k = m; with
+GradDrop once per dropped block; about one attention recomputation per (sender, layer)). Exact edge patching: the
+patched mean metric minus the clean one, each edge a copy of the pairs run from its receiver's layer on.
 
 Faithfulness (MIB, Mueller et al. 2025): the metric with every edge outside the circuit patched to the corrupt run
 (or mean-ablated), (M_circuit - M_corrupt) / (M_clean - M_corrupt), at circuit sizes given as fractions of the
@@ -134,18 +137,23 @@ class CircuitResult:
 
 
 def find_circuit(loaded: LoadedModel, pairs: Sequence[Any], metric: Metric, *, method: str = "eap-ig",
-                 steps: int = 5, grad_drop: bool = False, top: int | None = None, threshold: float | None = None,
-                 fractions: Sequence[float] = PERCENTAGES, randoms: int = 5, ablation: str = "patch",
-                 check: int = 0, seed: int = 0, progress: Callable[[str, int, int], None] | None = None,
+                 steps: int = 5, grad_drop: bool = False, qk_fix: bool = False, top: int | None = None,
+                 threshold: float | None = None, fractions: Sequence[float] = PERCENTAGES, randoms: int = 5,
+                 ablation: str = "patch", check: int = 0, seed: int = 0,
+                 progress: Callable[[str, int, int], None] | None = None,
                  ) -> tuple[Layout, CircuitResult]:
-    """Score every edge (method eap, eap-ig, or exact: every edge patched alone), choose the circuit (top edges or
-    |score| >= threshold), its faithfulness curve and, with check > 0, the exact patch of the top `check` edges."""
+    """Score every edge (method eap, eap-ig, or exact: every edge patched alone; grad_drop and qk_fix: AtP*'s
+    options of eap and eap-ig, together or alone), choose the circuit (top edges or |score| >= threshold), its
+    faithfulness curve and, with check > 0, the exact patch of the top `check` edges."""
     if method not in METHODS:
         raise AttnprobeError(f"--method {method!r}: use one of {', '.join(METHODS)}")
     if steps < 1:
         raise AttnprobeError(f"--steps {steps}: give at least 1")
     if grad_drop and method == "exact":
         raise AttnprobeError("--grad-drop applies to --method eap or eap-ig: exact patching has no gradient to drop")
+    if qk_fix and method == "exact":
+        raise AttnprobeError("--qk-fix applies to --method eap or eap-ig: exact patching recomputes every attention "
+                             "pattern already; drop --qk-fix")
     layout = find_layout(loaded)
     if fractions:
         check_ablation(layout, ablation)
@@ -162,7 +170,7 @@ def find_circuit(loaded: LoadedModel, pairs: Sequence[Any], metric: Metric, *, m
             scores[s, r] = v
     else:
         scores = attribute(loaded, layout, prompts, metric, steps=1 if method == "eap" else steps,
-                           grad_drop=grad_drop, progress=say("attribution"))
+                           grad_drop=grad_drop, qk_fix=qk_fix, progress=say("attribution"))
     seconds["scores"] = time.perf_counter() - tick
     circuit = choose(graph, scores, top, threshold)
     checked = None

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from attnprobe.ablate import fast_attention
 from attnprobe.circuit.graph import Graph
 from attnprobe.circuit.layout import Layout, first, hidden_of, slice_weight
+from attnprobe.circuit.qkfix import keep_attention, qk_receivers, qk_scores
 from attnprobe.circuit.runs import (
     Metric,
     Pass,
@@ -30,7 +31,8 @@ from attnprobe.model import LoadedModel
 
 
 def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, *, steps: int = 1,
-              grad_drop: bool = False, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+              grad_drop: bool = False, qk_fix: bool = False,
+              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """EAP (steps 1) or EAP-IG (steps m) scores of every edge, [senders, receivers] float64 (0 off the graph): the
     first-order change of the mean metric when the edge is patched to the corrupt run. The score is linear in the
     gradient, so EAP-IG sums each receiver's gradient over the steps and contracts once.
@@ -38,11 +40,17 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
     grad_drop (AtP*'s GradDrop, Kramar et al. 2024): the scores again with the gradient through each block's
     contribution to the residual stream dropped in turn, sum over blocks l of |score_l| / (layers - 1): an edge
     whose paths cancel in the full gradient shows where one block's paths are left out. Unsigned; layers times the
-    passes."""
+    passes.
+
+    qk_fix (AtP*'s QK fix, qkfix.py): the edges into queries and keys scored with the patched attention pattern
+    recomputed exactly, from the clean run's gradient (the k = m point: see qkfix.py)."""
     graph = layout.graph
     if grad_drop and layout.post_norm:
         raise AttnprobeError("--grad-drop on a post-norm decoder: a block's contribution passes its norms, so there is "
                              "no residual add to drop; use it on pre-norm or sandwich-norm decoders")
+    if qk_fix and layout.shape != "pre-norm":
+        raise AttnprobeError(f"--qk-fix on a {layout.shape} decoder: the fix reads each head's output as the residual "
+                             "stream receives it, which only pre-norm blocks add unchanged; drop --qk-fix here")
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
     parts_done, parts_list = 0, chunks(prompts, layout, gradients=True)
     with fast_attention(loaded.model):
@@ -50,21 +58,30 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
             sub = part(prompts, rows)
             diff, clean_in, start = sender_diffs(loaded, layout, sub)  # start: the corrupt input [pairs, seq, hidden]
             folded = not layout.post_norm  # clean_u still to subtract from diff, in the clean point's pass
+            kept = keep_attention(loaded, layout, sub) if qk_fix else None
             drops: list[int | None] = list(range(graph.layers)) if grad_drop else [None]
             for i, dropped in enumerate(drops):
                 grads = torch.zeros(len(graph.receivers), *clean_in.shape, device=clean_in.device)  # [receivers, ...]
-                for k in range(1, steps + 1):
+                fixed = None
+                # the clean point first: its pass completes diff (clean_u subtracted: no forward of its own), and the
+                # QK fix reads its gradient alone
+                for k in (steps, *range(1, steps)):
                     point = clean_in if k == steps else start + (k / steps) * (clean_in - start)  # [pairs, seq, hid]
-                    # the clean point's pass also subtracts clean_u from the record: no forward of its own
                     record = diff if folded and i == 0 and k == steps else None
                     receiver_gradients(loaded, layout, sub, metric, point.clone().requires_grad_(True), grads,
                                        dropped, record)
+                    if record is not None:
+                        diff *= real_positions(sub)  # [senders, pairs, seq, hidden]: corrupt_u - clean_u
+                    if kept is not None and k == steps:
+                        with torch.inference_mode():
+                            fixed = qk_scores(layout, kept, sub, diff, grads, dropped)
                     if progress:
                         parts_done += 1
                         progress(parts_done, steps * len(drops) * len(parts_list))
-                if folded and i == 0:
-                    diff *= real_positions(sub)  # [senders, pairs, seq, hidden]: corrupt_u - clean_u
                 part_scores = (diff.scores(grads) if layout.post_norm else contract_all(graph, diff, grads)) / steps
+                part_scores = part_scores.cpu()  # [senders, receivers]: scores are kept on the CPU
+                if fixed is not None:
+                    part_scores = torch.where(qk_receivers(graph), fixed.cpu(), part_scores)
                 scores += part_scores if dropped is None else part_scores.abs() / max(1, graph.layers - 1)
     return (scores / prompts.mask.shape[0]).numpy() * graph.mask
 

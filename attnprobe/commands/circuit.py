@@ -78,6 +78,13 @@ def circuit(
         bool, typer.Option("--grad-drop", help="AtP*'s GradDrop: the scores again with the gradient through each "
                            "block dropped in turn, the mean of their magnitudes (unsigned; layers x the passes).")
     ] = False,
+    qk_fix: Annotated[
+        bool, typer.Option("--qk-fix", help="AtP*'s QK fix: the edges into queries and keys scored with the patched "
+                           "attention pattern recomputed exactly (linear only after it), where saturated attention "
+                           "hides them from the gradient. Costs about one attention recomputation per (sender, "
+                           "layer) pair; with --grad-drop, once per block dropped; with eap-ig, at the clean run. "
+                           "Pre-norm decoders (GPT-2, Llama, Qwen, Mistral ...).")
+    ] = False,
     top: Annotated[
         int | None, typer.Option("--top", help="The circuit: the edges of largest |score|, this many.  [default: 1% "
                                  "of the edges]", show_default=False)
@@ -136,13 +143,14 @@ def circuit(
         made, metric, kind, source = prompt_pairs(loaded, task, pairs, n, seed)
         with stage_progress("steps") as progress:
             layout, result = cc.find_circuit(loaded, made, metric, method=method.value, steps=steps,
-                                             grad_drop=grad_drop, top=top,
+                                             grad_drop=grad_drop, qk_fix=qk_fix, top=top,
                                              threshold=threshold, fractions=fractions, randoms=random,
                                              ablation=ablation.value, check=check, seed=seed, progress=progress)
     finally:
         release_offload(loaded)
-    run = record(loaded, layout, result, made, source, method=method.value, steps=steps, grad_drop=grad_drop, top=top,
-                 threshold=threshold, random=random, ablation=ablation.value, kind=kind, seed=seed)
+    run = record(loaded, layout, result, made, source, method=method.value, steps=steps, grad_drop=grad_drop,
+                 qk_fix=qk_fix, top=top, threshold=threshold, random=random, ablation=ablation.value, kind=kind,
+                 seed=seed)
     run["threads"] = threads_used
     written = write(out, layout, result, run, f"{model}: {len(made)} pairs, {method.value}")
     folder.sweep()
@@ -182,8 +190,8 @@ def prompt_pairs(loaded, task: str | None, path: Path | None, n: int, seed: int)
 
 
 def record(loaded, layout, result, pairs: list, source: dict, *, method: str, steps: int, grad_drop: bool,
-           top: int | None,
-           threshold: float | None, random: int, ablation: str, kind: str, seed: int) -> dict[str, Any]:
+           qk_fix: bool, top: int | None, threshold: float | None, random: int, ablation: str, kind: str,
+           seed: int) -> dict[str, Any]:
     """circuit.json: the model, the pairs, the settings, the circuit, its faithfulness curve, CPR and CMD."""
     import numpy as np
 
@@ -205,10 +213,9 @@ def record(loaded, layout, result, pairs: list, source: dict, *, method: str, st
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {**model_record(loaded), "weights_sha256": model_weights(loaded)},
         "pairs": {**source, "count": len(pairs)},
-        "method": method, "steps": steps if method == "eap-ig" else None, "grad_drop": grad_drop, "metric": kind,
-        "score": ("mean over blocks dropped of |first-order change| (GradDrop)" if grad_drop else
-                  "first-order change of the mean metric when the edge is patched to the corrupt run")
-                 if method != "exact" else "change of the mean metric when the edge alone is patched",
+        "method": method, "steps": steps if method == "eap-ig" else None, "grad_drop": grad_drop, "qk_fix": qk_fix,
+        "metric": kind,
+        "score": score_text(method, grad_drop, qk_fix),
         "graph": {"layers": graph.layers, "heads": graph.heads, "kv_heads": graph.kv_heads,
                   "senders": len(graph.senders), "receivers": len(graph.receivers), "edges": graph.edge_count,
                   "kv_groups": graph.groups()},
@@ -227,6 +234,18 @@ def record(loaded, layout, result, pairs: list, source: dict, *, method: str, st
         "notes": notes,
         "versions": versions(),
     }
+
+
+def score_text(method: str, grad_drop: bool, qk_fix: bool) -> str:
+    """What circuit.json's scores are, in words."""
+    if method == "exact":
+        return "change of the mean metric when the edge alone is patched"
+    text = ("mean over blocks dropped of |first-order change| (GradDrop)" if grad_drop else
+            "first-order change of the mean metric when the edge is patched to the corrupt run")
+    if qk_fix:
+        text += ("; edges into queries and keys: the patched attention pattern recomputed exactly, first order only "
+                 "after it (QK fix)")
+    return text
 
 
 def write(out, layout, result, run: dict, title: str) -> list[Path]:
