@@ -273,6 +273,39 @@ def test_16_bit_inputs_hold_every_statistic_to_its_rounding_bound(dtype, monkeyp
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_16_bit_value_weighted_sums_on_the_tensor_cores_hold_float32s_bound(dtype, causal, monkeypatch):
+    """16-bit inputs sum the value-weighted map's totals, ln w and distances as p @ G on the tensor cores: p cut in
+    two tensorfloat-32 parts (within 2^-20 of p), G's columns in three (exact), so each sum is within 2^-20 of the
+    sum of its terms' sizes, and every value-weighted statistic within float32's bound of the float64 map of the
+    same rounded inputs (decoder and encoder, whose tiles right of the rows count the distance the other way). G is
+    built as the kernel reads it (weight_columns): its keys in TF32_ORDER, each column's parts adding up exactly."""
+    monkeypatch.setattr(triton_path, "BLOCK_M", 32)
+    monkeypatch.setattr(triton_path, "BLOCK_N", 16)
+    n, heads, dim = 70, 4, 64  # the encoder's first block of rows sees the keys 32-63 whole, right of its rows
+    q, k, v, real = heads_of(n, 2, dim, heads=heads, seed=6, dtype=dtype)
+    projection = torch.nn.Linear(heads * dim, WIDTH).to(DEVICE)
+    factors = values.head_factors(projection, heads)  # [head, k, dim]
+    sums, _, _ = triton_path.triton_attend(q, k, v, real, None, causal, batch_info(n), need_output=False,
+                                           factors=factors)
+    p = oracle_map(q, k, real, causal, None, None, None)  # [batch, head, q, key]
+    slices = projection.weight.detach().double().view(WIDTH, heads, dim).transpose(0, 1)  # [head, width, dim]
+    norms = torch.einsum("hwd,bhkd->bhkw", slices, v.double().repeat_interleave(2, 1)).norm(dim=-1)  # [b, h, key]
+    weighted = p * norms[:, :, None, :]
+    weighted = weighted / weighted.sum(dim=-1, keepdim=True)
+    expected = sentence_stats(weighted, real.long(), causal, None, sink=2, window=5)
+    means = sums.means()
+    for name in VALUE_WEIGHTED:
+        assert_close(means[name + VW].cpu().double(), expected[name].cpu(), name + VW)
+    w, columns = triton_path.weight_columns(norms.float(), 16)  # [b, h, key'], [b, h, 16, key']
+    order = torch.tensor(triton_path.TF32_ORDER).repeat(w.shape[-1] // 8) + torch.arange(w.shape[-1]) // 8 * 8
+    parts = columns[..., order.argsort()].double().view(2, heads, 4, 4, -1).sum(dim=2)  # [b, h, 4, key']
+    assert torch.equal(parts[:, :, 0], w.double()) and torch.equal(parts[:, :, 3], w.double())
+    assert torch.equal(parts[:, :, 2], (w * (torch.arange(w.shape[-1]) % 16)).double())
+
+
+@needs_triton
 def test_an_interpreter_before_3_9_is_refused_in_one_line(monkeypatch):
     """triton 3.6 (torch 2.11's) cannot run the kernels in its interpreter: --attention triton on a CPU is refused
     there in one line, and the tests that run the kernels skip (needs_triton)."""
@@ -493,7 +526,8 @@ def test_float32_blocks_fit_an_a100_at_every_head_size():
 
 def test_registers_are_capped_where_the_compile_found_no_spill():
     """stats_forward's register cap (tests/triton_compile.py: 167 registers, no spill, for 16-bit heads of 64 without
-    value weighting; the value-weighted kernel would spill 528 bytes at the cap, wider heads more)."""
+    value weighting; the value-weighted kernel would spill 1,244 bytes at the cap, 118 accesses of them in the main
+    loop, wider heads more)."""
     assert triton_path.register_cap(torch.bfloat16, 64, False) == {"maxnreg": 168}
     assert triton_path.register_cap(torch.float16, 32, False) == {"maxnreg": 168}
     assert triton_path.register_cap(torch.bfloat16, 64, True) == {}

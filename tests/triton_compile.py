@@ -69,7 +69,7 @@ def forward(dtype: str, dim: int, rows: int, keys: int, features: bool, causal: 
     """stats_forward with every feature (or none) on, for inputs of `dtype` and a head block of `dim`; `chosen`
     overrides single features (HAS_SPECIAL=True, ...)."""
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "Out": dtype, "Lse": "fp32", "Stats": "fp32", "Lengths": "i32",
-                "Norms": "fp32", "Feats": dtype, "Sinks": "fp32"}
+                "Norms": "fp32", "Weights": "fp32", "Feats": dtype, "Sinks": "fp32"}
     constants = dict(CAUSAL=causal, HAS_SPAN=features, HAS_SOFTCAP=features, HAS_SINKS=features, WEIGHTED=features,
                      HAS_FEATS=features, NEED_OUT=need_out, EVEN_D=True, WIDE=False,
                      PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False, BLOCK_M=rows, BLOCK_N=keys,

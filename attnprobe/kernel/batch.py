@@ -61,6 +61,11 @@ class Batch:
             found = self.kept[full] = (anchor, make())
         return found[1]
 
+    def hidden_keys(self, real: Tensor) -> Tensor | None:
+        """The padded keys [batch, 1, 1, key] bool of `real` (one of `padding`'s masks), None when every key is real:
+        found once per batch (one host sync), the fused path's layers reuse it. Read only (the layers share it)."""
+        return self.shared("hidden keys", real, lambda: None if bool(real.all()) else ~real[:, None, None, :])
+
     def geometry(self, lengths: Tensor, n: int, causal: bool, span: int | None) -> RowGeometry:
         """The RowGeometry of all n rows under `lengths` (one of `padding`'s), made once per batch: no [n, n] mask
         (the Triton and fused paths, whose kernels mask for themselves), and its position bins computed once."""

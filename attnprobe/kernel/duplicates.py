@@ -1,12 +1,11 @@
 """The `duplicate` statistic of the fused and Triton paths: the mass on the other keys holding the row's own token,
-from tiles of the positions sorted by token (never an [n, n] mask): `_fused_duplicate` (the fused path, in torch)
-and `token_tiles` (the Triton path's plan for every sentence of a batch at once, which kernel/triton_kernels.py's
-duplicate_pass reads)."""
+from tiles of the positions sorted by token (never an [n, n] mask): `_fused_duplicate` (the fused path, in torch,
+over `same_token_plans`) and `token_tiles` (the Triton path's plan for every sentence of a batch at once, which
+kernel/triton_kernels.py's duplicate_pass reads)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,24 +56,23 @@ def _same_token(ids: Tensor, causal: bool) -> _SameToken:
     return _SameToken(order, group, tuple(tiles), has)
 
 
-def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, ids: Tensor, lengths: Tensor, causal: bool,
-                     scale: float, cache: dict[Any, Any] | None = None) -> tuple[Tensor, Tensor]:
+def same_token_plans(ids: Tensor, lengths: Tensor, causal: bool) -> list[_SameToken]:
+    """The pairs plan (_same_token) of each sentence of a batch, ids [batch, n] under `lengths` [batch]: one host
+    sync (the lengths), made once per batch (Batch.shared) and read by every layer."""
+    return [_same_token(ids[b, :length], causal) for b, length in enumerate(lengths.tolist())]
+
+
+def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, plans: list[_SameToken], causal: bool,
+                     scale: float) -> tuple[Tensor, Tensor]:
     """row_duplicate from the fused kernel's logsumexp: exp(s_ij - lse_i) summed over the pairs of positions that
     hold the same token, and whether each row has such a key, [batch, 1, q]. The positions are sorted by token
-    (_same_token, never an [n, n] mask): a tile of that order is one product of the rows' queries and the keys.
-    `cache`: the pairs plan is kept there for the batch's other layers."""
+    (`plans`, same_token_plans: never an [n, n] mask): a tile of that order is one product of the rows' queries and
+    the keys. No host sync."""
     batch, heads, n, _ = q.shape
     mass = torch.zeros(batch, heads, n, device=q.device)  # [batch, head, q]
     has = torch.zeros(batch, 1, n, dtype=torch.bool, device=q.device)  # [batch, 1, q]
-    for b in range(batch):
-        length = int(lengths[b])
-        key = ("same token", b, length, causal)
-        plan = None if cache is None else cache.get(key)
-        if plan is None:
-            plan = _same_token(ids[b, :length], causal)
-            if cache is not None:
-                cache[key] = plan
-        has[b, 0, :length] = plan.has
+    for b, plan in enumerate(plans):
+        has[b, 0, : len(plan.has)] = plan.has  # the sentence's length
         if not plan.tiles:
             continue
         order = plan.order

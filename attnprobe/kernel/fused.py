@@ -12,7 +12,7 @@ from torch import Tensor
 from attnprobe import values
 from attnprobe.kernel.batch import Batch
 from attnprobe.kernel.devices import flash, one_head_size
-from attnprobe.kernel.duplicates import _fused_duplicate
+from attnprobe.kernel.duplicates import _fused_duplicate, same_token_plans
 from attnprobe.kernel.window import _bias_difference, _sink_window
 from attnprobe.metrics import DIAGONAL_WINDOW, RowMasses, SentenceSums, row_stats, value_weighted
 from attnprobe.scores import OUTPUT_NORM
@@ -43,7 +43,7 @@ def fused_attend(
     scale = dim**-0.5 if scaling is None else scaling
     real, lengths = info.padding(padding, batch, n, query.device)  # [batch, key], [batch]: kept for every layer
     geometry = info.geometry(lengths, n, causal, None)  # no host sync per layer (its position bins, once per batch)
-    hidden = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
+    hidden = info.hidden_keys(real)  # [batch, 1, 1, key] or None: one host sync per batch
     wanted = need_output or factors is not None  # the output: for the next layer, or for output_norm
     together = wanted and value.dtype == torch.float32  # then the values ride in the statistics call
     out = None
@@ -68,8 +68,8 @@ def fused_attend(
     if together:  # centring the keys leaves every row's softmax, so the output, as it was
         out = carried  # [batch, head, q, dim]
     if info.tokens is not None:
-        masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, info.tokens.ids, lengths, causal,
-                                                                   scale, info.kept)
+        plans = info.shared("same token", lengths, lambda: same_token_plans(info.tokens.ids, lengths, causal), causal)
+        masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, plans, causal, scale)
     per_row = row_stats(masses, 0, lengths, causal, geometry=geometry)
     if factors is not None:
         empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]

@@ -11,8 +11,11 @@ their own (Triton's fused-attention tutorial); p = exp2(s log2(e) scale - m) wit
 from sum p q.k, the distance from sum p c (c the key's place in its tile) and the tile's mass, so a tile's work per
 element is an FFMA and an exp2 beside two sums. The per-key flags (special tokens, punctuation) ride on the tensor
 cores as columns of a feature matrix F [batch, key, FEATURES] (column 0 all ones, the consistent normaliser of the
-rounded p), acc_f += p @ F. The positional sums (first key, previous, self, the +-2 diagonal, the sinks and the recent
-window) come after the loop from the final max, exactly, over the few tiles that hold those keys.
+rounded p), acc_f += p @ F. The value-weighted map's sums of p times a per-key quantity (sum_j p w, p w ln w, p w j)
+ride there too, as p @ G for 16-bit inputs: p cut in two tensorfloat-32 parts, G's columns in three, so each sum
+keeps float32's precision (_weighted_by_tensor_cores); sum_j p w q.k, a product per element, stays on the CUDA cores.
+The positional sums (first key, previous, self, the +-2 diagonal, the sinks and the recent window) come after the
+loop from the final max, exactly, over the few tiles that hold those keys.
 
 Imported only when the Triton path runs (this module imports triton): under TRITON_INTERPRET=1, set before this
 module is first imported, the kernels run on a CPU through Triton's interpreter (the tests). Written for the
@@ -36,6 +39,10 @@ STAT_ROWS = 17
 MAP_ROWS = 9  # the map's rows only (Stats holds no more without WEIGHTED)
 FEATURES = tl.constexpr(16)  # columns of F: ONES, SPECIAL_COLUMN, PUNCTUATION_COLUMN, then spare (zeros)
 ONES, SPECIAL_COLUMN, PUNCTUATION_COLUMN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+WEIGHT_COLUMNS = tl.constexpr(16)  # columns of G [batch, head, 16, key] (triton_path.weight_columns): per key w,
+W_SUM, W_LOG, W_PLACE, W_BASE = (tl.constexpr(k) for k in range(4))  # w ln w, w (j mod BLOCK_N), w, in three
+# tensorfloat-32 parts (columns k, k + 4, k + 8), then zeros
+TF32 = tl.constexpr(-8192)  # 0xFFFFE000: a float32's sign, exponent and top 10 mantissa bits
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -46,6 +53,12 @@ def _tanh(x):
     e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|); a constexpr on the left would wrap the tensor
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _tf32(x):
+    """x cut to tensorfloat-32 (the 10 top bits of its mantissa), as the tensor cores read a float32 operand."""
+    return (x.to(tl.int32, bitcast=True) & TF32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -125,13 +138,13 @@ def _segments(q0, length, span, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, BL
 
 
 @triton.jit
-def _tile(q, start_n, k_base, v_base, Feats, Norms, norm_base, stride_kn, stride_vn,
+def _tile(q, start_n, k_base, v_base, Feats, w_base, g_base, stride_w, stride_kn, stride_vn,
           offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
-          m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist,
+          m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist,
           MASKED: tl.constexpr, SIGN: tl.constexpr, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr,
           HAS_SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, HAS_FEATS: tl.constexpr, NEED_OUT: tl.constexpr,
           EVEN_D: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PERIOD: tl.constexpr):
     """One tile of keys start_n .. start_n + BLOCK_N - 1 of the online softmax: the running max (log2 domain) and
     sums rescaled and added to. MASKED: the mask built and applied (the diagonal, edge and tail tiles), the distance
     from |i - j|; else every key is seen by every row and the distance is SIGN (+1 left of the rows, -1 right) times
@@ -177,12 +190,23 @@ def _tile(q, start_n, k_base, v_base, Feats, Norms, norm_base, stride_kn, stride
         alpha = tl.exp2(m - m_new)
     l_tile = tl.sum(p, 1)
     total = total * alpha + l_tile
-    plogit = plogit * alpha + tl.sum(p * logit, 1)
+    tensor_cores: tl.constexpr = WEIGHTED and PRECISION != "ieee"  # the value-weighted sums of 16-bit inputs
+    if tensor_cores:  # p q.k once for both maps
+        p_logit = p * logit
+        plogit = plogit * alpha + tl.sum(p_logit, 1)
+    else:
+        plogit = plogit * alpha + tl.sum(p * logit, 1)
     if MASKED and not CAUSAL:  # an encoder's diagonal tile: keys on both sides of the row
         dist = dist * alpha + tl.sum(p * tl.abs(rows_f[:, None] - (cols[None, :] + start_n)), 1)
     else:  # every key with p > 0 on one side of the row (causal: masked keys have p = 0 exactly)
         placed = tl.sum(p * cols[None, :], 1) + l_tile * start_n  # sum_j p_ij j
         dist = dist * alpha + SIGN * (rows_f * l_tile - placed)
+    if tensor_cores:  # w_j = |f_h(x_j)|: sum_j p w q.k, a product per element (no column holds it), here
+        keys = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)  # vector loads
+        w = tl.load(w_base + keys)  # padded to whole tiles: no mask (p = 0 beyond the length)
+        w_plogit = w_plogit * alpha + tl.sum(p_logit * w[None, :], 1)
+        if MASKED and not CAUSAL:  # an encoder's diagonal tile: |i - j| per element
+            w_dist = w_dist * alpha + tl.sum(p * w[None, :] * tl.abs(rows_f[:, None] - (cols[None, :] + start_n)), 1)
     if HAS_FEATS:
         f_ptrs = Feats + offs_n[:, None] * FEATURES + tl.arange(0, FEATURES)[None, :]  # [BLOCK_N, FEATURES]
         if MASKED:
@@ -190,11 +214,8 @@ def _tile(q, start_n, k_base, v_base, Feats, Norms, norm_base, stride_kn, stride
         else:
             f = tl.load(f_ptrs)
         acc_f = acc_f * alpha[:, None] + _dot(p.to(f.dtype), f, PRECISION, UPCAST)
-    if WEIGHTED:
-        if MASKED:
-            w = tl.load(Norms + norm_base + offs_n, mask=offs_n < length, other=0.0)  # |f_h(x_j)|
-        else:
-            w = tl.load(Norms + norm_base + offs_n)
+    if WEIGHTED and not tensor_cores:  # float32 inputs: every sum on the CUDA cores, where their products are
+        w = tl.load(w_base + offs_n, mask=offs_n < length, other=0.0)  # |f_h(x_j)|
         pw = p * w[None, :]
         w_tile = tl.sum(pw, 1)
         w_l = w_l * alpha + w_tile
@@ -217,11 +238,38 @@ def _tile(q, start_n, k_base, v_base, Feats, Norms, norm_base, stride_kn, stride
         else:
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-    return m_new, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist
+    if tensor_cores:  # sum_j p w, p w ln w and p w j
+        got = _weighted_by_tensor_cores(p, g_base, stride_w, keys, UPCAST)
+        column = tl.arange(0, WEIGHT_COLUMNS)[None, :] % 4  # W_SUM, W_LOG, W_PLACE, W_BASE, in three parts each
+        base = (start_n // PERIOD) * PERIOD  # W_PLACE counts the keys' place from here
+        if MASKED and not CAUSAL:  # its distance summed above
+            gain = tl.where(column < W_PLACE, 1.0, 0.0)
+        else:  # the distance sum_j p w (i - j) = (i - base) sum_j p w - sum_j p w (j - base), each term >= 0
+            gain = tl.where(column < W_PLACE, 1.0, tl.where(column == W_PLACE, -SIGN, SIGN * (rows_f - base)[:, None]))
+        acc_w = acc_w * alpha[:, None] + gain * got
+    return m_new, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist
 
 
 @triton.jit
-def _positional(q, start_n, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink, window,
+def _weighted_by_tensor_cores(p, g_base, stride_w, keys, UPCAST: tl.constexpr):
+    """p @ G [BLOCK_M, WEIGHT_COLUMNS] of one tile on the tensor cores to float32's precision: p = big + small, each
+    a tensorfloat-32 (10 mantissa bits, float32's range; small within 2^-20 of p's remainder), against G's columns
+    cut in high and low tf32 parts (triton_path.weight_columns): within 2^-20 of each product. p's keys are taken
+    in the tf32 operand's order (in each group of 8: 0, 2, 4, 6, 1, 3, 5, 7, G's order), which is where the float32
+    accumulator of q k^T already holds them: no shuffle."""
+    rows: tl.constexpr = p.shape[0]
+    width: tl.constexpr = p.shape[1]
+    p = tl.reshape(tl.permute(tl.reshape(p, [rows, width // 8, 4, 2]), [0, 1, 3, 2]), [rows, width])
+    big = _tf32(p)
+    small = p - big
+    if UPCAST:  # the interpreter multiplies float32 whole: cut small as the tensor cores read it
+        small = _tf32(small)
+    g = tl.trans(tl.load(g_base + tl.arange(0, WEIGHT_COLUMNS)[:, None] * stride_w + keys[None, :]))  # [keys, W_C]
+    return tl.dot(small, g, tl.dot(big, g, input_precision="tf32"), input_precision="tf32")
+
+
+@triton.jit
+def _positional(q, start_n, k_base, stride_kn, w_base, offs_m, d_ok, length, span, sink, window,
                 qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first, w_previous, w_own,
                 w_diagonal, w_sink_window, CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 WEIGHTED: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -252,7 +300,7 @@ def _positional(q, start_n, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, l
     if CAUSAL:  # an encoder's sink_window is undefined (NaN, set by the caller)
         sink_window += tl.sum(tl.where(in_sink_window, p, 0.0), 1)
     if WEIGHTED:
-        w = tl.load(Norms + norm_base + offs_n, mask=key_ok, other=0.0)
+        w = tl.load(w_base + offs_n, mask=key_ok, other=0.0)
         pw = p * w[None, :]
         w_first += tl.sum(tl.where(at_first, pw, 0.0), 1)
         w_previous += tl.sum(tl.where(diff == 1, pw, 0.0), 1)
@@ -265,9 +313,9 @@ def _positional(q, start_n, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, l
 
 @triton.jit(do_not_specialize=["n", "stride_fb", "plane"])  # one compile for every sequence length
 def stats_forward(
-    Q, K, V, Out, Lse, Stats, Lengths, Norms, Feats, Sinks,
+    Q, K, V, Out, Lse, Stats, Lengths, Norms, Weights, Feats, Sinks,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om, stride_fb,
+    stride_ob, stride_oh, stride_om, stride_fb, stride_w,
     heads, groups, n, dim, plane, scale, softcap, span, sink, window,
     CAUSAL: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     WEIGHTED: tl.constexpr, HAS_FEATS: tl.constexpr, NEED_OUT: tl.constexpr, EVEN_D: tl.constexpr,
@@ -292,7 +340,8 @@ def stats_forward(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     feats = Feats + b * stride_fb
-    norm_base = bh * n
+    w_base = Norms + bh * stride_w  # [key] of this (sequence, head), padded to whole tiles
+    g_base = Weights + bh * (stride_w * WEIGHT_COLUMNS)  # [WEIGHT_COLUMNS, key]
     qk_scale = scale * LOG2E
     rows_f = offs_m.to(tl.float32)
 
@@ -305,10 +354,11 @@ def stats_forward(
     dist = tl.zeros([BLOCK_M], tl.float32)  # sum_j exp2(t_ij - m) |i - j|
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc_f = tl.zeros([BLOCK_M, FEATURES], tl.float32)
-    w_l = tl.zeros([BLOCK_M], tl.float32)  # the value-weighted map's sums: sum_j exp2(t_ij - m) w_j ...
-    w_plogit = tl.zeros([BLOCK_M], tl.float32)
+    acc_w = tl.zeros([BLOCK_M, WEIGHT_COLUMNS], tl.float32)  # the value-weighted map's sums p @ G (W_SUM, ...)
+    w_l = tl.zeros([BLOCK_M], tl.float32)  # float32 inputs: sum_j exp2(t_ij - m) w_j ...
     w_log = tl.zeros([BLOCK_M], tl.float32)  # ... ln w_j
-    w_dist = tl.zeros([BLOCK_M], tl.float32)
+    w_plogit = tl.zeros([BLOCK_M], tl.float32)  # sum_j exp2(t_ij - m) w_j q_i.k_j
+    w_dist = tl.zeros([BLOCK_M], tl.float32)  # sum_j exp2(t_ij - m) w_j |i - j| of an encoder's diagonal tiles
 
     if BLOCK_N >= 32:  # the masked and positional tiles in halves: fewer registers where they peak
         HALF_N: tl.constexpr = BLOCK_N // 2
@@ -316,37 +366,37 @@ def stats_forward(
         HALF_N: tl.constexpr = BLOCK_N
     lo, a, bl, ar, b_end, hi = _segments(q0, length, span, CAUSAL, HAS_SPAN, BLOCK_M, BLOCK_N)
     for start_n in range(a, bl, BLOCK_N):  # the main loop: tiles left of every row, seen whole
-        m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-            q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+        m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist = _tile(
+            q, start_n, k_base, v_base, feats, w_base, g_base, stride_w, stride_kn, stride_vn,
             offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
-            m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, False, 1.0, CAUSAL, HAS_SPAN, HAS_SOFTCAP,
-            WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
+            m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist, False, 1.0, CAUSAL, HAS_SPAN,
+            HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D, BLOCK_N)
     if not CAUSAL:  # tiles right of every row, seen whole
         for start_n in range(ar, b_end, BLOCK_N):
-            m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+            m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist = _tile(
+                q, start_n, k_base, v_base, feats, w_base, g_base, stride_w, stride_kn, stride_vn,
                 offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
-                m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, False, -1.0, CAUSAL, HAS_SPAN,
-                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D)
+                m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist, False, -1.0, CAUSAL, HAS_SPAN,
+                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, BLOCK_N, BLOCK_D, BLOCK_N)
         for start_n in range(bl, ar, HALF_N):  # the diagonal tiles
-            m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+            m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist = _tile(
+                q, start_n, k_base, v_base, feats, w_base, g_base, stride_w, stride_kn, stride_vn,
                 offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
-                m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
-                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
+                m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
+                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D, BLOCK_N)
     if HAS_SPAN:  # the window's far edge
         for start_n in range(lo, a, HALF_N):
-            m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-                q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+            m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist = _tile(
+                q, start_n, k_base, v_base, feats, w_base, g_base, stride_w, stride_kn, stride_vn,
                 offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
-                m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
-                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
+                m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
+                HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D, BLOCK_N)
     for start_n in range(b_end, hi, HALF_N):  # the diagonal (causal), the window's near edge, the padding tail
-        m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist = _tile(
-            q, start_n, k_base, v_base, feats, Norms, norm_base, stride_kn, stride_vn,
+        m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist = _tile(
+            q, start_n, k_base, v_base, feats, w_base, g_base, stride_w, stride_kn, stride_vn,
             offs_m, rows_f, d_ok, length, span, qk_scale, scale, softcap,
-            m, total, plogit, dist, acc, acc_f, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN, HAS_SOFTCAP,
-            WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
+            m, total, plogit, dist, acc, acc_f, acc_w, w_l, w_plogit, w_log, w_dist, True, 1.0, CAUSAL, HAS_SPAN,
+            HAS_SOFTCAP, WEIGHTED, HAS_FEATS, NEED_OUT, EVEN_D, WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D, BLOCK_N)
 
     top = tl.where(m == float("-inf"), 0.0, m)
     if HAS_SINKS:
@@ -404,13 +454,13 @@ def stats_forward(
         near_hi = tl.minimum(hi, q0 + BLOCK_M + 2)
     for start_n in range(lo, sinks_end, HALF_N):
         first, previous, own, diagonal, sink_window, w_first, w_previous, w_own, w_diagonal, w_sink_window = \
-            _positional(q, start_n, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink,
+            _positional(q, start_n, k_base, stride_kn, w_base, offs_m, d_ok, length, span, sink,
                         window, qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first,
                         w_previous, w_own, w_diagonal, w_sink_window, CAUSAL, HAS_SPAN, HAS_SOFTCAP, WEIGHTED,
                         WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
     for start_n in range(near_lo, near_hi, HALF_N):
         first, previous, own, diagonal, sink_window, w_first, w_previous, w_own, w_diagonal, w_sink_window = \
-            _positional(q, start_n, k_base, stride_kn, Norms, norm_base, offs_m, d_ok, length, span, sink,
+            _positional(q, start_n, k_base, stride_kn, w_base, offs_m, d_ok, length, span, sink,
                         window, qk_scale, scale, softcap, top, first, previous, own, diagonal, sink_window, w_first,
                         w_previous, w_own, w_diagonal, w_sink_window, CAUSAL, HAS_SPAN, HAS_SOFTCAP, WEIGHTED,
                         WIDE, PRECISION, UPCAST, HALF_N, BLOCK_D)
@@ -421,6 +471,11 @@ def stats_forward(
     tl.store(rows + DIAGONAL * plane, diagonal / whole_safe, mask=row_ok)
     tl.store(rows + SINK_WINDOW * plane, sink_window / whole_safe, mask=row_ok)
     if WEIGHTED:  # a~_ij = p_ij w_j / W: H~ = ln W + m - sum_j a~_ij (s_ij + ln w_j), natural logs
+        if PRECISION != "ieee":  # each sum's three parts added
+            column = tl.arange(0, WEIGHT_COLUMNS)[None, :] % 4
+            w_l = tl.sum(tl.where(column == W_SUM, acc_w, 0.0), 1)
+            w_log = tl.sum(tl.where(column == W_LOG, acc_w, 0.0), 1)
+            w_dist += tl.sum(tl.where(column >= W_PLACE, acc_w, 0.0), 1)  # (i - base) W_BASE - W_PLACE, scaled
         w_safe = tl.where(w_l > 0, w_l, 1.0)
         nothing = tl.where(w_l > 0, 0.0, float("nan"))  # a row whose every key has norm 0: undefined
         tl.store(rows + VW_ENTROPY * plane,

@@ -42,6 +42,7 @@ AUTO_ON_CUDA = True  # --attention auto takes this path on a CUDA GPU: `make gpu
 # H200 (triton 3.6) and found it equal to the blocked path on every family tested, float32 and bfloat16. The kernel
 # has since been restructured (split loops, exp2, feature columns); that form is proven under Triton's interpreter
 # and compiled offline for sm_90 with triton 3.6 and 3.9, and a launch that fails under auto falls back (fallback_note)
+TF32_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # keys of a group of 8 as a tf32 operand takes p's (triton_kernels)
 MAX_REGISTERS = 168  # a cap that fits three blocks of 4 warps on an SM (65,536 registers): register_cap
 FP_FUSION = True  # a * b + c as one FFMA (the kernels' exp2(s scale log2(e) - m)): triton 3.10 turns it off by default
 WIDE_OFFSETS = 2**31  # keys x a key's stride from here on: the kernel offsets its tiles in int64 (WIDE), else int32
@@ -217,15 +218,16 @@ def _forward(
     stats = torch.empty(planes, batch, heads, n, device=device)  # [stat, batch, head, q]
     out = torch.empty(batch, n, heads, dim, dtype=query.dtype, device=device) if wanted else lse  # [b, q, h, dim]
     lengths32, feats = _batch_inputs(info, lengths, n, query.dtype)  # [batch], [batch, n, FEATURES] or None
-    norm_rows = lse if norms is None else norms.float().contiguous()  # [batch, head, key]
-    sink_logits = lse if sinks is None else sinks.float().contiguous()  # [head]
     rows, keys = _blocks(query.dtype, _block_d(dim))
+    norm_rows, weights = (lse, lse) if norms is None else weight_columns(norms, keys)  # [b, h, key'], [b, h, G, key']
+    sink_logits = lse if sinks is None else sinks.float().contiguous()  # [head]
     with _launching("statistics", query.dtype, dim), _on(device):
         kernels.stats_forward[launch_grid(n, rows, batch, heads)](
-            query, key, value, out, lse, stats, lengths32, norm_rows, lse if feats is None else feats, sink_logits,
+            query, key, value, out, lse, stats, lengths32, norm_rows, weights, lse if feats is None else feats,
+            sink_logits,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
             *((out.stride(0), out.stride(2), out.stride(1)) if wanted else (0, 0, 0)),
-            0 if feats is None else feats.stride(0),
+            0 if feats is None else feats.stride(0), norm_rows.stride(1),
             heads, heads // key.shape[1], n, dim, batch * heads * n, scale, float(softcap or 1.0),
             int(span or 0), info.sink, info.window,
             CAUSAL=causal, HAS_SPAN=span is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
@@ -286,6 +288,36 @@ def _features(info: Batch, lengths: Tensor, n: int, dtype: torch.dtype) -> Tenso
     if info.tokens is not None:
         feats[..., int(kernels.PUNCTUATION_COLUMN)] = info.tokens.punctuation[:, :n].to(dtype)
     return feats
+
+
+def weight_columns(norms: Tensor, period: int) -> tuple[Tensor, Tensor]:
+    """What stats_forward's value-weighted sums read, zero-padded to whole tiles of `period` keys (no mask in the
+    loop): the norms w_j = |f_h(x_j)| [batch, head, key'] float32, and G [batch, head, WEIGHT_COLUMNS, key'], the
+    per-key columns it sums on the tensor cores for 16-bit inputs (p @ G): w, w ln w (0 where w = 0), w (j mod
+    period) and w again, each as three tensorfloat-32 parts (columns 0-3 its top 11 bits, 4-7 the next, 8-11 the
+    rest; their sum is the float32 exactly), then zeros. In each group of 8 keys G's keys are in the order
+    TF32_ORDER, the order in which the tensor cores take p as a tf32 operand (triton_kernels._weighted_by_tensor_cores).
+    `norms` [batch, head, key]."""
+    kernels = _kernels()
+    batch, heads, n = norms.shape
+    padded = triton_cdiv(n, period) * period
+    w = torch.zeros(batch, heads, padded, device=norms.device)  # [batch, head, key']
+    w[..., :n] = norms
+    place = torch.arange(padded, device=norms.device) % period  # [key']: j mod BLOCK_N
+    sums = torch.stack((w, w * torch.where(w > 0, w, 1.0).log(), w * place, w), dim=-2)  # [batch, head, 4, key']
+    high = _tf32(sums)  # [batch, head, 4, key']
+    middle = _tf32(sums - high)  # [batch, head, 4, key']: each difference exact in float32
+    low = sums - high - middle  # [batch, head, 4, key']: at most 2 bits left, a tf32
+    found = torch.cat((high, middle, low, torch.zeros_like(high)), dim=-2)  # [batch, head, 16, key']
+    assert found.shape[-2] == int(kernels.WEIGHT_COLUMNS)
+    order = torch.tensor(TF32_ORDER, device=norms.device)  # [8]
+    keys = (torch.arange(0, padded, 8, device=norms.device)[:, None] + order).flatten()  # [key']
+    return w, found[..., keys].contiguous()
+
+
+def _tf32(x: Tensor) -> Tensor:
+    """float32 `x` cut to tensorfloat-32: its sign, exponent and top 10 mantissa bits (what the tensor cores read)."""
+    return (x.view(torch.int32) & -8192).view(torch.float32)  # [...]
 
 
 def _duplicates(query: Tensor, key: Tensor, lse: Tensor, info: Batch, lengths: Tensor, scale: float, causal: bool,

@@ -38,7 +38,7 @@ def _sink_window(
     # eighth; smaller blocks cost more in calls than they save
     rows = max(1, min(block_size(batch, heads, n, info.budget_bytes, window), max(16, window // 8)))
     outside = _outside_band(rows, window, q.device)  # [r, r + window - 1]: keys outside each row's window
-    padded = None if bool(real.all()) else ~real[:, None, None, :]  # [batch, 1, 1, key]
+    padded = info.hidden_keys(real)  # [batch, 1, 1, key] or None: kept for the batch
     flat_q, flat_k = q.reshape(batch * heads, n, dim), keys.reshape(batch * heads, n, dim)  # [batch x head, n, dim]
     lse0, _, bias0 = views[0]
     first = -lse0.reshape(batch * heads, n, 1)  # [batch x head, q, 1]
