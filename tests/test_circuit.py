@@ -535,8 +535,9 @@ def frozen_scale_score(oracle: Oracle, loaded, pairs, edge, graph) -> float:
         finally:
             handle.remove()
             oracle.model.zero_grad(set_to_none=True)
-        g_z = (seen["scale"] * seen["out"].grad) @ oracle.part(layer, "o").weight  # [1, seq, heads x dim]
-        total += float((g_z * dz).sum())
+        with torch.no_grad():
+            g_z = (seen["scale"] * seen["out"].grad) @ oracle.part(layer, "o").weight  # [1, seq, heads x dim]
+            total += float((g_z * dz).sum())
     return total / len(pairs)
 
 
