@@ -87,12 +87,6 @@ def pairs_of(loaded) -> list[TaskPair]:
     return [TaskPair(p.clean, p.corrupt, (ids(p.answer),), (ids(p.wrong),)) for p in TEXT_PAIRS]
 
 
-def pre_norm_only(family) -> None:
-    """The QK fix's tests run where it applies (pre-norm blocks; the others are refused, tested apart)."""
-    if cc.find_layout(family[1]).shape != "pre-norm":
-        pytest.skip("--qk-fix applies to pre-norm decoders")
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     name = request.param
@@ -407,7 +401,7 @@ def oracle_qk(oracle: Oracle, loaded, pairs, edge, graph) -> float:
     total = 0.0
     for pair in pairs:
         clean, a, b, _ = oracle_runs(oracle, loaded, pair)
-        delta = (b[graph.senders[s]] - a[graph.senders[s]])[None]  # [1, seq, hidden]
+        delta = oracle.diff(a, b, graph.senders[s], graph.receivers[r])[None]  # [1, seq, hidden] (post-norm: carried)
         before, values, grad_z = clean_attention(oracle, clean, pair, layer)
         handles = oracle.receiver_hooks(graph.receivers[r], delta)
         try:
@@ -468,7 +462,6 @@ def test_qk_fix_equals_the_hook_oracle(family):
     """--qk-fix's score of query and key edges (grouped keys summed over their query heads) equals the hand-written
     oracle: the slice patched exactly, the new pattern read, linear only after it (float64 oracle; attnprobe runs
     float32: rtol 1e-3)."""
-    pre_norm_only(family)
     _, loaded, oracle = family
     layout = cc.find_layout(loaded)
     graph = layout.graph
@@ -482,10 +475,97 @@ def test_qk_fix_equals_the_hook_oracle(family):
     assert {graph.receivers[r][1] for _, r in edges} == {"q", "k"}
 
 
+def heads_change(oracle: Oracle, loaded, pair, edge, graph) -> tuple[list[int], int, torch.Tensor]:
+    """A pair's clean ids, the receiver's layer and z' - z [1, seq, heads x dim]: the change of the layer's output
+    projection input (every head's output) when the edge alone is patched exactly (an eager float64 forward)."""
+    s, r = edge
+    layer = int(graph.receivers[r][0][1:].split(".")[0])
+    clean, a, b, _ = oracle_runs(oracle, loaded, pair)
+    delta = oracle.diff(a, b, graph.senders[s], graph.receivers[r])[None]  # [1, seq, hidden]
+    seen = []
+    handle = oracle.part(layer, "o").register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        oracle.metric(clean, pair)
+        oracle.metric(clean, pair, graph.receivers[r], delta)
+    finally:
+        handle.remove()
+    return clean, layer, seen[1] - seen[0]
+
+
+def first_order_in_the_heads(oracle: Oracle, loaded, pairs, edge, graph, eps: float = 1e-2) -> float:
+    """The exact patch of a query or key edge to first order in the heads' outputs, exact in the pattern, with no
+    gradient: (M(z + eps dz) - M(z - eps dz)) / (2 eps), dz = z' - z at the output projection's input, the model
+    run whole after it (a sandwich block's post-attention norm at its own rms; a post-norm block's stream norms),
+    mean over pairs. eps 1e-2: Llama's RMSNorm computes in float32 even in the float64 oracle, which rounds M to ~1e-7
+    of itself (1e-5 of the quotient at this step), and the step's own error, eps^2 / 6 times M's third derivative,
+    is of that order."""
+    total = 0.0
+    for pair in pairs:
+        clean, layer, dz = heads_change(oracle, loaded, pair, edge, graph)
+        values = []
+        for sign in (1, -1):
+            handle = oracle.part(layer, "o").register_forward_pre_hook(
+                lambda _m, args, step=sign * eps * dz: (args[0] + step, *args[1:]))
+            try:
+                values.append(oracle.metric(clean, pair))
+            finally:
+                handle.remove()
+        total += (values[0] - values[1]) / (2 * eps)
+    return total / len(pairs)
+
+
+def frozen_scale_score(oracle: Oracle, loaded, pairs, edge, graph) -> float:
+    """Sandwich: the same score with dM/dz read at the post-attention norm's frozen scale, W_O^T (s * G) with s =
+    (1 + w) / rms of the clean attention output and G the gradient at the norm's output: the definition that leaves
+    out how the norm's rms moves with the head's output, which an edge's patch moves."""
+    total = 0.0
+    for pair in pairs:
+        clean, layer, dz = heads_change(oracle, loaded, pair, edge, graph)
+        seen = {}
+
+        def keep(norm, args, out, seen=seen):
+            seen["scale"] = (1 + norm.weight) / (args[0].pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+            seen["out"] = out
+            out.retain_grad()
+
+        handle = oracle.part(layer, "post_attn").register_forward_hook(keep)
+        try:
+            logits = oracle.model(input_ids=torch.tensor([clean])).logits[0, -1]
+            (logits[list(pair.good)].mean() - logits[list(pair.bad)].mean()).backward()
+        finally:
+            handle.remove()
+            oracle.model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            g_z = (seen["scale"] * seen["out"].grad) @ oracle.part(layer, "o").weight  # [1, seq, heads x dim]
+            total += float((g_z * dz).sum())
+    return total / len(pairs)
+
+
+def test_qk_fix_is_the_exact_patch_to_first_order_in_the_heads_outputs(family):
+    """The definition the QK fix stands on, on every block shape: its score of a query or key edge equals the exact
+    edge patch to first order in the heads' outputs and exact in the pattern, by central differences at the output
+    projection's input (no gradient; float64 oracle, attnprobe float32: rtol 1e-3). On Gemma 2's sandwich blocks
+    the frozen-scale reading of dM/dz differs from it by far more than the tolerance: the fix takes the norm's full
+    derivative, as the patch moves the norm's rms."""
+    name, loaded, oracle = family
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)[:3]
+    scores = cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, qk_fix=True)
+    edges = qk_edges(graph, 2, seed=5)
+    want = np.array([first_order_in_the_heads(oracle, loaded, pairs, e, graph) for e in edges])
+    got = np.array([scores[e] for e in edges])
+    atol = 1e-4 * max(1.0, np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=atol)
+    assert np.abs(want).max() > 1e-3
+    if name == "gemma2":
+        frozen = np.array([frozen_scale_score(oracle, loaded, pairs, e, graph) for e in edges])
+        assert np.abs(frozen - want).max() > 100 * (atol + 1e-3 * np.abs(want).max())
+
+
 def test_qk_fix_moves_only_query_and_key_edges_and_reads_eap_igs_clean_point(family):
     """With --qk-fix the value, MLP and logits edges keep their scores bit for bit, the query and key edges move;
     under EAP-IG the fixed edges are those of EAP (the fix is taken at the clean run, the k = m point)."""
-    pre_norm_only(family)
     _, loaded, _ = family
     layout = cc.find_layout(loaded)
     graph = layout.graph
@@ -505,11 +585,14 @@ def test_qk_fix_with_grad_drop_is_the_mean_magnitude_of_the_fixed_changes_with_a
     from a backward in which block l's contribution to the residual stream is held at its clean value (a constant),
     / (layers - 1). The edges are into the last block: held, it gives 0 (the heads' own block); the first block
     held leaves the full gradient. attnprobe runs float32 (rtol 1e-3, as the other oracle tests)."""
-    pre_norm_only(family)
-    _, loaded, oracle = family
+    name, loaded, oracle = family
     layout = cc.find_layout(loaded)
     graph = layout.graph
     pairs = pairs_of(loaded)[:2]
+    if name == "opt-post":  # GradDrop is refused there, with or without the fix
+        with pytest.raises(AttnprobeError, match="--grad-drop on a post-norm decoder"):
+            cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, grad_drop=True, qk_fix=True)
+        return
     scores = cc.attribute(loaded, layout, cc.tokenize(loaded, pairs), logit_diff, grad_drop=True, qk_fix=True)
     edges = [(graph.senders.index("m0"), graph.receivers.index(("a1.h1", "q"))),
              (graph.senders.index("m0"), graph.receivers.index((graph.kv_name(1, 0), "k")))]
@@ -686,6 +769,46 @@ def test_qk_fix_recovers_a_saturated_head_that_eap_misses(tmp_path):
     assert fixed == pytest.approx(exact, rel=1e-3)
 
 
+def test_qk_fix_reads_a_saturated_soft_capped_gemma2_that_eap_misses(tmp_path):
+    """Gemma 2 with both soft-caps (attention 5, final 4), its last layer's queries scaled 1000-fold: every raw
+    attention logit there lies far past the cap, tanh is flat, and EAP's score of every edge into that layer's
+    queries and keys is 0, while the exact patches are not. The QK-fixed scores equal the exact patch to first order
+    in the heads' outputs, exact in the pattern (the float64 central-difference oracle, rtol 1e-3), and track the
+    exact patches themselves (correlation over the layer's query and key edges; the rest is the nonlinearity after
+    the pattern: the post-attention norm, the MLP, the final norm and cap)."""
+    name, settings = MADE["gemma2"]
+    folder = zoo.make(name, tmp_path / "gemma2", lm_head=True, **settings)
+    from transformers import AutoModelForCausalLM
+
+    model = vary_norms_and_biases(AutoModelForCausalLM.from_pretrained(folder))
+    with torch.no_grad():
+        model.model.layers[-1].self_attn.q_proj.weight.mul_(1000.0)
+    model.save_pretrained(folder)
+    loaded = load_model(str(folder), "cpu", "float32", lm_head=True)
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)[:3]
+    prompts = cc.tokenize(loaded, pairs)
+    last = f"a{graph.layers - 1}."
+    edges = [(s, r) for r, (node, kind) in enumerate(graph.receivers) if node.startswith(last) and kind in ("q", "k")
+             for s in range(graph.prefix(r))]
+    exact = cc.exact(loaded, layout, prompts, logit_diff, edges)
+    eap = cc.attribute(loaded, layout, prompts, logit_diff)
+    fixed = cc.attribute(loaded, layout, prompts, logit_diff, qk_fix=True)
+    got = np.array([fixed[e] for e in edges])
+    assert np.abs(exact).max() > 1e-2  # the patches move the metric
+    assert max(abs(eap[e]) for e in edges) < 1e-6 * np.abs(exact).max()  # saturated: EAP sees nothing
+    assert np.corrcoef(got, exact)[0, 1] > 0.8
+    model64 = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval().double()
+    for module in model64.modules():
+        if type(module).__name__ == "Gemma2RMSNorm":
+            float64_rms(module)
+    oracle = Oracle("gemma2", model64, loaded.num_heads, loaded.num_kv_heads)
+    chosen = [edges[k] for k in np.argsort(-np.abs(got))[:3]]
+    want = np.array([first_order_in_the_heads(oracle, loaded, pairs, e, graph) for e in chosen])
+    np.testing.assert_allclose([fixed[e] for e in chosen], want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+
+
 def test_qk_fix_is_refused_for_exact_patching(family):
     _, loaded, _ = family
     with pytest.raises(AttnprobeError, match="--qk-fix applies to --method eap or eap-ig"):
@@ -693,18 +816,21 @@ def test_qk_fix_is_refused_for_exact_patching(family):
 
 
 QK_FAMILIES = ["gpt2", "llama", "qwen3", "mistral (sliding window)", "gemma", "stablelm", "gpt_bigcode", "granite",
-               "gpt_oss", "starcoder2"]
+               "gpt_oss", "starcoder2", "gemma2", "gemma3_text", "opt (post-norm)"]
+QK_MADE = {"opt (post-norm)": MADE["opt-post"]}  # the zoo's gemma2 has its attention soft-cap and sliding window
 
 
 @pytest.mark.parametrize("name", QK_FAMILIES)
 def test_qk_fix_recomputes_the_heads_outputs_a_patched_forward_gives(tmp_path, name):
     """The fix's attention call (the clean run's arguments tiled: rotary, q/k norms, sliding windows, sinks, soft
     scales, grouped and multi-query heads, a padded row) gives the heads' outputs that the whole model gives with
-    every query (or key) slice of the layer recomputed from norm(x + delta) by circuit's own receiver hooks."""
+    every query (or key) slice of the layer recomputed from norm(x + delta) by circuit's own receiver hooks, at
+    every layer (Gemma 2's sliding and global layers, soft-capped)."""
     from attnprobe.ablate import fast_attention
     from attnprobe.circuit import qkfix, runs
 
-    loaded = load_model(str(zoo.make(name, tmp_path / "m", lm_head=True)), "cpu", "float32", lm_head=True)
+    made, settings = QK_MADE.get(name, (name, {}))
+    loaded = load_model(str(zoo.make(made, tmp_path / "m", lm_head=True, **settings)), "cpu", "float32", lm_head=True)
     layout = cc.find_layout(loaded)
     graph = layout.graph
     gen = torch.Generator().manual_seed(0)
@@ -713,29 +839,39 @@ def test_qk_fix_recomputes_the_heads_outputs_a_patched_forward_gives(tmp_path, n
     mask = torch.ones_like(clean)
     mask[1, 5:] = 0
     prompts = runs.Prompts(clean, corrupt, mask, mask.sum(1) - 1, [None, None])
-    layer, senders = graph.layers - 1, [0, graph.sender_index(0, 1), graph.sender_index(0)]
     with fast_attention(loaded.model), torch.inference_mode():
         diff = cc.outputs(loaded, layout, prompts, corrupt)[0] - cc.outputs(loaded, layout, prompts, clean)[0]
         diff *= runs.real_positions(prompts)  # [senders, pairs, seq, hidden]
         kept = qkfix.keep_attention(loaded, layout, prompts)
-        moved = qkfix.patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
-        for c, kind in enumerate("qk"):
-            js = [j for j, (_, k) in enumerate(graph.receivers[: graph.per_layer]) if k == kind]
-            for i, s in enumerate(senders):
-                seen: list[torch.Tensor] = []
-                patch = lambda lay, lo, hi, s=s, js=js: ([(j, slice(None), diff[s]) for j in range(lo, hi)  # noqa: E731
-                                                         if j in js] if lay == layer else [])
-                handle = layout.parts.projections[layer].register_forward_pre_hook(
-                    lambda _m, args, seen=seen: seen.append(args[0].unflatten(-1, (graph.heads, -1))))
-                try:
-                    cc.forward(loaded, layout, clean, mask, runs.Pass(patch=patch))
-                finally:
-                    handle.remove()
-                real = mask.bool()[:, :, None, None]  # [pairs, seq, 1, 1]
-                want, got = seen[0] * real, moved[c, i] * real
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
-                if i == 0:
-                    assert float((want - kept.z[layer] * real).abs().max()) > 1e-3  # the patch moves the outputs
+        for layer in range(graph.layers):
+            senders = [s for s in (0, graph.sender_index(0, 1), graph.sender_index(0))
+                       if s < graph.prefix(layer * graph.per_layer)]
+            recomputed_outputs_match(loaded, layout, kept, layer, senders, diff, clean, mask)
+
+
+def recomputed_outputs_match(loaded, layout, kept, layer: int, senders: list[int], diff, clean, mask) -> None:
+    """patched_outputs at one layer against the whole model patched by circuit's receiver hooks, sender by sender."""
+    from attnprobe.circuit import qkfix, runs
+
+    graph = layout.graph
+    moved = qkfix.patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
+    for c, kind in enumerate("qk"):
+        js = [j for j, (_, k) in enumerate(graph.receivers[: graph.per_layer]) if k == kind]
+        for i, s in enumerate(senders):
+            seen: list[torch.Tensor] = []
+            patch = lambda lay, lo, hi, s=s, js=js: ([(j, slice(None), diff[s]) for j in range(lo, hi)  # noqa: E731
+                                                     if j in js] if lay == layer else [])
+            handle = layout.parts.projections[layer].register_forward_pre_hook(
+                lambda _m, args, seen=seen: seen.append(args[0].unflatten(-1, (graph.heads, -1))))
+            try:
+                cc.forward(loaded, layout, clean, mask, runs.Pass(patch=patch))
+            finally:
+                handle.remove()
+            real = mask.bool()[:, :, None, None]  # [pairs, seq, 1, 1]
+            want, got = seen[0] * real, moved[c, i] * real
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+            if i == 0:
+                assert float((want - kept.z[layer] * real).abs().max()) > 1e-3  # the patch moves the outputs
 
 
 def test_heads_that_read_each_others_queries_are_refused(tmp_path):
@@ -751,18 +887,6 @@ def test_heads_that_read_each_others_queries_are_refused(tmp_path):
         block.self_attn.q_proj = nn.Sequential(q, nn.LayerNorm(q.out_features))
     with pytest.raises(AttnprobeError, match="normalises every head's queries or keys together") as info:
         cc.find_layout(loaded)
-    assert "\n" not in str(info.value)
-
-
-def test_qk_fix_is_refused_where_heads_are_not_added_unchanged(family):
-    """--qk-fix reads each head's output as pre-norm blocks add it: a sandwich or post-norm model is refused in one
-    line."""
-    name, loaded, _ = family
-    layout = cc.find_layout(loaded)
-    if layout.shape == "pre-norm":
-        pytest.skip("pre-norm: the fix applies")
-    with pytest.raises(AttnprobeError, match="--qk-fix on a") as info:
-        cc.attribute(loaded, layout, cc.tokenize(loaded, pairs_of(loaded)), logit_diff, qk_fix=True)
     assert "\n" not in str(info.value)
 
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from attnprobe.ablate import fast_attention
 from attnprobe.circuit.graph import Graph
 from attnprobe.circuit.layout import Layout, first, hidden_of, slice_weight
-from attnprobe.circuit.qkfix import keep_attention, qk_receivers, qk_scores
+from attnprobe.circuit.qkfix import Kept, keep_attention, post_norm_visit, qk_receivers, qk_scores
 from attnprobe.circuit.runs import (
     Metric,
     Pass,
@@ -43,14 +43,11 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
     passes.
 
     qk_fix (AtP*'s QK fix, qkfix.py): the edges into queries and keys scored with the patched attention pattern
-    recomputed exactly, from the clean run's gradient (the k = m point: see qkfix.py)."""
+    recomputed exactly, from the clean run's gradient (the k = m point: see qkfix.py); on every block shape."""
     graph = layout.graph
     if grad_drop and layout.post_norm:
         raise AttnprobeError("--grad-drop on a post-norm decoder: a block's contribution passes its norms, so there is "
                              "no residual add to drop; use it on pre-norm or sandwich-norm decoders")
-    if qk_fix and layout.shape != "pre-norm":
-        raise AttnprobeError(f"--qk-fix on a {layout.shape} decoder: the fix reads each head's output as the residual "
-                             "stream receives it, which only pre-norm blocks add unchanged; drop --qk-fix here")
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
     parts_done, parts_list = 0, chunks(prompts, layout, gradients=True)
     with fast_attention(loaded.model):
@@ -62,28 +59,45 @@ def attribute(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Met
             drops: list[int | None] = list(range(graph.layers)) if grad_drop else [None]
             for i, dropped in enumerate(drops):
                 grads = torch.zeros(len(graph.receivers), *clean_in.shape, device=clean_in.device)  # [receivers, ...]
-                fixed = None
+                g_z: dict[int, Tensor] | None = None
                 # the clean point first: its pass completes diff (clean_u subtracted: no forward of its own), and the
                 # QK fix reads its gradient alone
                 for k in (steps, *range(1, steps)):
                     point = clean_in if k == steps else start + (k / steps) * (clean_in - start)  # [pairs, seq, hid]
                     record = diff if folded and i == 0 and k == steps else None
+                    wanted = {} if kept is not None and k == steps else None
                     receiver_gradients(loaded, layout, sub, metric, point.clone().requires_grad_(True), grads,
-                                       dropped, record)
+                                       dropped, record, wanted)
+                    g_z = wanted if wanted is not None else g_z
                     if record is not None:
                         diff *= real_positions(sub)  # [senders, pairs, seq, hidden]: corrupt_u - clean_u
-                    if kept is not None and k == steps:
-                        with torch.inference_mode():
-                            fixed = qk_scores(layout, kept, sub, diff, grads, dropped)
                     if progress:
                         parts_done += 1
                         progress(parts_done, steps * len(drops) * len(parts_list))
-                part_scores = (diff.scores(grads) if layout.post_norm else contract_all(graph, diff, grads)) / steps
-                part_scores = part_scores.cpu()  # [senders, receivers]: scores are kept on the CPU
+                part_scores, fixed = contract(layout, kept, sub, diff, grads, g_z)
+                part_scores = part_scores.cpu() / steps  # [senders, receivers]: scores are kept on the CPU
                 if fixed is not None:
                     part_scores = torch.where(qk_receivers(graph), fixed.cpu(), part_scores)
                 scores += part_scores if dropped is None else part_scores.abs() / max(1, graph.layers - 1)
     return (scores / prompts.mask.shape[0]).numpy() * graph.mask
+
+
+def contract(layout: Layout, kept: Kept | None, sub: Prompts, diff: Tensor | Transported, grads: Tensor,
+             g_z: dict[int, Tensor] | None) -> tuple[Tensor, Tensor | None]:
+    """Every edge's score summed over the steps' gradients grads [receivers, pairs, seq, hidden] and, with the QK fix
+    (kept and the clean point's g_z), the fixed scores of the edges into queries and keys: ([senders, receivers],
+    the same or None) float64. Post-norm: the fix reads each block's input's carried diffs as the contraction
+    carries them."""
+    fixed = None
+    with torch.inference_mode():
+        if isinstance(diff, Transported):
+            fixed = None if g_z is None else torch.zeros(len(layout.graph.senders), len(layout.graph.receivers),
+                                                         dtype=torch.float64)  # [senders, receivers]
+            visit = None if fixed is None else post_norm_visit(layout, kept, sub, g_z, fixed)
+            return diff.scores(grads, visit), fixed
+        if g_z is not None:
+            fixed = qk_scores(layout, kept, sub, diff, g_z)
+    return contract_all(layout.graph, diff, grads), fixed
 
 
 def sender_diffs(loaded: LoadedModel, layout: Layout, sub: Prompts) -> tuple[Tensor | Transported, Tensor, Tensor]:
@@ -97,13 +111,15 @@ def sender_diffs(loaded: LoadedModel, layout: Layout, sub: Prompts) -> tuple[Ten
 
 
 def receiver_gradients(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, embed: Tensor,
-                       into: Tensor, dropped: int | None = None, record: Tensor | None = None) -> None:
+                       into: Tensor, dropped: int | None = None, record: Tensor | None = None,
+                       g_z: dict[int, Tensor] | None = None) -> None:
     """Adds dM/d(input_v) of every receiver, summed over pairs' metrics, to into [receivers, pairs, seq, hidden],
     from one forward and backward with the first block's input `embed` [pairs, seq, hidden] (and, `dropped`, no
     gradient through that block's contribution to the residual stream); `record` [senders, pairs, seq, hidden], if
-    given, has each sender's output in this forward subtracted."""
+    given, has each sender's output in this forward subtracted; `g_z`, if given, gets each layer's dM/dz at its
+    output projection's input (none for a dropped block's layer)."""
     graph = layout.graph
-    run = Pass(embed=embed, grads=True, record=record, subtract=True)
+    run = Pass(embed=embed, grads=True, record=record, subtract=True, g_z=g_z)
     handles = [] if dropped is None else [layout.parts.blocks[dropped].register_forward_hook(drop_hook,
                                                                                             with_kwargs=True)]
     try:

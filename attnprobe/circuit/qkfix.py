@@ -10,10 +10,23 @@ windows, grouped heads: whatever the model applies), so that head h's output bec
 
     score(u -> q of h) = sum over positions of dM/dz_h . (z'_h - z_h)      (= dM/dz_h . ((A'_h - A_h) V))
 
-and a key head's score is that sum over the query heads of its group (each sees the new keys). dM/dz_h is read as
-W_O_h^T times the sum of the gradients of the receivers the head's output feeds: the gradient its outgoing edges
-contract with, so GradDrop's dropped gradients carry over (a head whose own block is dropped gets 0, as its edges'
-receivers in that block do).
+and a key head's score is that sum over the query heads of its group (each sees the new keys). dM/dz_h is the
+gradient at the output projection's input in the clean point's backward (runs.z_grad_hook), through the model as
+it computes, so that the score is the exact edge patch (exact.py) to first order in the heads' outputs, exact in
+the pattern, on every block shape:
+
+- pre-norm: W_O_h^T times the gradient of the residual stream after the attention;
+- sandwich (Gemma 2 and 3): the head's output passes the post-attention norm, and patching the edge moves that
+  norm's 1 / rms with it (every head of the layer is rescaled), so dM/dz_h carries the norm's full derivative, not
+  its frozen scale: the frozen scale reads a head's own outgoing edges, whose diff is between two runs each at its
+  own statistics, while here one run's head output moves. Soft-capped attention (Gemma 2) saturates in tanh before
+  the softmax: the recomputed pattern has the cap applied by the module itself;
+- post-norm (OPT-350m): the receiver's input moves by the sender's diff carried through the stream's norms to the
+  block's input (stream.py; the fix reads it at that point as the contraction carries the records), and dM/dz_h
+  passes the norms after the head as the model computes them.
+
+With GradDrop the backward is the dropped one, so the dropped gradients carry over (a head whose own block is
+dropped gets no gradient, and 0, as its edges' receivers in that block do).
 
 Cost: per (receiver layer, sender) one attention call on two copies of the pairs (every query head's query moved in
 one, every key head's key in the other: each head's output depends on its own query and its group's keys only;
@@ -99,47 +112,58 @@ def qk_receivers(graph: Graph) -> Tensor:
     return torch.tensor([kind in ("q", "k") for _, kind in graph.receivers])
 
 
-def qk_scores(layout: Layout, kept: Kept, prompts: Prompts, diff: Tensor, grads: Tensor,
-              dropped: int | None = None) -> Tensor:
+def qk_scores(layout: Layout, kept: Kept, prompts: Prompts, diff: Tensor, g_z: dict[int, Tensor]) -> Tensor:
     """The QK-fixed score of every edge into a query or a key, summed over the pairs, [senders, receivers] float64
-    (0 in the other columns): diff [senders, pairs, seq, hidden] is corrupt_u - clean_u, grads [receivers, pairs,
-    seq, hidden] each receiver's dM/d(input) (with `dropped`, that block's gradient dropped)."""
+    (0 in the other columns): diff [senders, pairs, seq, hidden] is corrupt_u - clean_u at every receiver's input
+    (pre-norm and sandwich blocks: the senders' outputs themselves), g_z each layer's dM/dz [pairs, seq, heads x
+    head_dim] (see qk_layer; a layer without one, its block dropped, keeps 0)."""
     graph = layout.graph
     out = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)  # [senders, receivers]
-    streams = stream_gradients(graph, grads)
-    real = real_positions(prompts)[0, :, :, None]  # [pairs, seq, 1, 1]
+    checked = False
     for layer in range(graph.layers):
-        if layer == dropped:
-            continue
-        w_out = layout.w_out[layer].detach().float()  # [hidden, heads, head_dim]
-        g_z = torch.einsum("pso,ohd->pshd", streams[layer].float(), w_out) * real  # [pairs, seq, heads, head_dim]
-        base = layer * graph.per_layer
-        count, size = graph.prefix(base), sender_chunk(layout, kept, layer)  # the senders before this layer
-        for start in range(0, count, size):
-            senders = slice(start, min(start + size, count))
-            moved = patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
-            if start == 0 and layer == (1 if dropped == 0 else 0):
-                check_apart(layout, kept, layer, diff[0], moved[:, 0])
-            change = moved.float() - kept.z[layer].float()  # [2, senders, pairs, seq, heads, dim]
-            per_head = torch.einsum("ksphd,phd->ksh", change.flatten(2, 3),
-                                    g_z.flatten(0, 1)).double()  # [2, senders, heads]
-            out[senders, base : base + graph.heads] = per_head[0].cpu()
-            keys = per_head[1].unflatten(-1, (graph.kv_heads, graph.group)).sum(-1)  # [senders, kv_heads]
-            out[senders, base + graph.heads : base + graph.heads + graph.kv_heads] = keys.cpu()
+        if layer in g_z:
+            count = graph.prefix(layer * graph.per_layer)  # the senders before this layer
+            qk_layer(layout, kept, prompts, layer, diff[:count], g_z[layer], out, check=not checked)
+            checked = True
     return out
 
 
-def stream_gradients(graph: Graph, grads: Tensor) -> list[Tensor]:
-    """Per layer, the sum of the gradients of the receivers its heads feed (its MLP, every later receiver, the
-    logits): [pairs, seq, hidden] each, accumulated from the top."""
-    out: list[Tensor] = []
-    running, end = grads[-1], len(graph.receivers) - 1  # [pairs, seq, hidden]: the logits
-    for layer in reversed(range(graph.layers)):
-        mlp = (layer + 1) * graph.per_layer - 1
-        running = running + grads[mlp:end].sum(0)  # [pairs, seq, hidden]
-        out.insert(0, running)
-        end = mlp
-    return out
+def post_norm_visit(layout: Layout, kept: Kept, prompts: Prompts, g_z: dict[int, Tensor],
+                    out: Tensor) -> Callable[[int, Tensor], None]:
+    """For a post-norm decoder's contraction (stream.Transported.scores, which carries both runs' records point by
+    point): at each block's input, point 2l, the QK-fixed scores of layer l's queries and keys written into out
+    [senders, receivers] from the diffs carried there [n, pairs, seq, hidden]."""
+
+    def visit(target: int, diff: Tensor) -> None:
+        layer, second = divmod(target, 2)
+        if second == 0 and layer in g_z:
+            qk_layer(layout, kept, prompts, layer, diff, g_z[layer], out, check=target == 0)
+
+    return visit
+
+
+def qk_layer(layout: Layout, kept: Kept, prompts: Prompts, layer: int, diff: Tensor, g_z: Tensor, out: Tensor,
+             check: bool = False) -> None:
+    """Writes into out [senders, receivers] the QK-fixed scores of the edges into one layer's queries and keys:
+    diff [n, pairs, seq, hidden] moves the layer's input (each of the n senders before it; post-norm: carried to
+    the block's input), g_z [pairs, seq, heads x head_dim] is dM/dz at the output projection's input from a
+    backward through the model (the post-attention norm of a sandwich block at its full derivative, its 1 / rms
+    moving with the head's output as it does when the edge is patched; a post-norm block's stream norms the
+    same). check: check_apart on the first sender."""
+    graph = layout.graph
+    real = real_positions(prompts)[0, :, :, None]  # [pairs, seq, 1, 1]
+    grad = g_z.float().unflatten(-1, (graph.heads, -1)) * real  # [pairs, seq, heads, head_dim]
+    base, size = layer * graph.per_layer, sender_chunk(layout, kept, layer)
+    for start in range(0, diff.shape[0], size):
+        senders = slice(start, min(start + size, diff.shape[0]))
+        moved = patched_outputs(layout, kept, layer, diff[senders])  # [2, senders, pairs, seq, heads, dim]
+        if check and start == 0:
+            check_apart(layout, kept, layer, diff[0], moved[:, 0])
+        change = moved.float() - kept.z[layer].float()  # [2, senders, pairs, seq, heads, dim]
+        per_head = torch.einsum("ksphd,phd->ksh", change.flatten(2, 3), grad.flatten(0, 1)).double()  # [2, n, heads]
+        out[senders, base : base + graph.heads] = per_head[0].cpu()
+        keys = per_head[1].unflatten(-1, (graph.kv_heads, graph.group)).sum(-1)  # [senders, kv_heads]
+        out[senders, base + graph.heads : base + graph.heads + graph.kv_heads] = keys.cpu()
 
 
 def sender_chunk(layout: Layout, kept: Kept, layer: int) -> int:

@@ -30,7 +30,9 @@ class Pass:
     record: [senders, rows, seq, hidden], each sender's output written (or, subtract, subtracted) as computed;
     embed: the first block's input instead of the embeddings; patch(layer, j_first, j_last): the deltas of the
     receivers [j_first, j_last) of a layer (layer = layers: the logits); grads: collect dM/d(input) per receiver;
-    stats (post-norm): a dict to fill with each stream norm's statistics."""
+    stats (post-norm): a dict to fill with each stream norm's statistics; g_z (with grads, for the QK fix): a dict
+    to fill with each layer's dM/dz, the gradient at its output projection's input (none where no gradient reached
+    it)."""
 
     record: Tensor | None = None
     subtract: bool = False
@@ -38,6 +40,7 @@ class Pass:
     patch: Callable[[int, int, int], Deltas] | None = None
     grads: bool = False
     stats: dict[int, Tensor] | None = None  # post-norm: per stream norm, the run's 1 / sigma [rows, seq, 1]
+    g_z: dict[int, Tensor] | None = None  # per layer, dM/dz at the output projection's input [rows, seq, heads x dim]
     xs: dict[int, Tensor] = field(default_factory=dict)  # per layer, the block's input
     g_maps: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, id(map)) -> dM/d(map output)
     g_mlp: dict[int, Tensor] = field(default_factory=dict)  # per layer, dM/d(MLP's norm input) through the MLP
@@ -67,6 +70,8 @@ def instrumented(layout: Layout, run: Pass) -> Iterator[None]:
             handles.append(parts.projections[layer].register_forward_hook(sandwich_heads_hook(layout, run, layer)))
         else:
             handles.append(parts.projections[layer].register_forward_pre_hook(heads_hook(layout, run, layer)))
+        if run.grads and run.g_z is not None:
+            handles.append(parts.projections[layer].register_forward_pre_hook(z_grad_hook(run, layer)))
         handles.append(layout.mlps[layer].register_forward_hook(mlp_hook(layout, run, layer)))
         handles.append(layout.ln2[layer].register_forward_pre_hook(input_hook(run, layer, nq, layer)))
         for module in {id(m): m for m, _ in layout.qkv[layer]}.values():
@@ -125,6 +130,21 @@ def sandwich_heads_hook(layout: Layout, run: Pass, layer: int) -> Callable:
         z = args[0].detach().unflatten(-1, (layout.parts.heads, layout.parts.head_dim))  # [rows, seq, heads, dim]
         contributions = torch.einsum("bshd,ohd->hbso", z, layout.w_out[layer].detach())  # [heads, rows, seq, hidden]
         write(run, layout.graph.sender_index(layer, 0), norm.frozen(contributions, norm.inverse(output)))
+
+    return hook
+
+
+def z_grad_hook(run: Pass, layer: int) -> Callable:
+    """Pre-hook on an output projection: the gradient at its input z (every head's output before the projection),
+    through the model itself (norms after it included), kept in run.g_z."""
+
+    def hook(_module: nn.Module, args: tuple) -> tuple | None:
+        z = args[0]  # [rows, seq, heads x head_dim]
+        if not z.requires_grad:
+            return None
+        z = z.view_as(z)  # a node of its own: the gradient through the projection alone
+        z.register_hook(lambda g: run.g_z.__setitem__(layer, g.detach()))
+        return (z, *args[1:])
 
     return hook
 

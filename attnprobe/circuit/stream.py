@@ -14,6 +14,7 @@ input h; 2L, the last block's output (the logits). Stream norm k sits between po
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,9 +106,10 @@ class Transported:
                 - carry(self.layout, self.clean[s], self.clean_stats, s, target)) * self.real[0]
 
     @torch.inference_mode()
-    def scores(self, grads: Tensor) -> Tensor:
+    def scores(self, grads: Tensor, visit: Callable[[int, Tensor], None] | None = None) -> Tensor:
         """sum over pairs and positions of diff_u(at v's point) . grad_v, point by point, both records carried in
-        place (so once): [senders, receivers] float64, zero off the graph."""
+        place (so once): [senders, receivers] float64, zero off the graph. visit(point, diff), if given, sees each
+        point's diffs [n, pairs, seq, hidden] of the n senders upstream of it (the QK fix reads them)."""
         graph = self.layout.graph
         scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64,
                              device=grads.device)  # [senders, receivers]
@@ -118,6 +120,8 @@ class Transported:
             mine = torch.from_numpy(np.flatnonzero(targets == target)).to(grads.device)  # [receivers here]
             n = graph.prefix(int(mine[0]))
             diff = (corrupt.at(target)[:n] - clean.at(target)[:n]) * self.real  # [n, pairs, seq, hidden]
+            if visit is not None:
+                visit(target, diff)
             product = diff.flatten(1) @ grads[mine].flatten(1).to(diff.dtype).t()  # [n, receivers here]
             scores[:n, mine] = product.double()
         return scores * torch.from_numpy(graph.mask).to(scores.device)

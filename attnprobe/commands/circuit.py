@@ -83,7 +83,8 @@ def circuit(
                            "attention pattern recomputed exactly (linear only after it), where saturated attention "
                            "hides them from the gradient. Costs about one attention recomputation per (sender, "
                            "layer) pair; with --grad-drop, once per block dropped; with eap-ig, at the clean run. "
-                           "Pre-norm decoders (GPT-2, Llama, Qwen, Mistral ...).")
+                           "Every block shape read: pre-norm, sandwich (Gemma 2 and 3, soft-capping included) and "
+                           "post-norm (OPT-350m).")
     ] = False,
     top: Annotated[
         int | None, typer.Option("--top", help="The circuit: the edges of largest |score|, this many.  [default: 1% "
