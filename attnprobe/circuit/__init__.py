@@ -21,7 +21,9 @@ k = 0..m-1); GradDrop (AtP*, Kramar et al. 2024) as an option, and AtP*'s QK fix
 into queries and keys scored with the patched attention pattern recomputed exactly, dM/dz_h . ((A' - A) V), linear
 only after the softmax whose gradient saturated attention makes blind (with EAP-IG at the clean point, k = m; with
 GradDrop once per dropped block; about one attention recomputation per (sender, layer)). Exact edge patching: the
-patched mean metric minus the clean one, each edge a copy of the pairs run from its receiver's layer on.
+patched mean metric minus the clean one, each edge a copy of the pairs run from its receiver's layer on. After the
+exact check of the top edges, AtP*'s subsampling diagnostic as an option (missed.py): random subsets of the
+unverified edges patched together, and each edge's effect bounded from the subsets that hold it.
 
 Faithfulness (MIB, Mueller et al. 2025): the metric with every edge outside the circuit patched to the corrupt run
 (or mean-ablated), (M_circuit - M_corrupt) / (M_clean - M_corrupt), at circuit sizes given as fractions of the
@@ -66,7 +68,7 @@ import numpy as np
 import pandas as pd
 
 from attnprobe.circuit.attribution import attribute
-from attnprobe.circuit.exact import COPY_TOKENS, exact, keep_run
+from attnprobe.circuit.exact import COPY_TOKENS, exact, exact_sets, keep_run
 from attnprobe.circuit.faithfulness import (
     ABLATIONS,
     PERCENTAGES,
@@ -83,6 +85,7 @@ from attnprobe.circuit.faithfulness import (
 )
 from attnprobe.circuit.graph import Graph
 from attnprobe.circuit.layout import Layout, find_layout
+from attnprobe.circuit.missed import MISSED_CONFIDENCE, MISSED_P, Missed, check_missed, missed_bounds, missed_table
 from attnprobe.circuit.runs import BUFFER_MIB, Metric, Pass, Prompts, forward, measure, outputs, tokenize
 from attnprobe.circuit.tables import edge_table, mib_importances
 from attnprobe.errors import AttnprobeError
@@ -95,12 +98,15 @@ __all__ = [
     "BUFFER_MIB",
     "COPY_TOKENS",
     "METHODS",
+    "MISSED_CONFIDENCE",
+    "MISSED_P",
     "PERCENTAGES",
     "CircuitResult",
     "Faithfulness",
     "Graph",
     "Layout",
     "Metric",
+    "Missed",
     "Pass",
     "Prompts",
     "areas",
@@ -111,6 +117,7 @@ __all__ = [
     "edge_table",
     "evaluate",
     "exact",
+    "exact_sets",
     "faithfulness",
     "find_circuit",
     "find_layout",
@@ -118,6 +125,8 @@ __all__ = [
     "keep_run",
     "measure",
     "mib_importances",
+    "missed_bounds",
+    "missed_table",
     "normalized",
     "outputs",
     "random_edges",
@@ -134,17 +143,20 @@ class CircuitResult:
     faithfulness: Faithfulness | None
     exact: pd.DataFrame | None  # the top edges' exact patching beside their scores
     seconds: dict[str, float]
+    missed: Missed | None = None  # the bound on the unverified edges (--missed)
 
 
 def find_circuit(loaded: LoadedModel, pairs: Sequence[Any], metric: Metric, *, method: str = "eap-ig",
                  steps: int = 5, grad_drop: bool = False, qk_fix: bool = False, top: int | None = None,
                  threshold: float | None = None, fractions: Sequence[float] = PERCENTAGES, randoms: int = 5,
-                 ablation: str = "patch", check: int = 0, seed: int = 0,
-                 progress: Callable[[str, int, int], None] | None = None,
+                 ablation: str = "patch", check: int = 0, missed_subsets: int = 0, missed_p: float = MISSED_P,
+                 seed: int = 0, progress: Callable[[str, int, int], None] | None = None,
                  ) -> tuple[Layout, CircuitResult]:
     """Score every edge (method eap, eap-ig, or exact: every edge patched alone; grad_drop and qk_fix: AtP*'s
     options of eap and eap-ig, together or alone), choose the circuit (top edges or |score| >= threshold), its
-    faithfulness curve and, with check > 0, the exact patch of the top `check` edges."""
+    faithfulness curve and, with check > 0, the exact patch of the top `check` edges; with missed_subsets > 0 as
+    well, the bound on the other edges from that many random subsets of them (each edge in with chance missed_p,
+    drawn from seed) patched together (missed.py)."""
     if method not in METHODS:
         raise AttnprobeError(f"--method {method!r}: use one of {', '.join(METHODS)}")
     if steps < 1:
@@ -155,6 +167,7 @@ def find_circuit(loaded: LoadedModel, pairs: Sequence[Any], metric: Metric, *, m
         raise AttnprobeError("--qk-fix applies to --method eap or eap-ig: exact patching recomputes every attention "
                              "pattern already; drop --qk-fix")
     layout = find_layout(loaded)
+    check_missed(missed_subsets, missed_p, check, layout.post_norm)
     if fractions:
         check_ablation(layout, ablation)
     graph = layout.graph
@@ -184,13 +197,19 @@ def find_circuit(loaded: LoadedModel, pairs: Sequence[Any], metric: Metric, *, m
                                 "input": [graph.receivers[r][1] for _, r in edges],
                                 "score": [scores[s, r] for s, r in edges], "exact": values})
         seconds["check"] = time.perf_counter() - tick
+    bound = None
+    if missed_subsets:
+        tick = time.perf_counter()
+        bound = missed_bounds(loaded, layout, prompts, metric, chosen, float(np.abs(values).min()),
+                              subsets=missed_subsets, p=missed_p, seed=seed, progress=say("missed edges"))
+        seconds["missed"] = time.perf_counter() - tick
     faith = None
     if fractions:
         tick = time.perf_counter()
         faith = faithfulness(loaded, layout, prompts, metric, scores, fractions=fractions, randoms=randoms,
                              ablation=ablation, seed=seed, progress=say("faithfulness"))
         seconds["faithfulness"] = time.perf_counter() - tick
-    return layout, CircuitResult(scores, circuit, faith, checked, {k: round(v, 3) for k, v in seconds.items()})
+    return layout, CircuitResult(scores, circuit, faith, checked, {k: round(v, 3) for k, v in seconds.items()}, bound)
 
 
 def choose(graph: Graph, scores: np.ndarray, top: int | None, threshold: float | None) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Exact edge patching: each chosen edge alone patched to the corrupt run, many edges a batched pass."""
+"""Exact edge patching: each chosen edge alone patched to the corrupt run, many edges a batched pass; and sets of
+edges patched together (exact_sets), many sets a batched pass."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from attnprobe.ablate import fast_attention, run_blocks, tile
 from attnprobe.circuit.graph import Graph
 from attnprobe.circuit.layout import Layout, hidden_of
 from attnprobe.circuit.runs import (
+    BUFFER_MIB,
     Deltas,
     Metric,
     Pass,
@@ -64,9 +66,14 @@ def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
 def passes(graph: Graph, edges: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
     """The edges' indices in batched passes: edges whose receivers are in one layer together (a pass starts at its
     receivers' layer), at most `size` copies a pass."""
+    return grouped([graph.receiver_layer(r) for _, r in edges], size)
+
+
+def grouped(starts: Sequence[int], size: int) -> list[list[int]]:
+    """Indices grouped by the layer their copies start at, lowest first, at most `size` a group."""
     by_layer: dict[int, list[int]] = {}
-    for e, (_, r) in enumerate(edges):
-        by_layer.setdefault(graph.receiver_layer(r), []).append(e)
+    for i, layer in enumerate(starts):
+        by_layer.setdefault(layer, []).append(i)
     return [mine[k : k + size] for _, mine in sorted(by_layer.items()) for k in range(0, len(mine), size)]
 
 
@@ -127,14 +134,88 @@ def patched_copies(layout: Layout, kept: Kept, prompts: Prompts, metric: Metric,
     start = min(graph.receiver_layer(r) for _, r in edges)
     if layout.post_norm:  # the logits' deltas go in at the last block's output: that block runs again
         start = min(start, graph.layers - 1)
-    run = Pass(patch=patch)
+    return run_from(layout, kept, prompts, metric, Pass(patch=patch), start, len(edges))
+
+
+def run_from(layout: Layout, kept: Kept, prompts: Prompts, metric: Metric, run: Pass, start: int,
+             copies: int) -> Tensor:
+    """The metric [copies, pairs] of `copies` copies of the kept clean run restarted at layer `start` (layers: at the
+    final norm) with `run`'s hooks."""
+    pairs = prompts.last.shape[0]
     with instrumented(layout, run):
-        if start == graph.layers:
-            final = layout.parts.final(tile(kept.before_final, len(edges), pairs))
+        if start == layout.graph.layers:
+            final = layout.parts.final(tile(kept.before_final, copies, pairs))
         else:
             final = run_blocks(layout.parts.blocks, layout.parts.final if not layout.post_norm else layout.tail,
-                               kept.hidden, kept.extras, start, len(edges))
+                               kept.hidden, kept.extras, start, copies)
     return measure(layout, metric, final, prompts)
+
+
+@torch.inference_mode()
+def exact_sets(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
+               sets: Sequence[Sequence[tuple[int, int]]],
+               progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """The mean metric with each set's edges patched together to the corrupt run, minus the clean mean [sets]
+    float64: every receiver of the set reads its set's senders' corrupt outputs in place of their outputs in this
+    run (faithfulness's patch of the edges outside a circuit, here of the edges in the set); a set of one edge is
+    exact()'s patch. The pairs' copies run from the set's lowest receiver layer on, several sets a pass (the copies
+    a pass holds: COPY_TOKENS positions and a sender record that fits BUFFER_MIB). Pre-norm and sandwich decoders."""
+    graph = layout.graph
+    if layout.post_norm:
+        raise AttnprobeError("edges patched together on a post-norm decoder: each receiver would need every sender's "
+                             "output carried through the norms of its own copy; patch the edges one at a time")
+    for edges in sets:
+        check_edges(graph, edges)
+    total = np.zeros(len(sets))
+    live = [k for k, edges in enumerate(sets) if edges]  # an empty set changes nothing: 0
+    starts = [min(graph.receiver_layer(r) for _, r in sets[k]) for k in live]
+    done, steps = 0, len(live) * len(chunks(prompts, layout))
+    with fast_attention(loaded.model):
+        for rows in chunks(prompts, layout):
+            sub = part(prompts, rows)
+            corrupt, _, _ = recorded(loaded, layout, sub, sub.corrupt)
+            kept = keep_run(loaded, layout, sub)
+            clean = measure(layout, metric, kept.final, sub)[0].double()  # [pairs]
+            per_copy = corrupt[0].numel() * len(graph.senders) * 4  # bytes of one copy's sender record
+            size = max(1, min(COPY_TOKENS // sub.mask.numel(), (BUFFER_MIB << 20) // per_copy))
+            for chosen in grouped(starts, size):
+                mine = [sets[live[i]] for i in chosen]
+                patched = set_copies(layout, kept, sub, metric, mine, corrupt, starts[chosen[0]])
+                total[[live[i] for i in chosen]] += (patched.double() - clean).sum(1).cpu().numpy()
+                done += len(chosen)
+                if progress:
+                    progress(done, steps)
+    return total / prompts.mask.shape[0]
+
+
+def set_copies(layout: Layout, kept: Kept, prompts: Prompts, metric: Metric,
+               sets: Sequence[Sequence[tuple[int, int]]], corrupt: Tensor, start: int) -> Tensor:
+    """The metric [copies, pairs] with set c's edges patched in copy c, run from layer `start`: a receiver's input
+    moves by the sum over its set's senders of (corrupt output - output in this copy), the record of every sender
+    held as corrupt minus current (the senders before `start`: the clean run's, as nothing upstream changed)."""
+    graph = layout.graph
+    pairs, copies = prompts.last.shape[0], len(sets)
+    # the senders the copies do not recompute (from layer 1 on: the input and the layers before start)
+    before = 0 if start == 0 else len(graph.senders) if start == graph.layers else graph.prefix(start * graph.per_layer)
+    record = corrupt.repeat(1, copies, 1, 1)  # [senders, copies x pairs, seq, hidden]
+    record[:before] -= kept.record[:before].repeat(1, copies, 1, 1)
+    weights = torch.zeros(copies, len(graph.senders), len(graph.receivers), device=corrupt.device)  # [copies, s, r]
+    for c, edges in enumerate(sets):
+        weights[c, [s for s, _ in edges], [r for _, r in edges]] = 1.0
+    real = real_positions(prompts)[0]  # [pairs, seq, 1]
+
+    def patch(layer: int, low: int, high: int) -> Deltas:
+        r0 = layer * graph.per_layer + low
+        p = graph.prefix(r0)
+        w = weights[:, :p, r0 : r0 + high - low]  # [copies, prefix, receivers]
+        used = w.any(1)  # [copies, receivers]
+        if not bool(used.any()):
+            return []
+        moved = record[:p].unflatten(1, (copies, pairs))  # [prefix, copies, pairs, seq, hidden]
+        delta = torch.einsum("csr,scnth->crnth", w, moved) * real  # [copies, receivers, pairs, seq, hidden]
+        return [(low + i, slice(c * pairs, (c + 1) * pairs), delta[c, i]) for c, i in used.nonzero().tolist()]
+
+    return run_from(layout, kept, prompts, metric, Pass(record=record, subtract=True, patch=patch), start, copies)
 
 
 def check_edges(graph: Graph, edges: Sequence[tuple[int, int]]) -> None:

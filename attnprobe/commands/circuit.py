@@ -109,11 +109,24 @@ def circuit(
     check: Annotated[
         int, typer.Option("--check", help="Also patch the top this-many edges exactly, beside their scores.")
     ] = 0,
+    missed: Annotated[
+        int, typer.Option("--missed", metavar="K", help="With --check: bound what the check missed (after AtP*'s "
+                          "subsampling diagnostic): K random subsets of the unverified edges patched together, and "
+                          "each edge's exact effect bounded at 95% from the subsets that hold it; edges whose bound "
+                          "reaches the smallest verified effect are flagged. Costs K patched runs of the pairs. "
+                          "Pre-norm and sandwich-norm decoders.")
+    ] = 0,
+    missed_p: Annotated[
+        float, typer.Option("--missed-p", metavar="P", help="--missed: each unverified edge's chance to be in a "
+                            "subset (keep K x P >= 10 so that most edges are in 5 subsets or more, the fewest a bound "
+                            "needs; smaller P: tighter bounds).")
+    ] = 0.1,
     device: DeviceOption = DeviceChoice.auto,
     dtype: DTypeOption = DTypeChoice.auto,
     device_map: DeviceMapOption = None,
     max_memory: MaxMemoryOption = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of --task's pairs and of the random circuits.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of --task's pairs, of the random circuits and of --missed's "
+                                      "subsets.")] = 0,
     bos: BosOption = BosChoice.auto,
     threads: ThreadsOption = "auto",
 ) -> None:
@@ -132,6 +145,8 @@ def circuit(
     fractions = parse_sizes(sizes)
     if random < 0 or check < 0:
         raise AttnprobeError(f"{'--random' if random < 0 else '--check'}: give 0 or more")
+    if missed_p != 0.1 and not missed:
+        raise AttnprobeError("--missed-p does nothing here: it applies to --missed K; drop it")
     folder = ResultsFolder(out, "circuit", {"--pairs": pairs, "--model": model})
     folder.check()
     folder.apart()
@@ -146,7 +161,8 @@ def circuit(
             layout, result = cc.find_circuit(loaded, made, metric, method=method.value, steps=steps,
                                              grad_drop=grad_drop, qk_fix=qk_fix, top=top,
                                              threshold=threshold, fractions=fractions, randoms=random,
-                                             ablation=ablation.value, check=check, seed=seed, progress=progress)
+                                             ablation=ablation.value, check=check, missed_subsets=missed,
+                                             missed_p=missed_p, seed=seed, progress=progress)
     finally:
         release_offload(loaded)
     run = record(loaded, layout, result, made, source, method=method.value, steps=steps, grad_drop=grad_drop,
@@ -230,11 +246,50 @@ def record(loaded, layout, result, pairs: list, source: dict, *, method: str, st
             "curve": faith.curve.to_dict(orient="records"),
         },
         "exact_check": None if result.exact is None else result.exact.to_dict(orient="records"),
+        "missed": None if result.missed is None else missed_record(graph, result, seed),
         "seconds": result.seconds,
         "bos": loaded.bos, "device": str(loaded.device), "dtype": loaded.dtype,
         "notes": notes,
         "versions": versions(),
     }
+
+
+def missed_record(graph, result, seed: int, listed: int = 20) -> dict[str, Any]:
+    """circuit.json's "missed": the diagnostic's settings and assumption, the largest bound, the flagged edges (the
+    first `listed` by bound) and every subset's size and effect."""
+    import numpy as np
+
+    from attnprobe import circuit as cc
+
+    found = result.missed
+    table = cc.missed_table(graph, result.scores, found)
+    finite = table[np.isfinite(table["bound"])]
+    flagged = table[table["flagged"]]
+
+    def rows(frame) -> list[dict[str, Any]]:
+        return [{**row, "bound": none_if_inf(row["bound"]), "lowest": none_if_inf(row["lowest"])}
+                for row in frame.drop(columns="flagged").to_dict(orient="records")]
+
+    return {
+        "subsets": len(found.effects), "p": found.p, "confidence": found.confidence, "seed": seed,
+        "definition": ("each unverified edge's |exact effect| <= its bound at the confidence: the j-th largest "
+                       "|effect| of the random subsets (each edge in with chance p) that hold it, patched together, "
+                       "j the largest rank with P(Binomial(k, 1/2) <= j - 1) <= 1 - confidence (k: its subsets); "
+                       "assumes a subset holding the edge changes the metric at least as much as the edge alone "
+                       "with chance >= 1/2 (no systematic cancellation). lowest: the smallest such |effect|, the "
+                       "bound if no subset cancels the edge at all (AtP*'s assumption)"),
+        "unverified_edges": len(table), "bounded_edges": len(finite),
+        "smallest_verified": found.smallest_verified,
+        "largest_bound": rows(finite.head(1))[0] if len(finite) else None,
+        "flagged_edges": len(flagged), "flagged": rows(flagged.head(listed)),
+        "subset_sizes": found.members.sum(1).tolist(), "subset_effects": found.effects.tolist(),
+    }
+
+
+def none_if_inf(value: float) -> float | None:
+    import math
+
+    return None if math.isinf(value) else float(value)
 
 
 def score_text(method: str, grad_drop: bool, qk_fix: bool) -> str:
@@ -250,12 +305,18 @@ def score_text(method: str, grad_drop: bool, qk_fix: bool) -> str:
 
 
 def write(out, layout, result, run: dict, title: str) -> list[Path]:
-    """edges.csv, circuit.json, importances.json and, where the plotting module has them, the two figures."""
+    """edges.csv (with --missed, each unverified edge's bound as missed_bound), circuit.json, importances.json and,
+    where the plotting module has them, the two figures."""
     from attnprobe import circuit as cc
     from attnprobe import io
 
     graph = layout.graph
     edges = cc.edge_table(graph, result.scores, result.circuit)
+    if result.missed is not None:  # each unverified edge's bound (inf: too few subsets), blank for the verified
+        bound = {(graph.senders[s], *graph.receivers[r]): b for (s, r), b in zip(result.missed.edges,
+                                                                                  result.missed.bound)}
+        edges["missed_bound"] = [bound.get(key, float("nan")) for key in zip(edges["sender"], edges["receiver"],
+                                                                             edges["input"])]
     files = {io.CIRCUIT_EDGES_FILE: io.csv_writer(edges), io.CIRCUIT_RUN_FILE: io.json_writer(run),
              io.CIRCUIT_IMPORTANCES_FILE: io.compact_json_writer(
                  cc.mib_importances(graph, result.scores, result.circuit, layout.w_out[0].shape[0]))}
@@ -288,6 +349,14 @@ def summary(layout, result, run: dict) -> Table:
                     f"CMD {faith['cmd']:.3f}")
         if faith["random_cpr"] is not None:
             caption += f" (random circuits: CPR {faith['random_cpr']:.3f})"
+    found = run.get("missed")
+    if found is not None:
+        largest = found["largest_bound"]
+        caption += (f"\nmissed ({found['subsets']} subsets, {found['confidence']:.0%}): "
+                    + (f"largest bound {largest['bound']:.4f} ({largest['sender']} -> {largest['receiver']}"
+                       f"{' ' + largest['input'] if largest['input'] else ''}); " if largest else "no edge bounded; ")
+                    + f"{found['flagged_edges']} of {found['unverified_edges']} unverified edges may reach the "
+                    f"smallest verified effect {found['smallest_verified']:.4f}")
     table = Table(title=Text(visible(heading)), caption=caption)
     for name in ("sender", "receiver", "input", "score"):
         table.add_column(name, justify="right" if name == "score" else "left")
