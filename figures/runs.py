@@ -258,9 +258,10 @@ RUNS: dict[str, Run] = {run.name: run for run in (
         ap("circuit", "--model", "smollm2-135m", "--task", "greater-than", "--n", "32", "--out", "{out}",
            "--threads", "2", key="circuit"),),
         about="`attnprobe circuit --model smollm2-135m --task greater-than --n 32`", minutes=4),
-    Run("bench-circuit", "bench", (bench("bench_circuit.py", "--pairs", "16", "--threads", "2", "--json",
+    Run("bench-circuit", "bench", (bench("bench_circuit.py", "--pairs", "64", "--threads", "2", "--json",
                                          "{out}/circuit.json"),),
-        about="bench_circuit.py: EAP, EAP-IG and exact patching of 100 edges on 16 IOI pairs of SmolLM2", minutes=5),
+        about="bench_circuit.py: EAP, EAP-IG and exact patching of 100 edges on 64 IOI pairs of SmolLM2 (the targets' "
+              "size)", minutes=14),
     Run("bench-patch", "bench", (bench("bench_patch.py", "--pairs", "16", "--threads", "2", "--json",
                                        "{out}/patch.json"),),
         about="benchmarks/bench_patch.py --threads 2: the patching sweep, attribution and memory on SmolLM2",

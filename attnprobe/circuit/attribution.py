@@ -170,9 +170,11 @@ def qkv_gradients(layout: Layout, run: Pass, layer: int) -> Tensor:
     x = run.xs[layer].detach()  # [rows, seq, hidden]
     if any((layer, id(m)) not in run.g_maps for m, _ in maps):  # no gradient reached them (a block dropped)
         return x.new_zeros(len(maps), *x.shape)
-    cotangents = torch.stack([run.g_maps[(layer, id(m))][..., cut] @ slice_weight(m, cut).detach()
-                              for m, cut in maps])  # [receivers, rows, seq, hidden]
-    with torch.enable_grad():
-        stacked = x[None].expand(len(maps), *x.shape).clone().requires_grad_(True)  # [receivers, rows, seq, hidden]
-        (grads,) = torch.autograd.grad(layout.ln1[layer](stacked), [stacked], cotangents.to(x.dtype))
+    cotangents = x.new_empty(len(maps), *x.shape)  # [receivers, rows, seq, hidden]
+    for j, (m, cut) in enumerate(maps):
+        torch.matmul(run.g_maps[(layer, id(m))][..., cut].to(x.dtype), slice_weight(m, cut).detach().to(x.dtype),
+                     out=cotangents[j])
+    with torch.enable_grad():  # the norm run once, its backward batched over the receivers (vmap)
+        x = x.clone().requires_grad_(True)
+        (grads,) = torch.autograd.grad(layout.ln1[layer](x), [x], cotangents, is_grads_batched=True)
     return grads
