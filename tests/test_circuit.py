@@ -640,6 +640,57 @@ def test_eap_ig_with_one_step_is_eap_and_more_steps_move_it(family):
     assert np.abs(ig - eap).max() > 1e-4  # the gradient is taken elsewhere on the path
 
 
+def test_eap_ig_integrates_the_gradient_on_the_line_from_the_corrupt_to_the_clean_input(family):
+    """EAP-IG (m = 3) of the edges into the logits, against a float64 oracle of plain hooks: per pair, the gradient
+    of the metric at the final norm's input with the first block's input set to corrupt + (k/m) (clean - corrupt),
+    k = 1..m, averaged over k and contracted with corrupt_u - clean_u (the line starts at the corrupt input: a line
+    from 2 clean - corrupt, its mirror, gives other scores)."""
+    name, loaded, oracle = family
+    if "final" not in NAMES[name]:
+        pytest.skip("post-norm: the logits read the last block's output, tested by the carried oracles")
+    layout = cc.find_layout(loaded)
+    graph = layout.graph
+    pairs = pairs_of(loaded)
+    prompts = cc.tokenize(loaded, pairs)
+    steps = 3
+    got = cc.attribute(loaded, layout, prompts, logit_diff, steps=steps)[:, -1]  # [senders]: edges into the logits
+    model = oracle.model
+    final = model.get_submodule(NAMES[name]["final"])
+    want = np.zeros(len(graph.senders))
+    for k, pair in enumerate(pairs):
+        n = int(prompts.mask[k].sum())
+        clean, corrupt = (oracle.outputs(prompts.clean[k, :n].tolist()),
+                          oracle.outputs(prompts.corrupt[k, :n].tolist()))
+        start, end = corrupt["input"], clean["input"]  # [seq, hidden]
+        for step in range(1, steps + 1):
+            point = (start + (step / steps) * (end - start))[None]  # [1, seq, hidden]
+            seen = []
+
+            def swap(_m, args, kwargs, point=point):
+                return ((point, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": point})
+
+            def keep(_m, args, seen=seen):
+                x = args[0].detach().requires_grad_(True)  # [1, seq, hidden]
+                seen.append(x)
+                return (x, *args[1:])
+
+            handles = [oracle.layers[0].register_forward_pre_hook(swap, with_kwargs=True),
+                       final.register_forward_pre_hook(keep)]
+            try:
+                logits = model(input_ids=torch.tensor([prompts.clean[k, :n].tolist()])).logits[:, -1]  # [1, vocab]
+                (g,) = torch.autograd.grad(logit_diff(logits, [pair]).sum(), seen)  # [1, seq, hidden]
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for s, sender in enumerate(graph.senders):
+                want[s] += float(((corrupt[sender] - clean[sender]) * g[0]).sum()) / steps
+    want /= len(pairs)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * scale)
+    mirror = cc.attribute(loaded, layout, prompts, logit_diff, steps=1)[:, -1]  # EAP: the clean point alone
+    assert np.abs(mirror - want).max() > 1e-2 * scale  # the steps matter here: the test can tell the lines apart
+
+
 def test_circuit_evaluation_ends_at_the_clean_and_corrupt_runs_and_one_edge_out_is_its_exact_patch(family):
     """Every edge in the circuit: the clean metric; none: the corrupt run's; all but one: the clean metric plus that
     edge's exact patch (the sequential evaluator against the restarted copies)."""
