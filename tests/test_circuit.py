@@ -1340,3 +1340,29 @@ def test_cli_missed_writes_the_bound_and_refuses_without_check(tmp_path, tasks_m
     refused = run("circuit", "--model", folder, "--pairs", pairs, "--out", tmp_path / "o3", "--sizes", "none",
                   "--missed-p", "0.3")
     assert_one_line_error(refused, "--missed-p does nothing here")
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms", "rms1"])
+def test_a_norms_closed_form_backward_is_autograds(kind):
+    """Norm.backward (the q/k/v receivers' gradients through their block's input norm, every receiver at once) equals
+    autograd's vector-Jacobian products of the module itself, in float64, for a LayerNorm with a bias, Llama's RMSNorm
+    (gain w) and Gemma 2's (gain 1 + w)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from attnprobe.circuit.layout import norm_of
+
+    torch.manual_seed(0)
+    module = {"layer": lambda: torch.nn.LayerNorm(16, eps=1e-5), "rms": lambda: LlamaRMSNorm(16, eps=1e-6),
+              "rms1": lambda: Gemma2RMSNorm(16, eps=1e-6)}[kind]().double()
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    x = torch.randn(3, 5, 16, dtype=torch.float64) * 2 + 0.7  # [rows, seq, hidden]
+    norm = norm_of(module, x, module(x))
+    assert norm is not None and norm.kind == kind
+    cotangents = torch.randn(4, 3, 5, 16, dtype=torch.float64)  # [receivers, rows, seq, hidden]
+    xg = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(module(xg), [xg], cotangents, is_grads_batched=True)
+    got = norm.backward(x, cotangents)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -174,7 +174,10 @@ def qkv_gradients(layout: Layout, run: Pass, layer: int) -> Tensor:
     for j, (m, cut) in enumerate(maps):
         torch.matmul(run.g_maps[(layer, id(m))][..., cut].to(x.dtype), slice_weight(m, cut).detach().to(x.dtype),
                      out=cotangents[j])
-    with torch.enable_grad():  # the norm run once, its backward batched over the receivers (vmap)
+    norm = layout.ln1_norms[layer] if layout.ln1_norms else None
+    if norm is not None:  # a LayerNorm or RMSNorm: its backward in closed form, one pass for every receiver
+        return norm.backward(x, cotangents)
+    with torch.enable_grad():  # another norm: run once, its backward batched over the receivers (vmap)
         x = x.clone().requires_grad_(True)
         (grads,) = torch.autograd.grad(layout.ln1[layer](x), [x], cotangents, is_grads_batched=True)
     return grads

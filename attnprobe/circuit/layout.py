@@ -53,6 +53,20 @@ class Norm:
             value = value - value.mean(-1, keepdim=True)
         return (value * inv * self.gain()).to(part.dtype)  # [..., hidden]
 
+    def backward(self, x: Tensor, cotangents: Tensor) -> Tensor:
+        """The norm's vector-Jacobian products at its input x [..., hidden] for a batch of cotangents of its output
+        [r, ..., hidden]: [r, ..., hidden] float32, the statistics' own derivative included (the closed form of
+        autograd's backward, one pass for every cotangent: y = gain x centre(x) x inv, inv = 1 / sqrt(mean(centre(x)^2)
+        + eps), so the product is centre(a inv - centre(x) inv^3 mean(a centre(x))) with a = gain x cotangent)."""
+        x = x.detach().float()
+        if self.kind == "layer":
+            x = x - x.mean(-1, keepdim=True)  # [..., hidden]
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., 1]
+        a = cotangents.float() * self.gain()  # [r, ..., hidden]
+        dot = (a * x).mean(-1, keepdim=True)  # [r, ..., 1]
+        out = a.mul_(inv).addcmul_(x * inv.pow(3), dot, value=-1.0)  # [r, ..., hidden]
+        return out - out.mean(-1, keepdim=True) if self.kind == "layer" else out
+
     def bias(self) -> Tensor | None:
         bias = getattr(self.module, "bias", None) if self.kind == "layer" else None
         return None if bias is None else bias.detach().float()
@@ -101,6 +115,7 @@ class Layout:
     post_attn: tuple[Norm | None, ...] = ()
     stream: tuple[Norm, ...] = ()
     tail: nn.Module | None = None  # post-norm: what the model applies to the last block's output (OPT's project_out)
+    ln1_norms: tuple[Norm | None, ...] = ()  # per block, ln1 read as a Norm (None: no form matched, or none)
 
     @property
     def post_norm(self) -> bool:
@@ -130,7 +145,8 @@ def find_layout(loaded: LoadedModel) -> Layout:
     qkv = [qkv_maps(parts, layer) for layer in range(graph.layers)]
     w_out = [out_weight(module, parts) for module in parts.projections]
     return Layout(parts, graph, [f.ln1 for f in found], [f.ln2 for f in found], [f.mlp for f in found], qkv, w_out,
-                  shape, tuple(f.post_attn for f in found), tuple(n for f in found for n in f.stream), tail)
+                  shape, tuple(f.post_attn for f in found), tuple(n for f in found for n in f.stream), tail,
+                  tuple(reading(f.ln1, seen) if id(f.ln1) in seen else None for f in found))
 
 
 def probe(loaded: LoadedModel, parts: Parts) -> tuple[dict[int, tuple[tuple, dict, Any]], Tensor]:
