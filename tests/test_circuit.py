@@ -389,16 +389,21 @@ def test_grad_drop_is_the_mean_magnitude_of_the_first_order_changes_with_a_block
     assert max(want) > 1e-3
 
 
+def receiving_heads(graph, r: int) -> tuple[int, list[int]]:
+    """The layer of a query or key receiver and the query heads that read it (a key head: its group's)."""
+    node, kind = graph.receivers[r]
+    layer = int(node[1:].split(".")[0])
+    index = int(node.split(".")[1].lstrip("hkv"))
+    return layer, [index] if kind == "q" else list(range(index * graph.group, (index + 1) * graph.group))
+
+
 def oracle_qk(oracle: Oracle, loaded, pairs, edge, graph) -> float:
     """AtP*'s QK-fixed score of a query or key edge by hand, mean over pairs: the receiver's q or k slice patched
     exactly in a forward, the heads' new patterns A' read from eager attention, and sum over positions and the
     heads that read the slice of dM/dz_h . ((A'_h - A_h) V_h), dM/dz_h from a clean backward, V from the clean
     run."""
     s, r = edge
-    node, kind = graph.receivers[r]
-    layer = int(node[1:].split(".")[0])
-    index = int(node.split(".")[1].lstrip("hkv"))
-    heads = [index] if kind == "q" else list(range(index * graph.group, (index + 1) * graph.group))
+    layer, heads = receiving_heads(graph, r)
     total = 0.0
     for pair in pairs:
         clean, a, b, _ = oracle_runs(oracle, loaded, pair)
@@ -608,10 +613,7 @@ def held_qk_change(oracle: Oracle, loaded, pairs, edge, graph, held: int) -> flo
     """dM/dz . (A' - A) V summed over the receiving heads, mean over pairs, with dM/dz from a backward in which block
     `held`'s contribution to the residual stream is a constant (its clean value): no gradient passes through it."""
     s, r = edge
-    node, kind = graph.receivers[r]
-    layer = int(node[1:].split(".")[0])
-    index = int(node.split(".")[1].lstrip("hkv"))
-    heads = [index] if kind == "q" else list(range(index * graph.group, (index + 1) * graph.group))
+    layer, heads = receiving_heads(graph, r)
     total = 0.0
     for pair in pairs:
         clean, a, b, _ = oracle_runs(oracle, loaded, pair)
@@ -766,25 +768,8 @@ def saturated_model(folder: Path, sharpness: float = 2.0) -> Path:
     puts +-1000 on two channels the LM head ignores: the final norm's spread then moves by ~ 1e-5 of itself when the
     head copies another token, so the metric is linear in the head's output to that precision. Vocabulary: a, b,
     c."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    folder.mkdir(parents=True)
-    tok = Tokenizer(models.WordLevel({"<pad>": 0, "a": 1, "b": 2, "c": 3}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>").save_pretrained(folder)
-    hidden = 16
-    config = GPT2Config(vocab_size=4, n_embd=hidden, n_layer=2, n_head=4, n_positions=8, pad_token_id=0,
-                        tie_word_embeddings=False)
-    model = GPT2LMHeadModel(config).eval()
+    model, hidden = zoo.blank_gpt2(folder)
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for name, p in model.named_parameters():
-            if ".ln_" in name and name.endswith("weight") or name.startswith("transformer.ln_f.weight"):
-                p.fill_(1.0)
-        model.transformer.wte.weight[:, :4] = torch.eye(4) * 4  # token t: 4 on channel t
-        model.transformer.wte.weight[:, 4] = -1.0
         model.transformer.wpe.weight[0, 8], model.transformer.wpe.weight[1, 9] = 4.0, 4.0  # the positions' markers
         attn = model.transformer.h[1].attn
         w = attn.c_attn.weight  # [hidden, q | k | v]

@@ -307,25 +307,8 @@ def planted_model(folder: Path) -> Path:
     1 (its query is a constant bias, its key reads a marker only position 1 carries) and copies that token's
     embedding channels, through c_proj, to channels the LM head reads. Every other head and MLP writes exactly 0, and
     the final norm's mean and spread are the same whichever token is copied. Vocabulary: a, b, c."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    folder.mkdir(parents=True)
-    tok = Tokenizer(models.WordLevel({"<pad>": 0, "a": 1, "b": 2, "c": 3}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>").save_pretrained(folder)
-    hidden = 16
-    config = GPT2Config(vocab_size=4, n_embd=hidden, n_layer=2, n_head=4, n_positions=8, pad_token_id=0,
-                        tie_word_embeddings=False)
-    model = GPT2LMHeadModel(config).eval()
+    model, hidden = zoo.blank_gpt2(folder)
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for name, p in model.named_parameters():
-            if ".ln_" in name and name.endswith("weight") or name.startswith("transformer.ln_f.weight"):
-                p.fill_(1.0)
-        model.transformer.wte.weight[:, :4] = torch.eye(4) * 4  # token t: 4 on channel t
-        model.transformer.wte.weight[:, 4] = -1.0
         model.transformer.wpe.weight[1, 8], model.transformer.wpe.weight[1, 9] = 40.0, -40.0  # position 1's marker
         attn = model.transformer.h[1].attn
         attn.c_attn.bias[0] = 100.0  # head 0's query: constant

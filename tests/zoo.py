@@ -117,3 +117,31 @@ def architecture_row(name: str, loaded) -> tuple[str, str]:
     if name in OWN_ATTENTION or name in OWN_MASK:
         features = "ALiBi" if "alibi" in name or name in ("bloom", "mpt") else "-"
     return path, features
+
+
+def blank_gpt2(folder: Path):
+    """A 2-layer GPT-2 (4 heads of 4, hidden 16) with a word-level tokenizer of a, b, c saved in folder, every weight
+    zero but the norms' gains (1) and the token embeddings (token t: 4 on channel t, -1 on channel 4): the blank a
+    test plants one route into (tests/test_patch.py's and test_circuit.py's planted heads). Returns (model, hidden);
+    the caller plants, then saves it into folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True)
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "a": 1, "b": 2, "c": 3}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>").save_pretrained(folder)
+    hidden = 16
+    config = GPT2Config(vocab_size=4, n_embd=hidden, n_layer=2, n_head=4, n_positions=8, pad_token_id=0,
+                        tie_word_embeddings=False)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name, p in model.named_parameters():
+            if ".ln_" in name and name.endswith("weight") or name.startswith("transformer.ln_f.weight"):
+                p.fill_(1.0)
+        model.transformer.wte.weight[:, :4] = torch.eye(4) * 4  # token t: 4 on channel t
+        model.transformer.wte.weight[:, 4] = -1.0
+    return model, hidden
