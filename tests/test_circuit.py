@@ -389,6 +389,17 @@ def test_grad_drop_is_the_mean_magnitude_of_the_first_order_changes_with_a_block
     assert max(want) > 1e-3
 
 
+def patched_pattern(oracle: Oracle, clean: list[int], receiver, delta: torch.Tensor, layer: int) -> torch.Tensor:
+    """The layer's attention pattern [heads, seq, seq] with the receiver's input moved by delta (eager, float64)."""
+    handles = oracle.receiver_hooks(receiver, delta)
+    try:
+        with torch.no_grad():
+            return oracle.model(input_ids=torch.tensor([clean]), output_attentions=True).attentions[layer][0]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def receiving_heads(graph, r: int) -> tuple[int, list[int]]:
     """The layer of a query or key receiver and the query heads that read it (a key head: its group's)."""
     node, kind = graph.receivers[r]
@@ -409,13 +420,7 @@ def oracle_qk(oracle: Oracle, loaded, pairs, edge, graph) -> float:
         clean, a, b, _ = oracle_runs(oracle, loaded, pair)
         delta = oracle.diff(a, b, graph.senders[s], graph.receivers[r])[None]  # [1, seq, hidden] (post-norm: carried)
         before, values, grad_z = clean_attention(oracle, clean, pair, layer)
-        handles = oracle.receiver_hooks(graph.receivers[r], delta)
-        try:
-            with torch.no_grad():
-                after = oracle.model(input_ids=torch.tensor([clean]), output_attentions=True).attentions[layer][0]
-        finally:
-            for handle in handles:
-                handle.remove()
+        after = patched_pattern(oracle, clean, graph.receivers[r], delta, layer)  # [heads, seq, seq]
         for h in heads:  # after, before: [heads, seq, seq]; values: [kv heads, seq, dim]; grad_z: [seq, heads, dim]
             total += float(((after[h] - before[h]) @ values[h // graph.group] * grad_z[:, h]).sum())
     return total / len(pairs)
@@ -620,13 +625,7 @@ def held_qk_change(oracle: Oracle, loaded, pairs, edge, graph, held: int) -> flo
         before, values, grad_z = clean_attention(oracle, clean, pair, layer,
                                                  (held, contribution(oracle, clean, held)))
         delta = (b[graph.senders[s]] - a[graph.senders[s]])[None]  # [1, seq, hidden]
-        handles = oracle.receiver_hooks(graph.receivers[r], delta)
-        try:
-            with torch.no_grad():
-                after = oracle.model(input_ids=torch.tensor([clean]), output_attentions=True).attentions[layer][0]
-        finally:
-            for handle in handles:
-                handle.remove()
+        after = patched_pattern(oracle, clean, graph.receivers[r], delta, layer)  # [heads, seq, seq]
         for h in heads:
             total += float(((after[h] - before[h]) @ values[h // graph.group] * grad_z[:, h]).sum())
     return total / len(pairs)
