@@ -21,9 +21,9 @@ from attnprobe.circuit.runs import (
     first_input,
     forward,
     measure,
+    outputs,
     part,
     real_positions,
-    sender_buffer,
 )
 from attnprobe.circuit.stream import Transported, transported
 from attnprobe.errors import AttnprobeError
@@ -106,7 +106,7 @@ def sender_diffs(loaded: LoadedModel, layout: Layout, sub: Prompts) -> tuple[Ten
     its own); post-norm: both runs' records, carried to each receiver's point as they are contracted."""
     if layout.post_norm:
         return transported(loaded, layout, sub)
-    diff = corrupt_outputs(loaded, layout, sub)  # [senders, pairs, seq, hidden]
+    diff, _ = outputs(loaded, layout, sub, sub.corrupt)  # [senders, pairs, seq, hidden]
     return diff, first_input(loaded, layout, sub.clean, sub.mask), diff[0].clone()
 
 
@@ -136,15 +136,6 @@ def receiver_gradients(loaded: LoadedModel, layout: Layout, prompts: Prompts, me
         if layer in run.g_mlp:  # none where a dropped block cut it off
             into[base + graph.per_layer - 1] += run.g_mlp[layer]
     into[-1] += run.g_logits[0]
-
-
-@torch.no_grad()
-def corrupt_outputs(loaded: LoadedModel, layout: Layout, prompts: Prompts) -> Tensor:
-    """Every sender's output in the corrupt run [senders, pairs, seq, hidden], a tensor the gradient passes may
-    write into (not an inference tensor)."""
-    buffer = sender_buffer(layout, *prompts.corrupt.shape, loaded.device)
-    forward(loaded, layout, prompts.corrupt, prompts.mask, Pass(record=buffer))
-    return buffer
 
 
 def drop_hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:

@@ -321,14 +321,15 @@ def sender_buffer(layout: Layout, rows: int, seq: int, device: torch.device) -> 
     return torch.zeros(len(layout.graph.senders), rows, seq, hidden, device=device)  # [senders, rows, seq, hidden]
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def outputs(loaded: LoadedModel, layout: Layout, prompts: Prompts, ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Every sender's output on ids [senders, pairs, seq, hidden] and the last hidden state."""
+    """Every sender's output on ids [senders, pairs, seq, hidden] and the last hidden state (no_grad, not inference
+    mode: a gradient pass may write the record)."""
     buffer, final, _ = recorded(loaded, layout, prompts, ids)
     return buffer, final
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def recorded(loaded: LoadedModel, layout: Layout, prompts: Prompts,
              ids: Tensor) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
     """outputs() and, post-norm, each stream norm's statistics (see stream.py)."""
