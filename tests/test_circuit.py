@@ -910,6 +910,32 @@ def recomputed_outputs_match(loaded, layout, kept, layer: int, senders: list[int
                 assert float((want - kept.z[layer] * real).abs().max()) > 1e-3  # the patch moves the outputs
 
 
+def test_qk_fix_refuses_heads_mixed_by_a_module_the_layout_does_not_name(tmp_path):
+    """A Llama whose queries are scaled by their norm over every head at once in a module not named a norm: the
+    layout reads it (EAP runs), and --qk-fix's own check, which compares one head's query moved alone with every
+    head's moved together, refuses it in one line."""
+    from torch import nn
+
+    class Mixed(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            q = self.inner(x)  # [rows, seq, heads x dim]
+            return q / q.pow(2).mean(-1, keepdim=True).add(1.0).sqrt()
+
+    loaded = load_model(str(zoo.make("llama", tmp_path / "m", lm_head=True)), "cpu", "float32", lm_head=True)
+    for block in loaded.model.layers:
+        block.self_attn.q_proj = Mixed(block.self_attn.q_proj)
+    layout = cc.find_layout(loaded)
+    prompts = cc.tokenize(loaded, pairs_of(loaded))
+    cc.attribute(loaded, layout, prompts, logit_diff)
+    with pytest.raises(AttnprobeError, match="mixes its heads' queries or keys") as info:
+        cc.attribute(loaded, layout, prompts, logit_diff, qk_fix=True)
+    assert "\n" not in str(info.value)
+
+
 def test_heads_that_read_each_others_queries_are_refused(tmp_path):
     """A Llama whose queries pass a norm over every head's query at once (as OLMo 2's): patching one head's query
     input alone (and the QK fix's patterns recomputed together) would be wrong, so the layout refuses it in one
