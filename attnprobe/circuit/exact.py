@@ -42,9 +42,10 @@ def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
     graph = layout.graph
     check_edges(graph, edges)
     total = np.zeros(len(edges))
-    done = 0
+    parts = chunks(prompts, layout)
+    done, steps = 0, len(edges) * len(parts)
     with fast_attention(loaded.model):
-        for rows in chunks(prompts, layout):
+        for rows in parts:
             sub = part(prompts, rows)
             diff, _, stats = recorded(loaded, layout, sub, sub.corrupt)
             kept = keep_run(loaded, layout, sub)
@@ -59,7 +60,7 @@ def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
                 total[chosen] += (patched.double() - clean).sum(1).cpu().numpy()
                 done += len(chosen)
                 if progress:
-                    progress(done, len(edges) * len(chunks(prompts, layout)))
+                    progress(done, steps)
     return total / prompts.mask.shape[0]
 
 
@@ -169,9 +170,10 @@ def exact_sets(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Me
     total = np.zeros(len(sets))
     live = [k for k, edges in enumerate(sets) if edges]  # an empty set changes nothing: 0
     starts = [min(graph.receiver_layer(r) for _, r in sets[k]) for k in live]
-    done, steps = 0, len(live) * len(chunks(prompts, layout))
+    parts = chunks(prompts, layout)
+    done, steps = 0, len(live) * len(parts)
     with fast_attention(loaded.model):
-        for rows in chunks(prompts, layout):
+        for rows in parts:
             sub = part(prompts, rows)
             corrupt, _, _ = recorded(loaded, layout, sub, sub.corrupt)
             kept = keep_run(loaded, layout, sub)
