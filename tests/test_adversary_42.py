@@ -389,7 +389,8 @@ def test_compare_names_two_folders_of_one_name_apart(gpt2_dir, tmp_path):
         assert result.exit_code == 0, result.output
     result = invoke("compare", tmp_path / "a" / "out", tmp_path / "b" / "out")
     assert result.exit_code == 0, result.output
-    assert "A = a/out (" in result.output and "B = b/out (" in result.output
+    said = " ".join(result.output.split())  # Rich folds lines at spaces, by the width the temporary paths leave
+    assert "A = a/out (" in said and "B = b/out (" in said
     assert apart(tmp_path / "x", tmp_path / "x") == (str(tmp_path / "x"), str(tmp_path / "x"))
     assert apart(tmp_path / "p" / "q", tmp_path / "q") == ("p/q", f"{tmp_path.name}/q")
 

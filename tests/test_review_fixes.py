@@ -73,8 +73,11 @@ def test_probe_command_reports_a_repeated_kind_once(gpt2_dir, tmp_path):
     assert result.stdout.count("Top previous heads") == 1
     from matplotlib.image import imread
 
-    height, width = imread(tmp_path / "probe_heatmap.png").shape[:2]
-    assert width < 2 * height  # one panel, not two side by side
+    once = runner.invoke(app, ["probe", "--model", str(gpt2_dir), "--kind", "previous", "--lengths", "4",
+                               "--sequences", "3", "--resamples", "20", "--out", str(tmp_path / "once")])
+    assert once.exit_code == 0, once.output
+    # one panel, as for the kind asked once (the title, which names the model's path, sets the width)
+    assert imread(tmp_path / "probe_heatmap.png").shape == imread(tmp_path / "once" / "probe_heatmap.png").shape
 
 
 def test_negative_seed_is_refused_before_any_work(gpt2_dir, corpus_file):
