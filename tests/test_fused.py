@@ -133,14 +133,15 @@ def test_fused_token_scores_equal_a_float64_softmax_with_many_repeats(causal, mo
         assert_close(value.double(), expected[name], name)
     lengths = real.sum(dim=-1)
     assert_close(sums.received.double(), received(p, 0, lengths), "received")
-    plans = [entry[1] for key, entry in info.kept.items() if key[0] == "same token"]
-    assert len(plans) == 1 and len(plans[0]) == 2  # each sentence's pairs plan, kept for the batch's other layers
-    assert [len(plan.has) for plan in plans[0]] == lengths.tolist()  # each sentence's own length
+    plans = [entry[1] for key, entry in info.kept.items() if key[0] == "token tiles"]
+    assert len(plans) == 1  # the batch's pairs plan, kept for its other layers
+    assert plans[0].sentence.unique().tolist() == [0, 1]  # both sentences' pairs ...
+    assert all(int(plans[0].positions[plans[0].sentence == b].max()) < length for b, length in enumerate(lengths))
 
 
 def test_the_fused_layers_of_a_batch_share_its_padding_and_token_plans(monkeypatch):
     """The fused path's host syncs happen once per batch, not per layer: whether any key is padded (Batch.hidden_keys)
-    and the sentences' lengths for the same-token plans (same_token_plans) are found by the first layer and kept;
+    and the sentences' lengths for the same-token plan (token_tiles) are found by the first layer and kept;
     every layer's statistics are the same."""
     n = 40
     q, k, v, real = sharp_heads(n, 8.0)
@@ -148,8 +149,8 @@ def test_the_fused_layers_of_a_batch_share_its_padding_and_token_plans(monkeypat
     tokens = TokenClasses(torch.randint(0, 6, (2, n), generator=generator), torch.zeros(2, n, dtype=torch.bool))
     info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(n),
                         budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None, tokens=tokens)
-    made, plans = [], kernel.fused.same_token_plans
-    monkeypatch.setattr(kernel.fused, "same_token_plans", lambda *args: made.append(1) or plans(*args))
+    made, plans = [], kernel.fused.token_tiles
+    monkeypatch.setattr(kernel.fused, "token_tiles", lambda *args: made.append(1) or plans(*args))
     runs = [kernel.fused_attend(q, k, v, real, None, True, info)[0].means() for _ in range(3)]
     assert len(made) == 1
     assert [key[0] for key in info.kept].count("hidden keys") == 1

@@ -148,26 +148,29 @@ def test_planted_previous_token_head_attends_to_the_punctuation_before_it(plante
         assert abs(uniform - np.mean(rows)) > 3 * slack  # and far from the planted head's
 
 
-@pytest.mark.parametrize(("rows", "keys"), [(2, 3), (4, 2048), (64, 2048)])
-def test_same_token_tiles_hold_the_pairs_of_the_dense_comparison_once_each(monkeypatch, rows, keys):
-    """The fused path's duplicate tiles (small ones too: packs of groups, a large group cut by rows and by keys)
-    hold every pair of positions with the same id exactly once, and `has` marks the rows that have one."""
-    monkeypatch.setattr(kernel.duplicates, "TILE_ROWS", rows)
-    monkeypatch.setattr(kernel.duplicates, "TILE_KEYS", keys)
-    ids = torch.tensor([5, 1, 5, 5, 2, 1, 5, 7, 2, 5, 3, 5, 5, 9, 1, 5, 4, 4])
+@pytest.mark.parametrize("rows", [2, 4, 64])
+def test_same_token_tiles_hold_the_pairs_of_the_dense_comparison_once_each(rows):
+    """The duplicate tiles of a batch (token_tiles, which the fused and Triton paths read: packs of whole groups of one
+    sentence, a large group cut by rows) hold every pair of positions with the same id in the same sentence exactly
+    once, the padding none, and has_duplicate marks the rows that have one."""
+    ids = torch.tensor([[5, 1, 5, 5, 2, 1, 5, 7, 2, 5, 3, 5, 5, 9, 1, 5, 4, 4],
+                        [4, 4, 1, 4, 1, 6, 6, 2, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4]])
+    lengths = torch.tensor([18, 11])  # the second sentence's last seven are padding
     for causal in (True, False):
-        plan = kernel.duplicates._same_token(ids, causal)
+        plan = kernel.duplicates.token_tiles(ids, lengths, causal, rows)
+        assert [tuple(t) for t in plan.tiles.tolist()] == list(plan.spans)
         pairs = []
-        for r0, r1, c0, c1 in plan.tiles:
-            assert r1 - r0 <= rows and c1 - c0 <= max(rows, keys)
+        for sentence, r0, r1, c0, c1 in plan.spans:
+            assert r1 - r0 <= rows and (plan.sentence[r0:c1] == sentence).all()
             for a in range(r0, r1):
                 for c in range(c0, c1):
                     if plan.group[a] == plan.group[c] and (c < a if causal else c != a):
-                        pairs.append((int(plan.order[a]), int(plan.order[c])))
-        dense = [(i, j) for i in range(len(ids)) for j in range(len(ids))
-                 if ids[i] == ids[j] and (j < i if causal else j != i)]
+                        pairs.append((sentence, int(plan.positions[a]), int(plan.positions[c])))
+        dense = [(b, i, j) for b in range(2) for i in range(int(lengths[b])) for j in range(int(lengths[b]))
+                 if ids[b, i] == ids[b, j] and (j < i if causal else j != i)]
         assert sorted(pairs) == dense and len(pairs) == len(set(pairs))
-        assert plan.has.tolist() == [any(i == a for a, _ in dense) for i in range(len(ids))]
+        has = kernel.duplicates.has_duplicate(plan, causal, None)[:, 0]  # [batch, n]
+        assert has.tolist() == [[any(d[:2] == (b, i) for d in dense) for i in range(18)] for b in range(2)]
 
 
 @pytest.mark.parametrize(("causal", "span"), [(True, None), (False, None), (True, 3), (False, 2)])

@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 
 from attnprobe import values
+from attnprobe.kernel import duplicates
 from attnprobe.kernel.batch import Batch
 from attnprobe.kernel.devices import flash, one_head_size
-from attnprobe.kernel.duplicates import _fused_duplicate, same_token_plans
+from attnprobe.kernel.duplicates import _fused_duplicate, token_tiles
 from attnprobe.kernel.window import _bias_difference, _sink_window
 from attnprobe.metrics import DIAGONAL_WINDOW, RowMasses, SentenceSums, row_stats, value_weighted
 from attnprobe.scores import OUTPUT_NORM
@@ -68,8 +69,10 @@ def fused_attend(
     if together:  # centring the keys leaves every row's softmax, so the output, as it was
         out = carried  # [batch, head, q, dim]
     if info.tokens is not None:
-        plans = info.shared("same token", lengths, lambda: same_token_plans(info.tokens.ids, lengths, causal), causal)
-        masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, plans, causal, scale)
+        n, rows = q.shape[2], duplicates.TILE_ROWS
+        plan = info.shared("token tiles", lengths, lambda: token_tiles(info.tokens.ids[:, :n], lengths, causal, rows),
+                           n, causal, rows)
+        masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, plan, causal, scale)
     per_row = row_stats(masses, 0, lengths, causal, geometry=geometry)
     if factors is not None:
         empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]
