@@ -41,33 +41,46 @@ def exact(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric,
     [edges] float64: the pairs' copies run from the receiver's layer on, several edges a pass."""
     graph = layout.graph
     check_edges(graph, edges)
-    total = np.zeros(len(edges))
+
+    def prepare(sub: Prompts, kept: Kept, diff: Tensor, stats: dict) -> tuple[int, Callable[[list[int]], Tensor]]:
+        if layout.post_norm:  # each edge's diff carried to its receiver's point
+            diff = Transported(layout, diff, stats, kept.record, kept.stats, real_positions(sub))
+        else:
+            diff -= kept.record
+            diff *= real_positions(sub)
+        return max(1, COPY_TOKENS // sub.mask.numel()), lambda chosen: patched_copies(
+            layout, kept, sub, metric, [edges[e] for e in chosen], diff)
+
+    return patched_means(loaded, layout, prompts, metric, [graph.receiver_layer(r) for _, r in edges], prepare,
+                         progress)
+
+
+def patched_means(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Metric, starts: Sequence[int],
+                  prepare: Callable[..., tuple[int, Callable[[list[int]], Tensor]]],
+                  progress: Callable[[int, int], None] | None) -> np.ndarray:
+    """The mean over the pairs of the metric with item i patched minus the clean metric [items] float64, the items
+    (edges, sets of edges) run as copies of the pairs from layer starts[i] on, those of one start a batched pass. Per
+    chunk of pairs (what BUFFER_MIB holds): the corrupt run recorded, the clean run kept, then `prepare(pairs,
+    kept, corrupt record, its norm statistics)` gives the copies a pass may hold and the metric [copies, pairs] of
+    the chosen items."""
+    total = np.zeros(len(starts))
+    if not len(starts):
+        return total
     parts = chunks(prompts, layout)
-    done, steps = 0, len(edges) * len(parts)
+    done, steps = 0, len(starts) * len(parts)
     with fast_attention(loaded.model):
         for rows in parts:
             sub = part(prompts, rows)
-            diff, _, stats = recorded(loaded, layout, sub, sub.corrupt)
+            corrupt, _, stats = recorded(loaded, layout, sub, sub.corrupt)
             kept = keep_run(loaded, layout, sub)
-            if layout.post_norm:  # each edge's diff carried to its receiver's point
-                diff = Transported(layout, diff, stats, kept.record, kept.stats, real_positions(sub))
-            else:
-                diff -= kept.record
-                diff *= real_positions(sub)
             clean = measure(layout, metric, kept.final, sub)[0].double()  # [pairs]
-            for chosen in passes(graph, edges, max(1, COPY_TOKENS // sub.mask.numel())):
-                patched = patched_copies(layout, kept, sub, metric, [edges[e] for e in chosen], diff)
-                total[chosen] += (patched.double() - clean).sum(1).cpu().numpy()
+            size, patched_of = prepare(sub, kept, corrupt, stats)
+            for chosen in grouped(starts, size):
+                total[chosen] += (patched_of(chosen).double() - clean).sum(1).cpu().numpy()
                 done += len(chosen)
                 if progress:
                     progress(done, steps)
     return total / prompts.mask.shape[0]
-
-
-def passes(graph: Graph, edges: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
-    """The edges' indices in batched passes: edges whose receivers are in one layer together (a pass starts at its
-    receivers' layer), at most `size` copies a pass."""
-    return grouped([graph.receiver_layer(r) for _, r in edges], size)
 
 
 def grouped(starts: Sequence[int], size: int) -> list[list[int]]:
@@ -170,24 +183,15 @@ def exact_sets(loaded: LoadedModel, layout: Layout, prompts: Prompts, metric: Me
     total = np.zeros(len(sets))
     live = [k for k, edges in enumerate(sets) if edges]  # an empty set changes nothing: 0
     starts = [min(graph.receiver_layer(r) for _, r in sets[k]) for k in live]
-    parts = chunks(prompts, layout)
-    done, steps = 0, len(live) * len(parts)
-    with fast_attention(loaded.model):
-        for rows in parts:
-            sub = part(prompts, rows)
-            corrupt, _, _ = recorded(loaded, layout, sub, sub.corrupt)
-            kept = keep_run(loaded, layout, sub)
-            clean = measure(layout, metric, kept.final, sub)[0].double()  # [pairs]
-            per_copy = corrupt[0].numel() * len(graph.senders) * 4  # bytes of one copy's sender record
-            size = max(1, min(COPY_TOKENS // sub.mask.numel(), (BUFFER_MIB << 20) // per_copy))
-            for chosen in grouped(starts, size):
-                mine = [sets[live[i]] for i in chosen]
-                patched = set_copies(layout, kept, sub, metric, mine, corrupt, starts[chosen[0]])
-                total[[live[i] for i in chosen]] += (patched.double() - clean).sum(1).cpu().numpy()
-                done += len(chosen)
-                if progress:
-                    progress(done, steps)
-    return total / prompts.mask.shape[0]
+
+    def prepare(sub: Prompts, kept: Kept, corrupt: Tensor, _stats: dict) -> tuple[int, Callable]:
+        per_copy = corrupt[0].numel() * len(graph.senders) * 4  # bytes of one copy's sender record
+        size = max(1, min(COPY_TOKENS // sub.mask.numel(), (BUFFER_MIB << 20) // per_copy))
+        return size, lambda chosen: set_copies(layout, kept, sub, metric, [sets[live[i]] for i in chosen], corrupt,
+                                               starts[chosen[0]])
+
+    total[live] = patched_means(loaded, layout, prompts, metric, starts, prepare, progress)
+    return total
 
 
 def set_copies(layout: Layout, kept: Kept, prompts: Prompts, metric: Metric,
