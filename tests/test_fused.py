@@ -149,8 +149,8 @@ def test_the_fused_layers_of_a_batch_share_its_padding_and_token_plans(monkeypat
     tokens = TokenClasses(torch.randint(0, 6, (2, n), generator=generator), torch.zeros(2, n, dtype=torch.bool))
     info = kernel.Batch(layers={}, last_layer=0, special=None, sink=2, window=8, bins=bin_count(n),
                         budget_bytes=2**20, block_rows=None, example=None, on_layer=lambda *_: None, tokens=tokens)
-    made, plans = [], kernel.fused.token_tiles
-    monkeypatch.setattr(kernel.fused, "token_tiles", lambda *args: made.append(1) or plans(*args))
+    made, plans = [], kernel.duplicates.token_tiles
+    monkeypatch.setattr(kernel.duplicates, "token_tiles", lambda *args: made.append(1) or plans(*args))
     runs = [kernel.fused_attend(q, k, v, real, None, True, info)[0].means() for _ in range(3)]
     assert len(made) == 1
     assert [key[0] for key in info.kept].count("hidden keys") == 1

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnprobe.kernel.batch import Batch
+
 TILE_ROWS = 64  # the fused path's rows of a duplicate tile (positions in token order): whole groups packed up to this
 TILE_KEYS = 2048  # the fused path's keys of one product, at most (a token that repeats more often takes several)
 
@@ -59,6 +61,15 @@ def token_tiles(ids: Tensor, lengths: Tensor, causal: bool, rows: int) -> TokenT
                       previous.view(batch, n), following.view(batch, n))
 
 
+def batch_plan(info: Batch, lengths: Tensor, n: int, causal: bool, rows: int,
+               span: int | None) -> tuple[TokenTiles, Tensor]:
+    """The batch's TokenTiles (tiles of at most `rows` rows) and has_duplicate under the layer's mask [batch, 1, n]:
+    made by the first layer that asks (one host sync), kept for the others."""
+    plan = info.shared("token tiles", lengths, lambda: token_tiles(info.tokens.ids[:, :n], lengths, causal, rows),
+                       n, causal, rows)
+    return plan, info.shared("has duplicate", lengths, lambda: has_duplicate(plan, causal, span), n, causal, span)
+
+
 def _tiles(starts: list[int], counts: list[int], sentences: list[int], causal: bool,
            rows: int) -> list[tuple[int, int, int, int, int]]:
     """(sentence, row start, row end, key start, key end) of each tile: whole groups of one sentence packed up to
@@ -93,10 +104,9 @@ def has_duplicate(plan: TokenTiles, causal: bool, span: int | None) -> Tensor:
     return has[:, None, :]  # [batch, 1, n]
 
 
-def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, plan: TokenTiles, causal: bool,
-                     scale: float) -> tuple[Tensor, Tensor]:
-    """row_duplicate from the fused kernel's logsumexp: exp(s_ij - lse_i) summed over the pairs of positions that
-    hold the same token, and whether each row has such a key, [batch, 1, q]. The positions are sorted by token (the
+def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, plan: TokenTiles, causal: bool, scale: float) -> Tensor:
+    """row_duplicate from the fused kernel's logsumexp [batch, head, q]: exp(s_ij - lse_i) summed over the pairs of
+    positions that hold the same token. The positions are sorted by token (the
     batch's TokenTiles, token_tiles: never an [n, n] mask): a tile of that order is one product of the rows' queries
     and the keys, those of a large group TILE_KEYS at a time. No host sync."""
     batch, heads, n, _ = q.shape
@@ -117,4 +127,4 @@ def _fused_duplicate(q: Tensor, keys: Tensor, lse: Tensor, plan: TokenTiles, cau
                 logits.sub_(rows_lse[:, r0:r1, None]).masked_fill_(~same, float("-inf"))
                 found[:, r0:r1] += logits.exp_().sum(dim=-1)  # [head, r]
         mass[sentence, :, at] = found.transpose(0, 1)  # [m, head]
-    return mass, has_duplicate(plan, causal, None)
+    return mass

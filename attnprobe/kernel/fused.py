@@ -13,7 +13,7 @@ from attnprobe import values
 from attnprobe.kernel import duplicates
 from attnprobe.kernel.batch import Batch
 from attnprobe.kernel.devices import flash, one_head_size
-from attnprobe.kernel.duplicates import _fused_duplicate, token_tiles
+from attnprobe.kernel.duplicates import _fused_duplicate, batch_plan
 from attnprobe.kernel.window import _bias_difference, _sink_window
 from attnprobe.metrics import DIAGONAL_WINDOW, RowMasses, SentenceSums, row_stats, value_weighted
 from attnprobe.scores import OUTPUT_NORM
@@ -69,10 +69,8 @@ def fused_attend(
     if together:  # centring the keys leaves every row's softmax, so the output, as it was
         out = carried  # [batch, head, q, dim]
     if info.tokens is not None:
-        n, rows = q.shape[2], duplicates.TILE_ROWS
-        plan = info.shared("token tiles", lengths, lambda: token_tiles(info.tokens.ids[:, :n], lengths, causal, rows),
-                           n, causal, rows)
-        masses.duplicate, masses.has_duplicate = _fused_duplicate(q, keys, lse, plan, causal, scale)
+        plan, masses.has_duplicate = batch_plan(info, lengths, q.shape[2], causal, duplicates.TILE_ROWS, None)
+        masses.duplicate = _fused_duplicate(q, keys, lse, plan, causal, scale)
     per_row = row_stats(masses, 0, lengths, causal, geometry=geometry)
     if factors is not None:
         empty = _nothing_to_weigh(norms, real, causal)  # [batch, head, q]

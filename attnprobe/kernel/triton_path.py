@@ -30,7 +30,7 @@ from torch import Tensor
 from attnprobe import values
 from attnprobe.errors import AttnprobeError
 from attnprobe.kernel.batch import Batch
-from attnprobe.kernel.duplicates import has_duplicate, token_tiles
+from attnprobe.kernel.duplicates import batch_plan
 from attnprobe.kernel.features import LayerFeatures
 from attnprobe.kernel.fused import ReceivedOnRead
 from attnprobe.metrics import RowMasses, SentenceSums, row_stats, value_weighted
@@ -327,9 +327,7 @@ def _duplicates(query: Tensor, key: Tensor, lse: Tensor, info: Batch, lengths: T
     kernels = _kernels()
     batch, heads, n, dim = query.shape
     rows, keys = _blocks(query.dtype, _block_d(dim))
-    plan = info.shared("token tiles", lengths, lambda: token_tiles(info.tokens.ids[:, :n], lengths, causal, rows),
-                       n, causal, rows)
-    has = info.shared("has duplicate", lengths, lambda: has_duplicate(plan, causal, span), n, causal, span)
+    plan, has = batch_plan(info, lengths, n, causal, rows, span)
     mass = torch.zeros(batch, heads, n, device=query.device)  # [batch, head, q]: rows of no tile stay 0
     if len(plan.tiles):
         with _launching("duplicate-token", query.dtype, dim), _on(query.device):
